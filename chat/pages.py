@@ -1,0 +1,37 @@
+"""GET / (the chat page) with the identity cookie, and the security headers of every page."""
+from __future__ import annotations
+
+from flask import Blueprint, current_app, render_template, request
+
+from . import identity
+
+bp = Blueprint("pages", __name__)
+
+CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+       "connect-src 'self' ws: wss:; font-src 'self'; object-src 'none'; base-uri 'self'; "
+       "frame-ancestors 'none'; form-action 'self'")
+
+
+@bp.get("/")
+def index():
+    """The chat page; gives a new visitor a random identity cookie."""
+    settings = current_app.extensions["chat"].settings
+    response = current_app.make_response(render_template("index.html"))
+    if identity.current_client() is None:
+        value = identity.cookie_value(identity.new_client_id(), settings.api_key)
+        identity.set_cookie(response, value, identity.is_https(request, settings.trusted_proxies))
+    response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+@bp.after_app_request
+def security_headers(response):
+    """CSP and the usual hardening headers on every response."""
+    headers = response.headers
+    headers.setdefault("X-Content-Type-Options", "nosniff")
+    headers.setdefault("Referrer-Policy", "same-origin")
+    if response.mimetype == "text/html":
+        headers.setdefault("Content-Security-Policy", CSP)
+        headers.setdefault("X-Frame-Options", "DENY")
+        headers.setdefault("Permissions-Policy", "camera=(), microphone=(), geolocation=()")
+    return response

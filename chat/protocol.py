@@ -1,0 +1,135 @@
+"""Parse and validate client WebSocket messages into requests, or raise protocol errors."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+
+from .errors import ProtocolError
+
+PROTOCOL = "chat.v1"
+ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass
+class Request:
+    """A validated client message."""
+
+    type: str
+    id: str | None = None
+    content: str | None = None
+    conversation_id: str | None = None
+    system: str | None = None
+    params: dict = field(default_factory=dict)
+    from_index: int = 0
+    t: object = None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _req_id(v) -> str | None:
+    if not isinstance(v, str) or not ID.match(v):
+        return "must be 1-64 characters of A-Z, a-z, 0-9, _ or -"
+    return None
+
+
+def _content(v) -> str | None:
+    if not isinstance(v, str) or not v.strip():
+        return "must be a non-empty string"
+    return None
+
+
+def _conv_id(v) -> str | None:
+    # Malformed but string ids are left to the store, which answers not_found for them.
+    if not isinstance(v, str) or len(v) > 200:
+        return "must be a conversation id string"
+    return None
+
+
+def _opt_str(v) -> str | None:
+    return None if isinstance(v, str) else "must be a string"
+
+
+def _from(v) -> str | None:
+    return None if _is_int(v) and v >= 0 else "must be an integer >= 0"
+
+
+def _any(v) -> str | None:
+    return None
+
+
+def _params(v) -> str | None:
+    return None if isinstance(v, dict) else "must be an object"
+
+
+# field -> (required, check); one row per message type.
+MESSAGES = {
+    "chat": {"id": (True, _req_id), "content": (True, _content), "conversation_id": (False, _conv_id),
+             "system": (False, _opt_str), "params": (False, _params)},
+    "regenerate": {"id": (True, _req_id), "conversation_id": (True, _conv_id), "params": (False, _params)},
+    "cancel": {"id": (True, _req_id)},
+    "stop": {},
+    "resume": {"id": (True, _req_id), "from": (True, _from)},
+    "ping": {"t": (False, _any)},
+}
+
+
+def _param_rules(max_new_tokens: int) -> dict:
+    return {
+        "temperature": (lambda v: _is_number(v) and 0 <= v <= 2, "a number from 0 to 2"),
+        "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number greater than 0 and at most 1"),
+        "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= max_new_tokens,
+                           f"an integer from 1 to {max_new_tokens}"),
+        "seed": (lambda v: _is_int(v) and -(2 ** 63) <= v < 2 ** 64, "an integer"),
+    }
+
+
+def parse(raw, max_content_chars: int, max_new_tokens: int) -> Request:
+    """Turn one WebSocket frame into a Request; errors follow protocol.md's precedence."""
+    if isinstance(raw, (bytes, bytearray)):
+        raise ProtocolError("bad_message", "binary frames are not accepted; send JSON text")
+    try:
+        msg = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ProtocolError("bad_json", "the message is not valid JSON") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("bad_message", "the message must be a JSON object")
+    rid = msg.get("id") if isinstance(msg.get("id"), str) and ID.match(msg.get("id", "")) else None
+    kind = msg.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError("bad_message", "field 'type' is required and must be a string", rid)
+    spec = MESSAGES.get(kind)
+    if spec is None:
+        raise ProtocolError("unknown_type", f"unknown message type {kind!r}", rid)
+    for name, (required, check) in spec.items():
+        if name not in msg:
+            if required:
+                raise ProtocolError("bad_message", f"field {name!r} is required", rid)
+            continue
+        if msg[name] is None and not required:
+            continue
+        problem = check(msg[name])
+        if problem:
+            raise ProtocolError("bad_message", f"field {name!r} {problem}", rid)
+    params = msg.get("params") or {}
+    rules = _param_rules(max_new_tokens)
+    for name, value in params.items():
+        rule = rules.get(name)
+        if rule is None:
+            continue  # unknown extra fields are ignored
+        if value is not None and not rule[0](value):
+            raise ProtocolError("bad_message", f"params.{name} must be {rule[1]}", rid)
+    params = {k: v for k, v in params.items() if k in rules and v is not None}
+    for name in ("content", "system"):
+        if isinstance(msg.get(name), str) and len(msg[name]) > max_content_chars:
+            raise ProtocolError("too_large", f"{name} is longer than {max_content_chars} characters", rid)
+    return Request(type=kind, id=msg.get("id"), content=msg.get("content"),
+                   conversation_id=msg.get("conversation_id"), system=msg.get("system"),
+                   params=params, from_index=msg.get("from", 0), t=msg.get("t"))

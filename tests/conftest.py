@@ -1,0 +1,182 @@
+"""Fixtures: tiny model, live gunicorn + gevent servers on free ports, WebSocket clients."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import websocket
+
+from tinymodel import tiny_model_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+GUNICORN = str(Path(sys.executable).parent / "gunicorn")
+
+
+def free_port() -> int:
+    """A port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 10, headers=None):
+    """(status, headers, body bytes) of a GET, errors included."""
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, exc.read()
+
+
+class LiveServer:
+    """A real gunicorn (gevent worker) serving the app, logs in ``log_path``."""
+
+    def __init__(self, workdir: Path, env: dict):
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.env = {**os.environ, "CHAT_DATA_DIR": str(workdir / "data"), "CHAT_DTYPE": "float32",
+                    "CHAT_BIND": f"127.0.0.1:{self.port}", "CHAT_RATE_LIMIT_PER_MIN": "0",
+                    "CHAT_GRACEFUL_TIMEOUT_S": "5", "PYTHONUNBUFFERED": "1", **env}
+        self.log_path = workdir / "server.log"
+        self.proc = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/ws"
+
+    def start(self, wait: bool = True) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([GUNICORN, "-c", "gunicorn.conf.py", "wsgi:app"], cwd=ROOT,
+                                     env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                if http_get(self.url + "/readyz", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+class WS:
+    """A test WebSocket client speaking chat.v1 (a real client: websocket-client)."""
+
+    def __init__(self, url: str, timeout: float = 30, **kwargs):
+        self.conn = websocket.create_connection(url, timeout=timeout, **kwargs)
+        self.ready = self.recv()
+        assert self.ready["type"] == "ready", self.ready
+
+    def send(self, frame) -> None:
+        self.conn.send(frame if isinstance(frame, (str, bytes)) else json.dumps(frame),
+                       opcode=websocket.ABNF.OPCODE_BINARY if isinstance(frame, bytes) else websocket.ABNF.OPCODE_TEXT)
+
+    def recv(self) -> dict:
+        return json.loads(self.conn.recv())
+
+    def until(self, predicate, limit: int = 100000) -> list[dict]:
+        """Frames received up to and including the first that matches."""
+        frames = []
+        for _ in range(limit):
+            frame = self.recv()
+            frames.append(frame)
+            if predicate(frame):
+                return frames
+        raise AssertionError(f"no matching frame in {frames[-5:]}")
+
+    def chat(self, content: str, rid: str = "r1", **fields) -> list[dict]:
+        """Send a chat and return every frame up to its ``done`` (or its error)."""
+        self.send({"type": "chat", "id": rid, "content": content, **fields})
+        return self.until(lambda f: f.get("id") == rid and f["type"] in ("done", "error"))
+
+    def ping(self) -> dict:
+        self.send({"type": "ping", "t": 7})
+        return self.until(lambda f: f["type"] == "pong")[-1]
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except Exception:
+            pass
+
+
+def text_of(frames) -> str:
+    """The answer: every delta's text in index order."""
+    deltas = sorted((f for f in frames if f["type"] == "delta"), key=lambda f: f["index"])
+    assert [f["index"] for f in deltas] == list(range(len(deltas))), "delta indexes have gaps"
+    return "".join(f["text"] for f in deltas)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """A small random Qwen2 model folder, built once."""
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory, tiny_model):
+    """Start real gunicorn servers with extra env; all are stopped at the end of the session."""
+    servers = []
+
+    def start(name: str = "srv", **env) -> LiveServer:
+        env = {"CHAT_MODEL": str(tiny_model), **{k: str(v) for k, v in env.items()}}
+        srv = LiveServer(tmp_path_factory.mktemp(name), env)
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.stop(signal.SIGKILL if srv.proc and srv.proc.poll() is None else signal.SIGTERM, timeout=10)
+
+
+@pytest.fixture(scope="session")
+def server(server_factory) -> LiveServer:
+    """The shared server: tiny model, long answers allowed."""
+    return server_factory("shared", CHAT_MAX_NEW_TOKENS=4096, CHAT_CONTEXT_TOKENS=8192,
+                          CHAT_RESUME_GRACE_S=3)
+
+
+@pytest.fixture
+def ws(server):
+    """A connected WebSocket client on the shared server."""
+    client = WS(server.ws_url)
+    yield client
+    client.close()

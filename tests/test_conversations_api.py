@@ -1,0 +1,176 @@
+"""The HTTP conversation API, on a minimal app: only the blueprint and a real store."""
+import json
+import types
+
+import pytest
+from flask import Flask
+
+from chat import conversations
+from chat.config import Settings
+from chat.identity import COOKIE
+from chat.store import Store
+
+ALICE = "alice-client-0123456789"
+BOB = "bob-client-0123456789ab"
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "x.db")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def app(tmp_path, store):
+    app = Flask(__name__)
+    app.testing = True
+    app.register_blueprint(conversations.bp)
+    app.extensions["chat"] = types.SimpleNamespace(store=store, settings=Settings(data_dir=str(tmp_path)))
+    return app
+
+
+def _client(app, cookie):
+    client = app.test_client()
+    if cookie is not None:
+        client.set_cookie(COOKIE, cookie)
+    return client
+
+
+@pytest.fixture
+def alice(app):
+    return _client(app, ALICE)
+
+
+@pytest.fixture
+def bob(app):
+    return _client(app, BOB)
+
+
+@pytest.fixture
+def conv(store):
+    """ALICE's conversation with one exchange."""
+    c = store.create_conversation(ALICE, system="Be brief.")
+    store.add_user_message(ALICE, c["id"], "What is 2+2?")
+    mid = store.start_assistant(c["id"])
+    store.finish_assistant(mid, "4", "stop", {"prompt_tokens": 9, "completion_tokens": 1}, {"total_ms": 5.0})
+    return c
+
+
+def _not_found(response):
+    assert response.status_code == 404
+    assert response.get_json() == {"error": {"code": "not_found", "message": "conversation not found"}}
+
+
+def test_list(alice, store, conv):
+    newer = store.create_conversation(ALICE)
+    response = alice.get("/api/conversations")
+    assert response.status_code == 200
+    assert response.headers["Cache-Control"] == "no-store"
+    listed = response.get_json()
+    assert [c["id"] for c in listed] == [newer["id"], conv["id"]]
+    assert listed[1] == {"id": conv["id"], "title": "What is 2+2?", "system": "Be brief.",
+                         "created_at": conv["created_at"], "updated_at": listed[1]["updated_at"]}
+
+
+@pytest.mark.parametrize("cookie", [None, BOB, "short", "bad cookie value with spaces!!"])
+def test_list_is_empty_for_others(app, conv, cookie):
+    response = _client(app, cookie).get("/api/conversations")
+    assert response.status_code == 200 and response.get_json() == []
+
+
+def test_show(alice, conv):
+    response = alice.get(f"/api/conversations/{conv['id']}")
+    assert response.status_code == 200
+    body = response.get_json()
+    assert body["id"] == conv["id"] and body["title"] == "What is 2+2?"
+    assert [(m["role"], m["content"], m["status"]) for m in body["messages"]] == [
+        ("user", "What is 2+2?", "complete"), ("assistant", "4", "complete")]
+    assert body["messages"][1]["usage"] == {"prompt_tokens": 9, "completion_tokens": 1}
+
+
+@pytest.mark.parametrize("title, stored", [("Arithmetic", "Arithmetic"), ("  padded  ", "padded"),
+                                           ("t" * 200, "t" * 200), ("日本語 🙂", "日本語 🙂")])
+def test_rename(alice, store, conv, title, stored):
+    response = alice.patch(f"/api/conversations/{conv['id']}", json={"title": title})
+    assert response.status_code == 200
+    assert response.get_json() == {"id": conv["id"], "title": stored}
+    assert store.get_conversation(ALICE, conv["id"])["title"] == stored
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"data": "not json", "content_type": "application/json"},
+    {"data": "{\"title\": ", "content_type": "application/json"},
+    {"data": "title=x", "content_type": "application/x-www-form-urlencoded"},
+    {"json": ["title", "x"]},
+    {"json": "x"},
+    {"json": {}},
+    {"json": {"name": "x"}},
+    {"json": {"title": ""}},
+    {"json": {"title": "   "}},
+    {"json": {"title": 5}},
+    {"json": {"title": None}},
+    {"json": {"title": ["x"]}},
+    {"json": {"title": "t" * 201}},
+])
+def test_rename_rejects_bad_body(alice, store, conv, kwargs):
+    response = alice.patch(f"/api/conversations/{conv['id']}", **kwargs)
+    assert response.status_code == 400
+    assert response.get_json()["error"]["code"] == "bad_message"
+    assert store.get_conversation(ALICE, conv["id"])["title"] == "What is 2+2?"
+
+
+def test_delete(alice, store, conv):
+    response = alice.delete(f"/api/conversations/{conv['id']}")
+    assert response.status_code == 200 and response.get_json() == {"id": conv["id"], "deleted": True}
+    assert store.get_conversation(ALICE, conv["id"]) is None
+    _not_found(alice.delete(f"/api/conversations/{conv['id']}"))
+    _not_found(alice.get(f"/api/conversations/{conv['id']}"))
+
+
+@pytest.mark.parametrize("query, content_type, ext", [
+    ("?format=md", "text/markdown; charset=utf-8", "md"),
+    ("", "text/markdown; charset=utf-8", "md"),
+    ("?format=json", "application/json", "json"),
+])
+def test_export(alice, conv, query, content_type, ext):
+    response = alice.get(f"/api/conversations/{conv['id']}/export{query}")
+    assert response.status_code == 200
+    assert response.content_type == content_type
+    assert response.headers["Content-Disposition"] == f'attachment; filename="what-is-2-2-{conv["id"][:8]}.{ext}"'
+    text = response.get_data(as_text=True)
+    if ext == "json":
+        assert json.loads(text)["messages"][1]["content"] == "4"
+    else:
+        assert text.startswith("# What is 2+2?") and "## Assistant\n\n4" in text
+
+
+@pytest.mark.parametrize("fmt", ["pdf", "MD", "", "json "])
+def test_export_rejects_bad_format(alice, conv, fmt):
+    response = alice.get(f"/api/conversations/{conv['id']}/export", query_string={"format": fmt})
+    assert response.status_code == 400
+    assert response.get_json()["error"]["code"] == "bad_message"
+
+
+ROUTES = [
+    ("get", "/api/conversations/{id}", {}),
+    ("patch", "/api/conversations/{id}", {"json": {"title": "stolen"}}),
+    ("delete", "/api/conversations/{id}", {}),
+    ("get", "/api/conversations/{id}/export?format=md", {}),
+    ("get", "/api/conversations/{id}/export?format=json", {}),
+]
+
+
+@pytest.mark.parametrize("method, path, kwargs", ROUTES)
+@pytest.mark.parametrize("cookie", [BOB, None])
+def test_other_clients_get_not_found(app, store, conv, method, path, kwargs, cookie):
+    client = _client(app, cookie)
+    _not_found(getattr(client, method)(path.format(id=conv["id"]), **kwargs))
+    kept = store.get_conversation(ALICE, conv["id"])
+    assert kept["title"] == "What is 2+2?" and len(kept["messages"]) == 2
+
+
+@pytest.mark.parametrize("method, path, kwargs", ROUTES)
+@pytest.mark.parametrize("bad_id", ["nope", "0" * 32, "0" * 33, "A" * 32, "%27%20OR%201%3D1", "..", "%00"])
+def test_malformed_or_unknown_ids_get_not_found(alice, conv, method, path, kwargs, bad_id):
+    _not_found(getattr(alice, method)(path.format(id=bad_id), **kwargs))

@@ -1,0 +1,78 @@
+"""Incremental decoding with the bundled tokenizer, stop sequences, prompt fitting."""
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from chat import prompt
+from chat.decoding import IncrementalDecoder, StopMatcher
+from chat.errors import ProtocolError
+
+TEXTS = [
+    "Hello, world! The capital of France is Paris.",
+    "你好，世界！今天天气很好。我们去公园散步吧。",
+    "Emoji: 😀🎉👩‍👩‍👧 and flags 🇫🇷🇯🇵, accents: café, naïve, Ångström.",
+    "日本語のテキストと한국어 텍스트, mixed with code: `x = [i**2 for i in range(10)]`",
+    "  leading spaces\n\nand   multiple\tspaces\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_deltas_concatenate_to_the_text(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    decoder = IncrementalDecoder(tokenizer)
+    deltas = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas), deltas
+
+
+def test_multibyte_character_is_held_until_complete(tokenizer):
+    ids = tokenizer.encode("😀", add_special_tokens=False)
+    assert len(ids) > 1  # byte-level BPE splits the emoji across tokens
+    decoder = IncrementalDecoder(tokenizer)
+    out = [decoder.push(i) for i in ids]
+    assert out[:-1] == [""] * (len(ids) - 1) and out[-1] == "😀"
+
+
+@pytest.mark.parametrize("chunks,stops,expected,hit", [
+    (["Hello ", "wor", "ld"], ["world"], "Hello ", True),
+    (["ab", "c", "d"], ["cd"], "ab", True),
+    (["no stop ", "here"], ["STOP"], "no stop here", False),
+    (["x<", "|en", "d|>tail"], ["<|end|>"], "x", True),
+    (["abc"], [], "abc", False),
+])
+def test_stop_matcher(chunks, stops, expected, hit):
+    matcher = StopMatcher(stops)
+    out, stopped = "", False
+    for chunk in chunks:
+        text, stopped = matcher.push(chunk)
+        out += text
+        if stopped:
+            break
+    if not stopped:
+        out += matcher.flush()
+    assert (out, stopped) == (expected, hit)
+
+
+def test_fit_keeps_system_and_drops_oldest_turns(tokenizer):
+    messages = [{"role": "system", "content": "SYSTEM-MARK"}]
+    for i in range(20):
+        messages += [{"role": "user", "content": f"question {i} " * 10},
+                     {"role": "assistant", "content": f"answer {i} " * 10}]
+    messages.append({"role": "user", "content": "LAST-QUESTION"})
+    ids, dropped = prompt.fit(tokenizer, messages, 300)
+    text = tokenizer.decode(ids)
+    assert len(ids) <= 300 and dropped > 0
+    assert "SYSTEM-MARK" in text and "LAST-QUESTION" in text and "question 0 " not in text
+    assert text.rstrip().endswith("assistant")
+
+
+def test_fit_refuses_a_message_that_cannot_fit(tokenizer):
+    with pytest.raises(ProtocolError) as err:
+        prompt.fit(tokenizer, [{"role": "user", "content": "word " * 500}], 64)
+    assert err.value.code == "too_large"

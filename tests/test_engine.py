@@ -1,0 +1,143 @@
+"""The engine in-process (no gevent): batching, seeds, cancel, queue, prefix reuse."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from chat.config import Settings
+from chat.engine import LocalEngine
+from chat.errors import ProtocolError
+from chat.streams import GenParams
+
+
+def wait_ready(engine, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not engine.ready:
+        assert engine.error is None, engine.error
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return engine
+
+
+def make_engine(tiny_model, tmp_path, **overrides):
+    settings = Settings.from_env({}, model=str(tiny_model), dtype="float32", data_dir=str(tmp_path),
+                                 max_new_tokens=4096, context_tokens=8192, **overrides)
+    return wait_ready(LocalEngine(settings))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tmp_path_factory):
+    eng = make_engine(tiny_model, tmp_path_factory.mktemp("engine"))
+    yield eng
+    eng.shutdown()
+
+
+def ask(text, system="You are terse."):
+    return [{"role": "system", "content": system}, {"role": "user", "content": text}]
+
+
+def collect(gen):
+    events = list(gen)
+    text = "".join(e["text"] for e in events if e["type"] == "delta")
+    return text, events
+
+
+QUESTIONS = ["hello", "what is two plus two", "tell me a story about a cat", "why is the sky blue"]
+
+
+def test_batched_greedy_equals_unbatched(engine):
+    alone = [collect(engine.submit(ask(q), GenParams(temperature=0, max_new_tokens=48)))[0] for q in QUESTIONS]
+    gens = [engine.submit(ask(q), GenParams(temperature=0, max_new_tokens=48)) for q in QUESTIONS]
+    together = [collect(g)[0] for g in gens]
+    assert together == alone
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(engine):
+    params = GenParams(temperature=0.9, top_p=0.95, seed=99, max_new_tokens=40)
+    alone = collect(engine.submit(ask("sample me"), params))[0]
+    others = [engine.submit(ask(q), GenParams(temperature=1.0, max_new_tokens=80)) for q in QUESTIONS]
+    mine = engine.submit(ask("sample me"), params)
+    assert collect(mine)[0] == alone
+    for g in others:
+        collect(g)
+
+
+def test_request_joining_mid_batch(engine):
+    expected = collect(engine.submit(ask("late joiner"), GenParams(temperature=0, max_new_tokens=30)))[0]
+    long = engine.submit(ask("long one"), GenParams(temperature=0, max_new_tokens=300))
+    for event in long:
+        if event["type"] == "delta":
+            break
+    late = engine.submit(ask("late joiner"), GenParams(temperature=0, max_new_tokens=30))
+    assert collect(late)[0] == expected
+    long.cancel()
+    assert [e for e in long if e["type"] == "done"][0]["reason"] == "cancelled"
+
+
+def test_cancel_mid_batch_leaves_the_others_intact(engine):
+    expected = [collect(engine.submit(ask(q), GenParams(temperature=0, max_new_tokens=60)))[0] for q in QUESTIONS]
+    gens = [engine.submit(ask(q), GenParams(temperature=0, max_new_tokens=60)) for q in QUESTIONS]
+    victim = engine.submit(ask("victim"), GenParams(temperature=0, max_new_tokens=4000))
+    for event in victim:
+        if event["type"] == "delta":
+            victim.cancel()
+        if event["type"] == "done":
+            assert event["reason"] == "cancelled"
+            assert event["usage"]["completion_tokens"] < 4000
+    assert [collect(g)[0] for g in gens] == expected
+
+
+def test_prefix_reuse_gives_identical_greedy_answers(engine):
+    history = ask("first question about prefix reuse")
+    first, _ = collect(engine.submit(history, GenParams(temperature=0, max_new_tokens=24), key="conv-a"))
+    turn2 = history + [{"role": "assistant", "content": first}, {"role": "user", "content": "second question"}]
+    reused_text, reused_events = collect(engine.submit(turn2, GenParams(temperature=0, max_new_tokens=24),
+                                                       key="conv-a"))
+    fresh_text, fresh_events = collect(engine.submit(turn2, GenParams(temperature=0, max_new_tokens=24)))
+    assert reused_events[-1]["reused_tokens"] > 0 and fresh_events[-1]["reused_tokens"] == 0
+    assert reused_text == fresh_text
+
+
+def test_prefix_cache_evicts_under_a_tiny_budget(tiny_model, tmp_path):
+    eng = make_engine(tiny_model, tmp_path, kv_cache_mb=1)
+    try:
+        for i in range(30):
+            collect(eng.submit(ask(f"conversation {i} " * 40), GenParams(temperature=0, max_new_tokens=20),
+                               key=f"k{i}"))
+        assert eng.prefix.used <= 1024 * 1024
+        assert 0 < len(eng.prefix.entries) < 30
+        assert "k29" in eng.prefix.entries and "k0" not in eng.prefix.entries
+    finally:
+        eng.shutdown()
+
+
+def test_queue_positions_and_overload(tiny_model, tmp_path):
+    eng = make_engine(tiny_model, tmp_path, max_batch=1, max_queue=2)
+    try:
+        running = eng.submit(ask("a"), GenParams(temperature=0, max_new_tokens=4000))
+        next(e for e in running if e["type"] == "delta")
+        second = eng.submit(ask("b"), GenParams(temperature=0, max_new_tokens=5))
+        third = eng.submit(ask("c"), GenParams(temperature=0, max_new_tokens=5))
+        with pytest.raises(ProtocolError) as err:
+            eng.submit(ask("d"), GenParams(temperature=0, max_new_tokens=5))
+        assert err.value.code == "overloaded"
+        assert second.next_event(10) == {"type": "queued", "position": 1}
+        assert third.next_event(10) == {"type": "queued", "position": 2}
+        second.cancel()  # leaving the queue moves the one behind up
+        assert third.next_event(10) == {"type": "queued", "position": 1}
+        assert list(second)[-1]["reason"] == "cancelled"
+        running.cancel()
+        events = list(third)
+        assert events[0]["type"] == "start" and events[-1]["reason"] == "length"
+    finally:
+        eng.shutdown()
+
+
+def test_timeout_and_shutdown_reasons(tiny_model, tmp_path):
+    eng = make_engine(tiny_model, tmp_path, generation_timeout_s=0.3)
+    gen = eng.submit(ask("forever"), GenParams(temperature=0, max_new_tokens=4000))
+    assert list(gen)[-1]["reason"] == "timeout"
+    eng.shutdown()
+    with pytest.raises(ProtocolError):
+        eng.submit(ask("late"), GenParams())

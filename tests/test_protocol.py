@@ -1,0 +1,275 @@
+"""chat.v1 over a real socket against real gunicorn + gevent with a tiny real model."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import websocket
+
+from conftest import WS, http_get, text_of
+
+GREEDY = {"temperature": 0, "max_new_tokens": 40}
+
+
+def cookie_for(server) -> str:
+    """A browser-like identity: the cookie GET / hands out."""
+    status, headers, _ = http_get(server.url + "/")
+    assert status == 200
+    return headers["Set-Cookie"].split(";")[0]
+
+
+def test_ready_frame(ws):
+    ready = ws.ready
+    assert ready["protocol"] == "chat.v1"
+    assert ready["model"]
+    assert set(ready["limits"]) == {"max_content_chars", "max_new_tokens", "context_tokens",
+                                    "max_active_per_connection"}
+
+
+def test_chat_streams_and_stores_the_answer(server):
+    cookie = cookie_for(server)
+    client = WS(server.ws_url, cookie=cookie)
+    frames = client.chat("Hello there", params=GREEDY)
+    kinds = [f["type"] for f in frames]
+    assert kinds[0] == "start" and kinds[-1] == "done" and kinds.count("done") == 1
+    start, done = frames[0], frames[-1]
+    assert done["reason"] == "length"
+    assert done["usage"]["completion_tokens"] == 40 and done["usage"]["prompt_tokens"] > 0
+    assert set(done["timings"]) == {"ttft_ms", "total_ms", "tokens_per_s"}
+    answer = text_of(frames)
+    assert answer
+    status, _, body = http_get(f"{server.url}/api/conversations/{start['conversation_id']}",
+                               headers={"Cookie": cookie})
+    messages = json.loads(body)["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[0]["content"] == "Hello there"
+    assert messages[1]["content"] == answer and messages[1]["id"] == start["message_id"]
+    client.close()
+
+
+def test_greedy_answer_is_deterministic_and_multi_turn(ws):
+    first = ws.chat("Same question", rid="a", params=GREEDY)
+    again = ws.chat("Same question", rid="b", params=GREEDY)
+    assert text_of(first) == text_of(again)
+    conv = first[0]["conversation_id"]
+    follow = ws.chat("And then?", rid="c", conversation_id=conv, params=GREEDY)
+    assert follow[0]["conversation_id"] == conv
+    assert follow[-1]["usage"]["prompt_tokens"] > first[-1]["usage"]["prompt_tokens"]
+
+
+def test_seeded_sampling_reproduces(ws):
+    params = {"temperature": 1.0, "top_p": 0.9, "seed": 1234, "max_new_tokens": 30}
+    assert text_of(ws.chat("Tell me something", rid="s1", params=params)) == \
+        text_of(ws.chat("Tell me something", rid="s2", params=params))
+
+
+BAD_INPUTS = [
+    ("not json", "bad_json"),
+    ('{"type": "chat", "id": "x", "content": "hi"', "bad_json"),
+    (b"\x00\x01binary", "bad_message"),
+    ("[1, 2]", "bad_message"),
+    ('"just a string"', "bad_message"),
+    ("{}", "bad_message"),
+    ('{"type": 5}', "bad_message"),
+    ('{"type": "dance"}', "unknown_type"),
+    ('{"type": "chat", "content": "hi"}', "bad_message"),
+    ('{"type": "chat", "id": "bad id!", "content": "hi"}', "bad_message"),
+    ('{"type": "chat", "id": "' + "x" * 65 + '", "content": "hi"}', "bad_message"),
+    ('{"type": "chat", "id": "a"}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": ""}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "   "}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": 42}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "params": 3}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "params": {"temperature": 2.5}}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "params": {"temperature": "hot"}}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "params": {"top_p": 0}}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "params": {"top_p": 1.5}}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "params": {"max_new_tokens": 0}}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "params": {"max_new_tokens": 99999999}}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "params": {"seed": 1.5}}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "conversation_id": 7}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "conversation_id": "nope"}', "not_found"),
+    ('{"type": "chat", "id": "a", "content": "hi", "conversation_id": "0123456789abcdef0123456789abcdef"}',
+     "not_found"),
+    ('{"type": "regenerate", "id": "a", "conversation_id": "0123456789abcdef0123456789abcdef"}', "not_found"),
+    ('{"type": "regenerate", "id": "a"}', "bad_message"),
+    ('{"type": "cancel"}', "bad_message"),
+    ('{"type": "cancel", "id": "never-seen"}', "unknown_id"),
+    ('{"type": "resume", "id": "never-seen", "from": 0}', "unknown_id"),
+    ('{"type": "resume", "id": "a", "from": -1}', "bad_message"),
+    ('{"type": "resume", "id": "a"}', "bad_message"),
+]
+
+
+@pytest.mark.parametrize("raw,code", BAD_INPUTS)
+def test_bad_input_gets_its_error_and_the_connection_lives(ws, raw, code):
+    ws.send(raw)
+    error = ws.recv()
+    assert error["type"] == "error" and error["code"] == code, error
+    assert error["message"]
+    assert ws.ping() == {"type": "pong", "t": 7}
+
+
+def test_error_carries_the_request_id(ws):
+    ws.send({"type": "chat", "id": "with-id", "content": "hi", "params": {"top_p": 7}})
+    error = ws.recv()
+    assert error["id"] == "with-id" and "top_p" in error["message"]
+
+
+def test_too_large_content(ws):
+    limit = ws.ready["limits"]["max_content_chars"]
+    ws.send({"type": "chat", "id": "big", "content": "x" * (limit + 1)})
+    error = ws.recv()
+    assert (error["code"], error["id"]) == ("too_large", "big")
+    assert ws.ping()["type"] == "pong"
+
+
+def test_message_too_long_for_the_context_is_refused(server_factory):
+    srv = server_factory("ctx", CHAT_CONTEXT_TOKENS=128, CHAT_MAX_NEW_TOKENS=32)
+    client = WS(srv.ws_url)
+    frames = client.chat("word " * 400, rid="huge")
+    assert frames[-1]["type"] == "error" and frames[-1]["code"] == "too_large"
+    # history is trimmed to fit: many turns in one conversation keep working
+    conv = None
+    for i in range(6):
+        extra = {"conversation_id": conv} if conv else {}
+        frames = client.chat("tell me more " * 5, rid=f"t{i}", params={"max_new_tokens": 32}, **extra)
+        assert frames[-1]["type"] == "done", frames[-1]
+        assert frames[-1]["usage"]["prompt_tokens"] <= 128 - 32
+        conv = frames[0]["conversation_id"]
+    client.close()
+
+
+def test_cancel_ends_the_stream_promptly(ws):
+    ws.send({"type": "chat", "id": "long", "content": "go", "params": {"max_new_tokens": 4000}})
+    ws.until(lambda f: f["type"] == "delta")
+    ws.send({"type": "cancel", "id": "long"})
+    frames = ws.until(lambda f: f["type"] == "done")
+    assert frames[-1]["reason"] == "cancelled"
+    assert frames[-1]["usage"]["completion_tokens"] < 4000
+    # cancelling a finished id is a no-op, not an error
+    ws.send({"type": "cancel", "id": "long"})
+    assert ws.ping()["type"] == "pong"
+
+
+def test_duplicate_id_and_busy_conversation(ws):
+    first = ws.chat("hi", rid="d0", params=GREEDY)
+    conv = first[0]["conversation_id"]
+    ws.send({"type": "chat", "id": "d1", "content": "long", "conversation_id": conv,
+             "params": {"max_new_tokens": 4000}})
+    ws.until(lambda f: f["type"] == "start")
+    ws.send({"type": "chat", "id": "d1", "content": "again"})
+    dup = ws.until(lambda f: f["type"] == "error")[-1]
+    assert (dup["code"], dup["id"]) == ("duplicate_id", "d1")
+    ws.send({"type": "chat", "id": "d2", "content": "same conversation", "conversation_id": conv})
+    busy = ws.until(lambda f: f["type"] == "error")[-1]
+    assert (busy["code"], busy["id"]) == ("busy", "d2")
+    ws.send({"type": "cancel", "id": "d1"})
+    assert ws.until(lambda f: f["type"] == "done")[-1]["id"] == "d1"
+
+
+def test_stop_cancels_everything_then_closes(server):
+    client = WS(server.ws_url)
+    for rid in ("p1", "p2"):
+        client.send({"type": "chat", "id": rid, "content": "go", "params": {"max_new_tokens": 4000}})
+    client.until(lambda f: f["type"] == "delta")
+    client.send({"type": "stop"})
+    done = {}
+    while True:
+        try:
+            frame = client.recv()
+        except (websocket.WebSocketConnectionClosedException, json.JSONDecodeError):
+            break
+        if frame["type"] == "done":
+            done[frame["id"]] = frame["reason"]
+    assert done == {"p1": "cancelled", "p2": "cancelled"}
+    assert client.conn.status in (None, 101)  # the server ended the connection
+    with pytest.raises(Exception):
+        client.conn.send("x")
+        client.conn.recv()
+
+
+def test_health_stays_fast_during_a_long_generation(server):
+    client = WS(server.ws_url)
+    client.send({"type": "chat", "id": "busy", "content": "go", "params": {"max_new_tokens": 3000}})
+    client.until(lambda f: f["type"] == "delta")
+    latencies = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        assert http_get(server.url + "/healthz")[0] == 200
+        latencies.append(time.perf_counter() - t0)
+    client.send({"type": "cancel", "id": "busy"})
+    client.until(lambda f: f["type"] == "done")
+    client.close()
+    # A loop blocked by model work shows whole seconds; a generous bound keeps this robust.
+    assert sorted(latencies)[-2] < 0.5, latencies
+
+
+def test_deltas_arrive_spread_over_time(server):
+    client = WS(server.ws_url)
+    client.send({"type": "chat", "id": "spread", "content": "go", "params": {"max_new_tokens": 1500}})
+    arrivals = []
+    while True:
+        frame = client.recv()
+        arrivals.append((time.perf_counter(), frame["type"]))
+        if frame["type"] == "done":
+            break
+    client.close()
+    deltas = [t for t, kind in arrivals if kind == "delta"]
+    total = arrivals[-1][0] - arrivals[0][0]
+    assert len(deltas) > 100
+    # The first delta comes long before the end, and they keep coming throughout.
+    assert deltas[0] - arrivals[0][0] < 0.5 * total
+    gaps = sorted(b - a for a, b in zip(deltas, deltas[1:]))
+    assert sum(1 for g in gaps if g > 0) > len(gaps) // 2
+
+
+def test_unicode_round_trips_exactly(server):
+    cookie = cookie_for(server)
+    client = WS(server.ws_url, cookie=cookie)
+    content = "你好，世界！用中文回答。😀🎉 👩‍👩‍👧 café"
+    frames = client.chat(content, params={"temperature": 1.0, "seed": 3, "max_new_tokens": 200})
+    answer = text_of(frames)
+    conv = frames[0]["conversation_id"]
+    stored = json.loads(http_get(f"{server.url}/api/conversations/{conv}", headers={"Cookie": cookie})[2])
+    assert stored["messages"][0]["content"] == content
+    assert stored["messages"][1]["content"] == answer
+    client.close()
+
+
+def test_dropped_socket_cancels_after_grace_and_keeps_partial(server):
+    cookie = cookie_for(server)
+    client = WS(server.ws_url, cookie=cookie)
+    client.send({"type": "chat", "id": "drop", "content": "go", "params": {"max_new_tokens": 4000}})
+    frames = client.until(lambda f: f["type"] == "delta" and f["index"] >= 5)
+    conv = frames[0]["conversation_id"]
+    client.conn.sock.close()  # abrupt: no close frame
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        messages = json.loads(http_get(f"{server.url}/api/conversations/{conv}",
+                                       headers={"Cookie": cookie})[2])["messages"]
+        if messages[-1]["status"] != "streaming":
+            break
+        time.sleep(0.2)
+    answer = messages[-1]
+    assert answer["reason"] == "cancelled" and answer["status"] == "partial"
+    assert answer["content"].startswith(text_of(frames)) and answer["usage"]["completion_tokens"] < 4000
+
+
+def test_many_connections_stream_at_once(server):
+    results = {}
+
+    def one(i):
+        client = WS(server.ws_url)
+        results[i] = client.chat(f"question {i}", rid=f"m{i}", params={"temperature": 0.7, "max_new_tokens": 60})
+        client.close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 6
+    assert all(r[-1]["type"] == "done" and r[-1]["reason"] == "length" for r in results.values())

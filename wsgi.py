@@ -1,0 +1,4 @@
+"""The WSGI entry point: ``gunicorn -c gunicorn.conf.py wsgi:app``."""
+from chat import create_app
+
+app = create_app()
