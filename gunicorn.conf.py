@@ -1,4 +1,7 @@
 """gunicorn settings: the gevent worker, one model copy per worker, streams never killed."""
+import logging
+import os
+import signal
 import sys
 
 from chat.config import Settings
@@ -27,18 +30,47 @@ loglevel = _settings.log_level
 forwarded_allow_ips = "*" if _settings.trusted_proxies else "127.0.0.1"
 
 
-def worker_int(worker):
-    """SIGINT/SIGQUIT in a worker: end streams cleanly like SIGTERM."""
-    _shutdown(worker)
+def post_worker_init(worker):
+    """On SIGTERM, finish answers within the graceful timeout and store the rest as partial."""
+    import gevent
+
+    from chat.ws import graceful_shutdown
+
+    state = worker.wsgi.extensions["chat"]
+    # Keep a margin inside gunicorn's own graceful timeout for the final shutdown frames.
+    budget = max(0.0, worker.cfg.graceful_timeout - 3)
+
+    def on_term():
+        worker.alive = False
+        graceful_shutdown(state, budget)
+
+    gevent.signal_handler(signal.SIGTERM, on_term)
+
+    def watch_parent():
+        # The gevent worker does not notice a dead master by itself; never outlive it.
+        while worker.alive:
+            if os.getppid() != worker.ppid:
+                worker.log.warning("master is gone; shutting down worker %s", worker.pid)
+                on_term()
+                return
+            gevent.sleep(1.0)
+
+    gevent.spawn(watch_parent)
 
 
 def worker_exit(server, worker):
-    """Last chance to end the engine's work cleanly."""
-    _shutdown(worker)
+    """End the engine's work cleanly, then leave at once.
 
-
-def _shutdown(worker):
-    app = getattr(worker.wsgi, "extensions", {}) if hasattr(worker, "wsgi") else {}
-    state = app.get("chat") if isinstance(app, dict) else None
+    Interpreter shutdown can hang in the gevent hub when the master died first
+    (the worker logs "exiting" and lingers); everything worth keeping is already
+    committed to SQLite, so skip the finalizers.
+    """
+    state = getattr(getattr(worker, "wsgi", None), "extensions", {}).get("chat")
     if state is not None:
         state.engine.shutdown("shutdown")
+        if getattr(state, "store", None) is not None:
+            state.store.close()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

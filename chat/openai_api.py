@@ -11,6 +11,7 @@ import uuid
 from flask import Blueprint, Response, current_app, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from . import identity
 from .errors import ProtocolError
 from .streams import GenParams
 
@@ -275,17 +276,22 @@ def get_model(model_id):
 @bp.post("/chat/completions")
 def chat_completions():
     """Answer a conversation, streamed as SSE chunks or as one JSON object."""
-    settings = _state().settings
+    state = _state()
+    settings = state.settings
     values = parse_request(_read_json(), settings)
     engine = _engine_ready()
+    rate = getattr(state, "rate", None)
+    if rate is not None and not rate.allow("v1:" + identity.remote_ip(request, settings.trusted_proxies)):
+        raise ApiError("rate_limited", "too many requests; slow down", status=429)
     messages = with_system_prompt(values["messages"], settings.system_prompt)
     gen = engine.submit(messages, gen_params(values, settings))
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
+    metrics = getattr(state, "metrics", None)
     if values.get("stream"):
         include_usage = values.get("stream_options", {}).get("include_usage", False)
-        return Response(_stream(gen, meta, include_usage), mimetype="text/event-stream",
+        return Response(_stream(gen, meta, include_usage, metrics), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return _complete(gen, meta)
+    return _complete(gen, meta, metrics)
 
 
 def _usage(done: dict) -> dict:
@@ -304,14 +310,20 @@ def _failure(done: dict) -> ApiError:
     return ApiError("internal", done.get("message") or "the engine failed while generating", status=500)
 
 
-def _log_done(meta: dict, done: dict, streamed: bool) -> None:
+def _record(meta: dict, done: dict, streamed: bool, metrics) -> None:
+    """Log the outcome and count it in the server's metrics."""
+    if metrics is not None:
+        if done["type"] == "done":
+            metrics.finished(done)
+        else:
+            metrics.errors.labels(done.get("code") or "internal").inc()
     usage, timings = done.get("usage") or {}, done.get("timings") or {}
-    log.info("v1 %s reason=%s stream=%s prompt_tokens=%s completion_tokens=%s total_ms=%s", meta["id"],
-             done.get("reason") or f"refused:{done.get('code')}", streamed, usage.get("prompt_tokens"), usage.get("completion_tokens"),
-             timings.get("total_ms"))
+    log.info("v1 %s reason=%s stream=%s prompt_tokens=%s completion_tokens=%s total_ms=%s",
+             meta["id"], done.get("reason") or f"refused:{done.get('code')}", streamed,
+             usage.get("prompt_tokens"), usage.get("completion_tokens"), timings.get("total_ms"))
 
 
-def _complete(gen, meta: dict):
+def _complete(gen, meta: dict, metrics=None):
     """Wait for the whole answer; one ``chat.completion`` object."""
     texts, done = [], None
     try:
@@ -324,7 +336,7 @@ def _complete(gen, meta: dict):
     finally:
         gen.cancel()  # a no-op once done; frees the engine if this greenlet is killed
         gen.close()
-    _log_done(meta, done, streamed=False)
+    _record(meta, done, False, metrics)
     if done.get("reason") not in _FINISH:
         raise _failure(done)
     return jsonify({**meta, "object": "chat.completion",
@@ -337,7 +349,7 @@ def _sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _stream(gen, meta: dict, include_usage: bool):
+def _stream(gen, meta: dict, include_usage: bool, metrics=None):
     """SSE chunks as the engine makes them; leaving early (client gone) cancels the generation."""
     def chunk(delta, finish=None):
         out = {**meta, "object": "chat.completion.chunk",
@@ -357,7 +369,7 @@ def _stream(gen, meta: dict, include_usage: bool):
                 yield chunk({"content": event["text"]})
             elif event["type"] in ("done", "error"):
                 done = event
-        _log_done(meta, done, streamed=True)
+        _record(meta, done, True, metrics)
         if done.get("reason") in _FINISH:
             yield chunk({}, _FINISH[done["reason"]])
             if include_usage:
@@ -371,4 +383,6 @@ def _stream(gen, meta: dict, include_usage: bool):
         if done is None:
             log.info("v1 %s client closed the stream; generation cancelled", meta["id"])
             gen.cancel()
+            if metrics is not None:
+                metrics.finished({"type": "done", "reason": "cancelled"})
         gen.close()

@@ -108,7 +108,11 @@ def _alive(owner: str | None) -> bool:
         return True
     except OSError:
         return False
-    return True
+    try:  # a killed worker whose parent died too may linger as a zombie nobody reaps
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 class Store:

@@ -28,6 +28,7 @@ def init_app(app) -> None:
     """Register the WebSocket route and the shared run registry."""
     state = app.extensions["chat"]
     state.runs = Runs()
+    state.sessions = set()
     state.connections_by_ip = {}
     state.rate = RateLimiter(state.settings.rate_limit_per_min)
     app.register_blueprint(bp)
@@ -86,9 +87,12 @@ def websocket(ws):
     client = identity.current_client() or ("anon-" + identity.new_client_id())
     state.connections_by_ip[ip] = state.connections_by_ip.get(ip, 0) + 1
     state.metrics.connections.inc()
+    session = Session(ws, state, client)
+    state.sessions.add(session)
     try:
-        Session(ws, state, client).serve()
+        session.serve()
     finally:
+        state.sessions.discard(session)
         state.metrics.connections.dec()
         left = state.connections_by_ip.get(ip, 1) - 1
         if left > 0:
@@ -460,3 +464,28 @@ class Session:
 
 class _Close(Exception):
     """The session asked to end (``stop``)."""
+
+
+def graceful_shutdown(state, timeout: float) -> None:
+    """Stop taking requests, let answers finish within ``timeout``, end the rest with ``shutdown``.
+
+    Every partial answer is stored by its run; then the sockets are closed (1001) so the
+    worker can exit before its graceful timeout.
+    """
+    engine = state.engine
+    log.info("shutting down: letting %d answers finish", len(state.runs.all_active()))
+    if hasattr(engine, "drain"):
+        engine.drain()
+    deadline = time.monotonic() + max(0.0, timeout)
+    while state.runs.all_active() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    engine.shutdown("shutdown")
+    deadline = time.monotonic() + 5
+    while state.runs.all_active() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for session in list(state.sessions):
+        session.open = False
+        try:
+            session.ws.close(1001, "server shutting down")
+        except Exception:
+            pass

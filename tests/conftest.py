@@ -46,7 +46,10 @@ class LiveServer:
         self.port = free_port()
         self.env = {**os.environ, "CHAT_DATA_DIR": str(workdir / "data"), "CHAT_DTYPE": "float32",
                     "CHAT_BIND": f"127.0.0.1:{self.port}", "CHAT_RATE_LIMIT_PER_MIN": "0",
-                    "CHAT_GRACEFUL_TIMEOUT_S": "5", "PYTHONUNBUFFERED": "1", **env}
+                    # one torch thread: on a shared 2-core box a 2-thread team stalls on every op
+                    "CHAT_THREADS": "1",
+                    "CHAT_GRACEFUL_TIMEOUT_S": "5", "PYTHONUNBUFFERED": "1",
+                    "CHAT_CACHE_DIR": str(ROOT / "data" / "model-cache"), **env}
         self.log_path = workdir / "server.log"
         self.proc = None
         self.start()
@@ -62,7 +65,8 @@ class LiveServer:
     def start(self, wait: bool = True) -> None:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([GUNICORN, "-c", "gunicorn.conf.py", "wsgi:app"], cwd=ROOT,
-                                     env=self.env, stdout=log, stderr=subprocess.STDOUT)
+                                     env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         if wait:
             self.wait_ready()
 
@@ -85,7 +89,10 @@ class LiveServer:
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else None
-        self.proc.send_signal(sig)
+        if sig == signal.SIGKILL:  # like a crash: the workers die with the master
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        else:
+            self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

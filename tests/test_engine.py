@@ -22,7 +22,7 @@ def wait_ready(engine, timeout=120):
 
 def make_engine(tiny_model, tmp_path, **overrides):
     settings = Settings.from_env({}, model=str(tiny_model), dtype="float32", data_dir=str(tmp_path),
-                                 max_new_tokens=4096, context_tokens=8192, **overrides)
+                                 max_new_tokens=4096, context_tokens=8192, threads=1, **overrides)
     return wait_ready(LocalEngine(settings))
 
 

@@ -1,0 +1,256 @@
+"""An engine that streams from an OpenAI-compatible backend (vLLM, llama.cpp, TGI, Ollama, this server)."""
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import time
+from urllib.parse import urlsplit
+
+from .errors import BackendError, ConfigError, ProtocolError
+from .streams import Engine, GenParams, Generation, real_lock, spawn
+
+log = logging.getLogger(__name__)
+
+PROBE_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+_FINISH = {"stop": "stop", "length": "length"}
+
+
+def _error_text(status: int, body: bytes) -> str:
+    """A one-line message from an upstream HTTP error, preferring OpenAI's ``error.message``."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body.decode("utf-8", "replace").strip()[:200] or http.client.responses.get(status, "")
+    return f"backend answered HTTP {status}: {message}"
+
+
+class RemoteEngine(Engine):
+    """Loads no model: each generation is one streamed ``/chat/completions`` call upstream."""
+
+    def __init__(self, settings):
+        self.settings = settings
+        url = urlsplit(settings.backend_url.rstrip("/"))
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ConfigError(f"CHAT_BACKEND_URL={settings.backend_url!r} is invalid: expected http(s)://host[:port]/v1")
+        self._https = url.scheme == "https"
+        self._host, self._port, self._base = url.hostname, url.port, url.path
+        self.backend_model = settings.backend_model
+        self.model_name = settings.model_name or settings.backend_model or "remote"
+        self.ready = False
+        self.error = None
+        self._lock = real_lock()
+        self._active: dict = {}  # serial -> Generation (dataclass instances are unhashable)
+        self._closed = False
+        self._probing = False
+        self._probe()
+
+    # ---- plumbing
+
+    def _connection(self, timeout: float):
+        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        return cls(self._host, self._port, timeout=timeout)
+
+    def _headers(self) -> dict:
+        headers = {"Accept": "application/json", "User-Agent": "chat-remote/1"}
+        if self.settings.backend_api_key:
+            headers["Authorization"] = f"Bearer {self.settings.backend_api_key}"
+        return headers
+
+    def _probe(self) -> None:
+        """Ask ``/models`` in the background until the backend answers; then ready."""
+        with self._lock:
+            if self._probing or self._closed:
+                return
+            self._probing = True
+        spawn(self._probe_loop)
+
+    def _probe_loop(self) -> None:
+        attempt = 0
+        while not self._closed:
+            try:
+                self._fetch_models()
+                self.ready, self.error = True, None
+                log.info("backend %s ready, model %s", self.settings.backend_url, self.backend_model)
+                break
+            except (OSError, http.client.HTTPException, BackendError, ValueError) as exc:
+                self.ready, self.error = False, f"backend {self.settings.backend_url}: {exc}"
+                if attempt == 0:
+                    log.warning("%s; retrying", self.error)
+            time.sleep(PROBE_DELAYS_S[min(attempt, len(PROBE_DELAYS_S) - 1)])
+            attempt += 1
+        with self._lock:
+            self._probing = False
+
+    def _fetch_models(self) -> None:
+        conn = self._connection(min(self.settings.backend_timeout_s, 10.0))
+        try:
+            conn.request("GET", f"{self._base}/models", headers=self._headers())
+            response = conn.getresponse()
+            body = response.read()
+            if response.status != 200:
+                raise BackendError(_error_text(response.status, body))
+            models = [m["id"] for m in json.loads(body).get("data", []) if isinstance(m, dict) and "id" in m]
+        finally:
+            conn.close()
+        if not self.backend_model:
+            if not models:
+                raise BackendError("backend lists no models; set CHAT_BACKEND_MODEL")
+            self.backend_model = models[0]
+            if not self.settings.model_name:
+                self.model_name = models[0]
+
+    # ---- the Engine interface
+
+    def submit(self, messages: list, params: GenParams, key: str | None = None) -> Generation:
+        """Start one upstream call; events arrive on the returned Generation."""
+        if self._closed:
+            raise ProtocolError("overloaded", "the server is shutting down")
+        with self._lock:
+            if len(self._active) >= self.settings.max_batch + self.settings.max_queue:
+                raise ProtocolError("overloaded", "too many requests in flight to the backend; retry shortly")
+            gen = Generation(messages=messages, params=params, key=key)
+            self._active[gen.serial] = gen
+        gen.upstream = None
+        gen.on_cancel = self._abort
+        spawn(self._run, gen)  # under gevent a greenlet: the patched http.client yields while it waits
+        return gen
+
+    def drain(self) -> None:
+        """Stop taking new requests; running ones go on."""
+        self._closed = True
+
+    def stats(self) -> dict:
+        """In-flight upstream calls; the backend keeps its own queue."""
+        return {"active": len(self._active), "queued": 0}
+
+    def shutdown(self, reason: str = "shutdown") -> None:
+        """Cancel every upstream call and stop probing."""
+        self._closed = True
+        for gen in list(self._active.values()):
+            gen.cancel(reason)
+
+    # ---- one generation
+
+    @staticmethod
+    def _abort(gen) -> None:
+        """Cancel: shutting the socket down wakes the blocked read and tells the backend to stop."""
+        conn = gen.upstream
+        sock = conn.sock if conn is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _body(self, gen: Generation) -> bytes:
+        p = gen.params
+        body = {"model": self.backend_model, "messages": [{"role": m["role"], "content": m["content"]}
+                                                          for m in gen.messages],
+                "stream": True, "stream_options": {"include_usage": True},
+                "temperature": p.temperature, "top_p": p.top_p, "max_tokens": p.max_new_tokens}
+        if p.seed is not None:
+            body["seed"] = p.seed
+        if p.stop:
+            body["stop"] = list(p.stop)
+        return json.dumps(body).encode()
+
+    def _run(self, gen: Generation) -> None:
+        t0 = time.monotonic()
+        state = {"first": None, "deltas": 0, "usage": None, "finish": None}
+        reason, message = "error", None
+        conn = gen.upstream = self._connection(self.settings.backend_timeout_s)
+        try:
+            reason, message = self._call(gen, conn, t0, state)
+        except (OSError, http.client.HTTPException) as exc:
+            if gen.cancel_reason:
+                reason = gen.cancel_reason
+            else:
+                message = self._transport_message(exc, state)
+                if isinstance(exc, ConnectionRefusedError):
+                    self.ready = False
+                    self._probe()
+        except ValueError as exc:
+            message = f"backend sent a malformed stream: {exc}"
+        except Exception as exc:  # a bug here must still end the stream with done
+            log.exception("remote generation failed")
+            message = f"remote engine failure: {exc}"
+        finally:
+            conn.close()
+            with self._lock:
+                self._active.pop(gen.serial, None)
+        if message:
+            log.warning("remote generation %s ended with error: %s", gen.serial, message)
+        gen.emit(self._done(reason, message, t0, state))
+
+    def _call(self, gen, conn, t0: float, state: dict):
+        """Send the request and relay its SSE stream; returns (reason, error message)."""
+        deadline = t0 + self.settings.generation_timeout_s
+        conn.connect()
+        if gen.cancel_reason:
+            return gen.cancel_reason, None
+        conn.request("POST", f"{self._base}/chat/completions", self._body(gen),
+                     headers={**self._headers(), "Content-Type": "application/json",
+                              "Accept": "text/event-stream"})
+        response = conn.getresponse()
+        if response.status != 200:
+            return "error", _error_text(response.status, response.read(4096))
+        gen.emit({"type": "start", "prompt_tokens": 0})
+        while True:
+            if gen.cancel_reason:
+                return gen.cancel_reason, None
+            if time.monotonic() > deadline:
+                return "timeout", None
+            line = response.readline(1 << 20)
+            if not line:
+                if gen.cancel_reason:
+                    return gen.cancel_reason, None
+                return "error", self._transport_message(None, state)
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments (keep-alives), event names
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return _FINISH.get(state["finish"] or "stop", "stop"), None
+            chunk = json.loads(data)
+            error = chunk.get("error")
+            if error:
+                return "error", "backend error: " + str(error.get("message") if isinstance(error, dict) else error)
+            if chunk.get("usage"):
+                state["usage"] = chunk["usage"]
+            for choice in chunk.get("choices") or ():
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    if state["first"] is None:
+                        state["first"] = time.monotonic()
+                    state["deltas"] += 1
+                    gen.emit({"type": "delta", "text": text})
+                if choice.get("finish_reason"):
+                    state["finish"] = choice["finish_reason"]
+
+    def _transport_message(self, exc, state: dict) -> str:
+        if isinstance(exc, (socket.timeout, TimeoutError)):
+            return f"backend sent nothing for {self.settings.backend_timeout_s:g} s"
+        if isinstance(exc, ConnectionRefusedError):
+            return f"backend {self.settings.backend_url} refused the connection"
+        if state["first"] is not None or state["finish"] is not None:
+            return "backend connection dropped mid-answer" + (f" ({exc})" if exc else "")
+        return f"backend connection failed: {exc or 'closed before answering'}"
+
+    @staticmethod
+    def _done(reason: str, message: str | None, t0: float, state: dict) -> dict:
+        now = time.monotonic()
+        usage = state["usage"] or {}
+        completion = usage.get("completion_tokens", state["deltas"])
+        first = state["first"]
+        decode_s = now - first if first is not None else 0.0
+        done = {"type": "done", "reason": reason,
+                "usage": {"prompt_tokens": usage.get("prompt_tokens", 0), "completion_tokens": completion},
+                "timings": {"ttft_ms": round((first - t0) * 1000, 1) if first is not None else None,
+                            "total_ms": round((now - t0) * 1000, 1),
+                            "tokens_per_s": round((completion - 1) / decode_s, 2)
+                            if decode_s > 0 and completion > 1 else 0.0}}
+        if message:
+            done["message"] = message
+        return done

@@ -1,0 +1,508 @@
+"""The OpenAI-compatible API, driven by the official ``openai`` SDK and raw HTTP."""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+import pytest
+from flask import Flask
+from werkzeug.serving import make_server
+
+from chat import AppState
+from chat.config import Settings
+from chat.errors import ProtocolError
+from chat.openai_api import bp
+from chat.streams import Engine, Generation, real_sleep, start_real_thread
+
+openai = pytest.importorskip("openai")
+
+WORDS = [f"w{i} " for i in range(40)]
+
+
+class FakeEngine(Engine):
+    """Answers with scripted words from a real thread, one per ``delay``; honours cancel, stop, max tokens."""
+
+    model_name = "fake-model"
+
+    def __init__(self, words=WORDS, delay=0.0, fail_after=None, ready=True):
+        self.words, self.delay, self.fail_after = list(words), delay, fail_after
+        self.ready = ready
+        self.refuse = None  # a ProtocolError that submit raises
+        self.reject = None  # a ProtocolError sent as an ``error`` event instead of start
+        self.history: list[Generation] = []
+        self._active = 0
+        self._lock = threading.Lock()
+
+    def submit(self, messages, params, key=None):
+        """Record the request and answer it on a real thread."""
+        if self.refuse is not None:
+            raise self.refuse
+        gen = Generation(messages=messages, params=params, key=key)
+        self.history.append(gen)
+        with self._lock:
+            self._active += 1
+        start_real_thread(self._run, gen)
+        return gen
+
+    def _run(self, gen):
+        t0, text, reason = time.monotonic(), "", "length"
+        if self.reject is not None:
+            with self._lock:
+                self._active -= 1
+            gen.emit({"type": "error", "code": self.reject.code, "message": self.reject.message})
+            gen.finished = True
+            return
+        gen.emit({"type": "start", "prompt_tokens": len(gen.messages)})
+        try:
+            for i, word in enumerate(self.words[:gen.params.max_new_tokens]):
+                real_sleep(self.delay)
+                if gen.cancel_reason:
+                    reason = gen.cancel_reason
+                    break
+                if self.fail_after is not None and i >= self.fail_after:
+                    reason = "error"
+                    break
+                cut = [(text + word).find(s) for s in gen.params.stop if s in text + word]
+                if cut:
+                    piece = (text + word)[:min(cut)][len(text):]
+                    if piece:
+                        gen.emit({"type": "delta", "text": piece})
+                    text, reason = text + piece, "stop"
+                    break
+                gen.emit({"type": "delta", "text": word})
+                text += word
+            else:
+                reason = "stop" if gen.params.max_new_tokens >= len(self.words) else "length"
+        finally:
+            with self._lock:
+                self._active -= 1
+        done = {"type": "done", "reason": reason,
+                "usage": {"prompt_tokens": len(gen.messages), "completion_tokens": len(text.split())},
+                "timings": {"ttft_ms": 1.0, "total_ms": (time.monotonic() - t0) * 1000, "tokens_per_s": 1.0}}
+        if reason == "error":
+            done["message"] = "scripted failure"
+        gen.emit(done)
+
+    def stats(self):
+        return {"active": self._active, "queued": 0}
+
+
+def make_app(engine, **settings) -> Flask:
+    """A minimal app holding only the /v1 blueprint."""
+    app = Flask(__name__)
+    app.extensions["chat"] = AppState(Settings(**settings), engine, None)
+    app.register_blueprint(bp)
+    return app
+
+
+class LiveServer:
+    """A threaded werkzeug server in this process, for the SDK and raw sockets."""
+
+    def __init__(self, app):
+        self.server = make_server("127.0.0.1", 0, app, threaded=True)
+        self.port = self.server.server_port
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture
+def engine():
+    return FakeEngine()
+
+
+@pytest.fixture
+def app(engine):
+    return make_app(engine, max_new_tokens=32, system_prompt="Be brief.")
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
+@pytest.fixture
+def live(app):
+    server = LiveServer(app)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def sdk(live):
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def wait_for(predicate, timeout=3.0):
+    """Poll until ``predicate()`` is true; False on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+# ---- with a fake engine: fast, and every path scripted
+
+def test_models(sdk):
+    assert [m.id for m in sdk.models.list()] == ["fake-model"]
+    assert sdk.models.retrieve("fake-model").id == "fake-model"
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("other")
+
+
+def test_non_streaming(sdk, engine):
+    out = sdk.chat.completions.create(model="any", messages=HELLO, max_tokens=5, temperature=0, seed=7)
+    assert out.id.startswith("chatcmpl-") and out.object == "chat.completion" and out.model == "fake-model"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == "".join(WORDS[:5])
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (2, 5, 7)
+    params = engine.history[-1].params
+    assert (params.temperature, params.max_new_tokens, params.seed) == (0.0, 5, 7)
+
+
+def test_streaming_matches_non_streaming(sdk):
+    stream = sdk.chat.completions.create(model="any", messages=HELLO, max_tokens=6, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+    plain = sdk.chat.completions.create(model="any", messages=HELLO, max_tokens=6)
+    assert text == plain.choices[0].message.content
+
+
+def test_streaming_without_usage_ends_with_finish_chunk(sdk):
+    chunks = list(sdk.chat.completions.create(model="any", messages=HELLO, max_tokens=3, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
+
+
+def test_finish_stop_when_answer_ends(sdk):
+    out = sdk.chat.completions.create(model="any", messages=HELLO, max_tokens=1000)
+    # capped at the server's max_new_tokens (32 < 40 words)
+    assert out.usage.completion_tokens == 32 and out.choices[0].finish_reason == "length"
+
+
+def test_stop_sequences(sdk, engine):
+    out = sdk.chat.completions.create(model="any", messages=HELLO, stop=["w3", "w2 "])
+    assert out.choices[0].message.content == "w0 w1 " and out.choices[0].finish_reason == "stop"
+    assert engine.history[-1].params.stop == ("w3", "w2 ")
+    sdk.chat.completions.create(model="any", messages=HELLO, stop="w9", max_tokens=2)
+    assert engine.history[-1].params.stop == ("w9",)
+
+
+def test_n_above_one_is_refused(sdk):
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model="any", messages=HELLO, n=2)
+    assert err.value.status_code == 400 and err.value.param == "n" and "n" in err.value.message
+
+
+def test_system_prompt_goes_first_when_absent(client, engine):
+    client.post("/v1/chat/completions", json={"messages": HELLO})
+    assert engine.history[-1].messages == [{"role": "system", "content": "Be brief."}, *HELLO]
+    own = [{"role": "developer", "content": "Be long."}, {"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    client.post("/v1/chat/completions", json={"messages": own})
+    assert engine.history[-1].messages == [{"role": "system", "content": "Be long."},
+                                           {"role": "user", "content": "ab"}]
+
+
+def _msgs(*roles):
+    return [{"role": r, "content": "x"} for r in roles]
+
+
+BAD = [
+    # body, status, param
+    ({}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": "hi"}, 400, "messages"),
+    ({"messages": ["hi"]}, 400, "messages[0]"),
+    ({"messages": _msgs("tool")}, 400, "messages[0].role"),
+    ({"messages": [{"content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [*_msgs("user"), {"role": "user"}]}, 400, "messages[1].content"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "x" * 16001}]}, 413, "messages[0].content"),
+    ({"messages": _msgs("user"), "temperature": 2.5}, 400, "temperature"),
+    ({"messages": _msgs("user"), "temperature": -0.1}, 400, "temperature"),
+    ({"messages": _msgs("user"), "temperature": "hot"}, 400, "temperature"),
+    ({"messages": _msgs("user"), "top_p": 0}, 400, "top_p"),
+    ({"messages": _msgs("user"), "top_p": 1.01}, 400, "top_p"),
+    ({"messages": _msgs("user"), "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": _msgs("user"), "max_tokens": 1.5}, 400, "max_tokens"),
+    ({"messages": _msgs("user"), "max_completion_tokens": True}, 400, "max_completion_tokens"),
+    ({"messages": _msgs("user"), "seed": "x"}, 400, "seed"),
+    ({"messages": _msgs("user"), "seed": 2**64}, 400, "seed"),
+    ({"messages": _msgs("user"), "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"messages": _msgs("user"), "stop": [""]}, 400, "stop"),
+    ({"messages": _msgs("user"), "stop": 3}, 400, "stop"),
+    ({"messages": _msgs("user"), "n": 2}, 400, "n"),
+    ({"messages": _msgs("user"), "n": 0}, 400, "n"),
+    ({"messages": _msgs("user"), "stream": "yes"}, 400, "stream"),
+    ({"messages": _msgs("user"), "stream_options": {"include_usage": 1}}, 400, "stream_options.include_usage"),
+    ({"messages": _msgs("user"), "model": 3}, 400, "model"),
+    ({"messages": _msgs("user"), "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": _msgs("user"), "logprobs": True}, 400, "logprobs"),
+    ([1, 2], 400, None),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD)
+def test_bad_requests(client, engine, body, status, param):
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == status
+    error = response.get_json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] and error["code"]
+    assert not engine.history
+
+
+def test_invalid_json(client):
+    response = client.post("/v1/chat/completions", data=b"{not json", content_type="application/json")
+    assert response.status_code == 400 and response.get_json()["error"]["code"] == "invalid_json"
+
+
+def test_nulls_count_as_absent_and_unknown_fields_are_ignored(client, engine):
+    response = client.post("/v1/chat/completions", json={
+        "messages": HELLO, "temperature": None, "stop": None, "frequency_penalty": 0.5, "user": "u"})
+    assert response.status_code == 200
+    assert engine.history[-1].params.temperature == Settings().temperature
+
+
+def test_engine_refusals_map_to_http(client, engine):
+    engine.refuse = ProtocolError("overloaded", "queue full")
+    response = client.post("/v1/chat/completions", json={"messages": HELLO})
+    assert response.status_code == 503 and response.get_json()["error"]["code"] == "overloaded"
+    engine.refuse = ProtocolError("too_large", "prompt too long")
+    assert client.post("/v1/chat/completions", json={"messages": HELLO}).status_code == 413
+
+
+def test_not_ready_is_503(client, engine):
+    engine.ready = False
+    for response in (client.get("/v1/models"), client.post("/v1/chat/completions", json={"messages": HELLO})):
+        assert response.status_code == 503 and response.get_json()["error"]["code"] == "model_not_ready"
+
+
+def test_api_key_required_when_set():
+    server = LiveServer(make_app(FakeEngine(), api_key="s3cret"))
+    try:
+        for key in ("wrong", "s3cret-and-more", "s3cre"):
+            bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+            with pytest.raises(openai.AuthenticationError):
+                bad.chat.completions.create(model="any", messages=HELLO)
+        good = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
+        assert good.chat.completions.create(model="any", messages=HELLO, max_tokens=2).choices[0].message.content
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        conn.request("GET", "/v1/models")
+        response = conn.getresponse()
+        assert response.status == 401 and response.getheader("WWW-Authenticate") == "Bearer"
+        assert json.loads(response.read())["error"]["type"] == "authentication_error"
+    finally:
+        server.close()
+
+
+def test_engine_error_mid_stream(sdk, engine, client):
+    engine.fail_after = 3
+    stream = sdk.chat.completions.create(model="any", messages=HELLO, stream=True)
+    seen = []
+    with pytest.raises(openai.APIError, match="scripted failure"):
+        for chunk in stream:
+            seen.append(chunk.choices[0].delta.content or "")
+    assert "".join(seen) == "".join(WORDS[:3])
+    response = client.post("/v1/chat/completions", json={"messages": HELLO})
+    assert response.status_code == 500 and response.get_json()["error"]["message"] == "scripted failure"
+
+
+def _raw_stream(port, body, read_chunks=None):
+    """POST a streaming request; (response headers, [(seconds since send, line)])."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    t0 = time.monotonic()
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    lines = []
+    while read_chunks is None or len(lines) < read_chunks:
+        line = response.readline()
+        if not line:
+            break
+        if line.strip():
+            lines.append((time.monotonic() - t0, line.decode().strip()))
+    return conn, response, lines
+
+
+def test_sse_chunks_arrive_incrementally(live, engine):
+    engine.delay = 0.05
+    conn, response, lines = _raw_stream(live.port, {"messages": HELLO, "max_tokens": 10, "stream": True})
+    conn.close()
+    assert response.getheader("Content-Type").startswith("text/event-stream")
+    assert response.getheader("Cache-Control") == "no-cache"
+    assert response.getheader("X-Accel-Buffering") == "no"
+    assert response.getheader("Content-Length") is None
+    assert all(line.startswith("data: ") for _, line in lines) and lines[-1][1] == "data: [DONE]"
+    contents = [(t, json.loads(line[6:])) for t, line in lines[:-1]]
+    deltas = [t for t, c in contents if c["choices"][0]["delta"].get("content")]
+    assert len(deltas) == 10
+    assert contents[0][0] < 0.2 and deltas[0] < deltas[-1] - 0.3  # spread over ~0.5 s, not one burst
+
+
+def test_closing_the_stream_cancels_the_generation(live, engine):
+    engine.delay = 0.05
+    conn, response, lines = _raw_stream(live.port, {"messages": HELLO, "stream": True}, read_chunks=3)
+    assert len(lines) == 3
+    conn.close()
+    response.close()
+    gen = engine.history[-1]
+    assert wait_for(lambda: gen.cancel_reason == "cancelled" and engine.stats()["active"] == 0)
+    assert len(engine.history) == 1
+
+
+def test_sdk_closing_the_stream_cancels(sdk, engine):
+    engine.delay = 0.05
+    stream = sdk.chat.completions.create(model="any", messages=HELLO, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    assert wait_for(lambda: engine.stats()["active"] == 0)
+    assert engine.history[-1].cancel_reason == "cancelled"
+
+
+def test_engine_error_event_before_start(sdk, client, engine):
+    engine.reject = ProtocolError("too_large", "the prompt does not fit")
+    response = client.post("/v1/chat/completions", json={"messages": HELLO})
+    assert response.status_code == 413 and response.get_json()["error"]["code"] == "too_large"
+    with pytest.raises(openai.APIError, match="does not fit"):
+        list(sdk.chat.completions.create(model="any", messages=HELLO, stream=True))
+
+
+def test_body_size_limit(client, monkeypatch):
+    monkeypatch.setattr("chat.openai_api.MAX_BODY_BYTES", 100)
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 200}]})
+    assert response.status_code == 413 and response.get_json()["error"]["code"] == "too_large"
+
+
+def test_keepalive_comments_while_silent(live, sdk, engine, monkeypatch):
+    monkeypatch.setattr("chat.openai_api.KEEPALIVE_S", 0.02)
+    engine.delay = 0.1
+    conn, _, lines = _raw_stream(live.port, {"messages": HELLO, "max_tokens": 2, "stream": True})
+    conn.close()
+    assert ": keep-alive" in [line for _, line in lines] and lines[-1][1] == "data: [DONE]"
+    chunks = list(sdk.chat.completions.create(model="any", messages=HELLO, max_tokens=2, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "w0 w1 "
+
+
+def test_rate_limited_per_address(app, client):
+    from chat.ws import RateLimiter
+    app.extensions["chat"].rate = RateLimiter(2)
+    codes = [client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1}).status_code
+             for _ in range(3)]
+    assert codes == [200, 200, 429]
+
+
+# ---- against the real server: gunicorn + gevent, tiny model (fixtures in conftest.py)
+
+STORY = [{"role": "user", "content": "Tell me a long story."}]
+
+
+def metric(server, name: str) -> float:
+    """One unlabelled sample from the server's /metrics."""
+    from conftest import http_get
+    for line in http_get(server.url + "/metrics")[2].decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def live_sdk(server, key="unused"):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_live_stream_equals_non_stream(server):
+    sdk = live_sdk(server)
+    model = sdk.models.list().data[0].id
+    kwargs = dict(model=model, messages=STORY, max_tokens=24, temperature=0, seed=1)
+    plain = sdk.chat.completions.create(**kwargs)
+    assert plain.model == model and plain.choices[0].finish_reason in ("stop", "length")
+    chunks = list(sdk.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content and text
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == plain.usage.prompt_tokens > 0
+    assert usage.completion_tokens == plain.usage.completion_tokens <= 24
+
+
+def test_live_stop_sequence(server):
+    sdk = live_sdk(server)
+    kwargs = dict(model="any", messages=STORY, max_tokens=40, temperature=0)
+    full = sdk.chat.completions.create(**kwargs).choices[0].message.content
+    assert len(full) > 6, full
+    middle = len(full) // 2
+    stop = full[middle:middle + 3]
+    cut = sdk.chat.completions.create(**kwargs, stop=[stop])
+    assert cut.choices[0].message.content == full[:full.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_live_errors(server):
+    sdk = live_sdk(server)
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model="any", messages=STORY, n=2)
+    assert err.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model="any", messages=STORY, temperature=3)
+    assert err.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model="any", messages=[{"role": "robot", "content": "x"}])
+    assert err.value.param == "messages[0].role"
+
+
+def test_live_api_key(server_factory):
+    keyed = server_factory("keyed", CHAT_API_KEY="k-123")
+    with pytest.raises(openai.AuthenticationError):
+        live_sdk(keyed, "wrong").chat.completions.create(model="any", messages=STORY, max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        live_sdk(keyed, "wrong").models.list()
+    out = live_sdk(keyed, "k-123").chat.completions.create(model="any", messages=STORY, max_tokens=2)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_live_sse_chunks_arrive_incrementally(server):
+    body = {"model": "any", "messages": STORY, "max_tokens": 60, "temperature": 0, "stream": True}
+    conn, response, lines = _raw_stream(server.port, body)
+    conn.close()
+    assert response.getheader("X-Accel-Buffering") == "no" and response.getheader("Cache-Control") == "no-cache"
+    assert lines[-1][1] == "data: [DONE]"
+    times = [t for t, line in lines[:-1]
+             if line.startswith("data: ") and json.loads(line[6:])["choices"]
+             and json.loads(line[6:])["choices"][0]["delta"].get("content")]
+    total = lines[-1][0]
+    assert len(times) > 10
+    assert times[0] < total / 2, f"first content at {times[0]:.3f} s of {total:.3f} s: buffered"
+    assert len({round(t, 2) for t in times}) > 3
+
+
+def test_live_closing_the_stream_cancels(server):
+    assert wait_for(lambda: metric(server, "chat_active_generations") == 0, timeout=15)
+    body = {"model": "any", "messages": STORY, "max_tokens": 4000, "temperature": 0, "stream": True}
+    conn, response, lines = _raw_stream(server.port, body, read_chunks=6)
+    assert len(lines) == 6 and metric(server, "chat_active_generations") == 1
+    conn.close()
+    response.close()
+    closed = time.monotonic()
+    assert wait_for(lambda: metric(server, "chat_active_generations") == 0, timeout=5)
+    assert time.monotonic() - closed < 2, "the engine kept generating after the client left"
+    assert wait_for(lambda: "client closed the stream; generation cancelled" in server.log())
