@@ -1,0 +1,138 @@
+// Markdown for assistant answers: marked -> DOMPurify, with highlight.js code blocks.
+// Rendering is incremental: finished top-level blocks keep their DOM nodes while an
+// answer streams, so only the growing last block is rebuilt (no flicker, no jumps).
+import { Marked } from './vendor/marked/marked.esm.js';
+import DOMPurify from './vendor/dompurify/purify.es.js';
+import hljs from './vendor/highlight/highlight.min.js';
+
+const ESCAPES = { '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' };
+const escapeHtml = (s) => String(s).replace(/[&<>"']/g, (c) => ESCAPES[c]);
+
+// Auto-detection tries every bundled grammar, so it runs once a block is complete.
+const AUTO_HIGHLIGHT_MAX = 20000;
+
+const PURIFY = {
+  USE_PROFILES: { html: true },
+  FORBID_TAGS: ['style', 'form', 'input', 'button', 'textarea', 'select', 'option', 'iframe', 'img', 'video', 'audio', 'svg', 'math'],
+  FORBID_ATTR: ['style', 'id', 'name'],
+  RETURN_DOM_FRAGMENT: true,
+};
+
+DOMPurify.addHook('afterSanitizeAttributes', (node) => {
+  if (node.tagName === 'A' && node.hasAttribute('href')) {
+    node.setAttribute('target', '_blank');
+    node.setAttribute('rel', 'noopener noreferrer nofollow');
+  }
+});
+
+function codeBlock(text, lang, live) {
+  const language = (lang || '').trim().split(/\s+/)[0].toLowerCase();
+  let html = null;
+  let label = language;
+  if (language && hljs.getLanguage(language)) {
+    html = hljs.highlight(text, { language, ignoreIllegals: true }).value;
+  } else if (!language && !live && text.length <= AUTO_HIGHLIGHT_MAX) {
+    const result = hljs.highlightAuto(text);
+    if (result.language && result.relevance >= 5) {
+      html = result.value;
+      label = result.language;
+    }
+  }
+  if (html === null) html = escapeHtml(text);
+  const cls = label ? ` language-${escapeHtml(label.replace(/[^\w+#.-]/g, ''))}` : '';
+  return `<div class="code-block"><div class="code-head"><span class="code-lang">${escapeHtml(label || 'text')}</span></div>`
+    + `<pre><code class="hljs${cls}">${html}</code></pre></div>`;
+}
+
+function makeMarked(live) {
+  return new Marked({
+    gfm: true,
+    breaks: false,
+    async: false,
+    renderer: {
+      // Raw HTML written by the model is shown as text, never interpreted.
+      html({ text }) { return escapeHtml(text); },
+      code({ text, lang }) { return codeBlock(text, lang, live); },
+      // Images become links: no remote fetches (tracking pixels) from model output.
+      image({ href, text }) {
+        return `<a href="${escapeHtml(href)}">${escapeHtml(text || href)}</a>`;
+      },
+    },
+  });
+}
+
+const markedFinal = makeMarked(false);
+const markedLive = makeMarked(true);
+
+function addCopyButtons(root) {
+  for (const head of root.querySelectorAll('.code-head')) {
+    const button = document.createElement('button');
+    button.type = 'button';
+    button.className = 'copy-btn';
+    button.dataset.copy = 'code';
+    button.setAttribute('aria-label', 'Copy code');
+    button.innerHTML = '<svg viewBox="0 0 24 24" aria-hidden="true"><rect x="9" y="9" width="11" height="11" rx="2"/><path d="M5 15V5a1 1 0 0 1 1-1h9"/></svg><span>Copy</span>';
+    head.append(button);
+  }
+}
+
+function toFragment(html) {
+  const fragment = DOMPurify.sanitize(html, PURIFY);
+  addCopyButtons(fragment);
+  return fragment;
+}
+
+/** Render a whole Markdown string to a sanitized DocumentFragment. */
+export function renderMarkdown(text) {
+  return toFragment(markedFinal.parse(String(text ?? '')));
+}
+
+/** Render a whole Markdown string to sanitized HTML (a string). */
+export function renderMarkdownToHtml(text) {
+  const div = document.createElement('div');
+  div.append(renderMarkdown(text));
+  return div.innerHTML;
+}
+
+/** Keeps a container in sync with a growing Markdown text, one DOM node per top-level block. */
+export class MarkdownView {
+  constructor(container) {
+    this.el = container;
+    this.blocks = [];
+    this.text = null;
+    this.final = false;
+  }
+
+  update(text, final = false) {
+    if (text === this.text && final === this.final) return;
+    this.text = text;
+    this.final = final;
+    const lexed = markedFinal.lexer(text);
+    const tokens = lexed.filter((t) => t.type !== 'space');
+    const hasLinks = Object.keys(lexed.links || {}).length > 0;
+    tokens.forEach((token, i) => {
+      const live = !final && i === tokens.length - 1;
+      const key = `${live ? 'L' : 'F'}${token.raw}`;
+      let block = this.blocks[i];
+      if (block && block.key === key && !live && !(final && hasLinks)) return;
+      const list = [token];
+      list.links = lexed.links;
+      const fragment = toFragment((live ? markedLive : markedFinal).parser(list));
+      if (!block) {
+        const node = document.createElement('div');
+        node.className = 'md-block';
+        this.el.append(node);
+        block = this.blocks[i] = { node, key };
+      }
+      block.key = key;
+      block.node.replaceChildren(fragment);
+    });
+    for (const stale of this.blocks.splice(tokens.length)) stale.node.remove();
+  }
+}
+
+/** The plain text of a code block next to a copy button. */
+export function codeTextFor(button) {
+  const code = button.closest('.code-block')?.querySelector('pre code');
+  return code ? code.textContent : '';
+}

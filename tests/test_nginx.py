@@ -1,0 +1,218 @@
+"""deploy/nginx.conf in front of the real gunicorn server: streams stay streams, static files are cached."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from chat.client import Session
+
+ROOT = Path(__file__).resolve().parent.parent
+NGINX = os.environ.get("NGINX", "/usr/sbin/nginx")
+SITE = ROOT / "deploy" / "nginx.conf"
+
+MAIN_CONF = """\
+{user}
+worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log info;
+events {{ worker_connections 256; }}
+http {{
+    include {mime};
+    default_type application/octet-stream;
+    access_log {tmp}/access.log;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    include {tmp}/site.conf;
+}}
+"""
+
+
+def render_site(upstream: str, port: int) -> str:
+    """deploy/nginx.conf with this test's ports and this checkout's path substituted."""
+    text = SITE.read_text()
+    for placeholder in ("listen 80;", "127.0.0.1:8000", "/srv/chat/"):
+        assert placeholder in text, f"deploy/nginx.conf no longer contains {placeholder!r}"
+    text = text.replace("listen 80;", f"listen 127.0.0.1:{port};")
+    text = text.replace("listen [::]:80;", "")
+    text = text.replace("127.0.0.1:8000", upstream)
+    return text.replace("/srv/chat/", f"{ROOT}/")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Nginx:
+    """A real nginx, configured from deploy/nginx.conf, in front of ``upstream``."""
+
+    def __init__(self, tmp: Path, upstream: str):
+        if not os.path.exists(NGINX):
+            pytest.fail(f"nginx is not installed at {NGINX} (apt-get install nginx-light, "
+                        "or set NGINX=/path/to/nginx); these tests need a real one")
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}/ws"
+        self.tmp = tmp
+        (tmp / "site.conf").write_text(render_site(upstream, self.port))
+        mime = "/etc/nginx/mime.types" if os.path.exists("/etc/nginx/mime.types") else "mime.types"
+        # As root, nginx's workers default to user "nobody", who may not read the checkout.
+        user = "user root;" if os.geteuid() == 0 else ""
+        (tmp / "nginx.conf").write_text(MAIN_CONF.format(tmp=tmp, mime=mime, user=user))
+        check = subprocess.run([NGINX, "-t", "-p", str(tmp), "-c", str(tmp / "nginx.conf")],
+                               capture_output=True, text=True)
+        assert check.returncode == 0, f"nginx -t rejected the config:\n{check.stderr}"
+        self.proc = subprocess.Popen([NGINX, "-p", str(tmp), "-c", str(tmp / "nginx.conf"),
+                                      "-g", "daemon off;"], stderr=open(tmp / "stderr.log", "wb"))
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                break
+            except OSError:
+                assert self.proc.poll() is None, f"nginx exited: {self.log()}"
+                assert time.monotonic() < deadline, f"nginx did not start listening: {self.log()}"
+                time.sleep(0.05)
+
+    def log(self) -> str:
+        return "".join((self.tmp / name).read_text(errors="replace")
+                       for name in ("stderr.log", "error.log") if (self.tmp / name).exists())
+
+    def request(self, method: str, path: str, body=None, headers=None) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.request(method, path, body=body, headers=headers or {})
+        return conn.getresponse()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def nginx(server, tmp_path):
+    """nginx on a free port, proxying to the live gunicorn server."""
+    proxy = Nginx(tmp_path, urlsplit(server.url).netloc)
+    yield proxy
+    proxy.stop()
+
+
+def test_config_renders_and_passes_nginx_t(tmp_path):
+    Nginx(tmp_path, "127.0.0.1:9").stop()
+
+
+def test_http_is_proxied(nginx):
+    response = nginx.request("GET", "/healthz")
+    assert response.status == 200
+    assert json.loads(response.read()) == {"status": "ok"}
+    page = nginx.request("GET", "/")
+    assert page.status == 200 and "chat_client=" in page.getheader("Set-Cookie", "")
+    assert nginx.request("GET", "/metrics").status == 200  # allowed from 127.0.0.1 only
+
+
+def test_static_files_come_from_disk_with_caching_headers(nginx):
+    response = nginx.request("GET", "/static/app.css")
+    body = response.read()
+    assert response.status == 200
+    assert body == (ROOT / "static" / "app.css").read_bytes()
+    assert response.getheader("Cache-Control") == "public, max-age=3600"
+    assert response.getheader("ETag") and response.getheader("Last-Modified")
+    assert response.getheader("Content-Type", "").startswith("text/css")
+    etag = response.getheader("ETag")
+    again = nginx.request("GET", "/static/app.css", headers={"If-None-Match": etag})
+    assert again.status == 304
+    assert nginx.request("GET", "/static/no-such-file.css").status == 404
+
+
+def test_a_browser_origin_through_nginx_is_accepted(nginx):
+    import websocket
+    # Host must reach the app with its port, or the page's own Origin looks foreign (403).
+    ws = websocket.create_connection(nginx.ws_url, origin=nginx.url, timeout=10)
+    try:
+        assert json.loads(ws.recv())["type"] == "ready"
+    finally:
+        ws.close()
+    with pytest.raises(websocket.WebSocketBadStatusException) as refused:
+        websocket.create_connection(nginx.ws_url, origin="http://evil.example", timeout=10)
+    assert refused.value.status_code == 403
+
+
+def _timed_frames(session: Session, prompt: str, **kwargs):
+    """(arrival time, frame) for every frame of one chat."""
+    start = time.monotonic()
+    return [(time.monotonic() - start, f) for f in session.chat(prompt, **kwargs)]
+
+
+def assert_incremental(times: list[float], total: float, what: str) -> None:
+    """The first piece arrived long before the last, i.e. nothing sat in a buffer."""
+    assert len(times) >= 10, f"too few {what} to judge streaming: {len(times)}"
+    assert times[0] < 0.5 * total, (
+        f"first {what} at {times[0]:.3f} s of {total:.3f} s: the stream was buffered")
+    # Pieces spread over the answer, not one burst at the end.
+    assert len({round(t, 3) for t in times}) > 3
+
+
+def test_websocket_deltas_stream_through_nginx(nginx, server):
+    with Session(nginx.ws_url, timeout=30) as session:
+        assert session.ready["protocol"] == "chat.v1"
+        frames = _timed_frames(session, "Tell me a long story.",
+                               params={"max_new_tokens": 64, "temperature": 0})
+    deltas = [(t, f) for t, f in frames if f["type"] == "delta"]
+    done_at, done = frames[-1]
+    assert done["type"] == "done" and done["reason"] in ("stop", "length")
+    assert [f["index"] for _, f in deltas] == list(range(len(deltas)))
+    assert_incremental([t for t, _ in deltas], done_at, "delta")
+
+
+def test_websocket_cancel_through_nginx(nginx):
+    with Session(nginx.ws_url, timeout=30) as session:
+        cancel = threading.Event()
+        frames = []
+        for frame in session.chat("Count to a thousand.", params={"max_new_tokens": 2000}, cancel=cancel):
+            frames.append(frame)
+            if frame["type"] == "delta":
+                cancel.set()
+    assert frames[-1]["type"] == "done" and frames[-1]["reason"] == "cancelled"
+
+
+def test_sse_chunks_stream_through_nginx(nginx):
+    body = json.dumps({"model": "any", "stream": True, "max_tokens": 64, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Tell me a long story."}]})
+    start = time.monotonic()
+    # Real clients (browsers, the OpenAI SDK) accept gzip, and gzip would hold events back.
+    response = nginx.request("POST", "/v1/chat/completions", body=body,
+                             headers={"Content-Type": "application/json", "Accept-Encoding": "gzip, deflate"})
+    assert response.status == 200
+    assert response.getheader("Content-Type", "").startswith("text/event-stream")
+    assert response.getheader("Content-Encoding") is None
+    times, chunks = [], []
+    while True:
+        line = response.readline()
+        assert line, "the stream ended without data: [DONE]"
+        line = line.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            total = time.monotonic() - start
+            break
+        chunk = json.loads(line[6:])
+        if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+            times.append(time.monotonic() - start)
+            chunks.append(chunk)
+    assert_incremental(times, total, "SSE chunk")
