@@ -26,8 +26,8 @@ preload_app = False
 accesslog = "-"
 errorlog = "-"
 loglevel = _settings.log_level
-# Headers such as X-Forwarded-Proto are honoured by the app itself, only from trusted hops.
-forwarded_allow_ips = "*" if _settings.trusted_proxies else "127.0.0.1"
+# X-Forwarded-* headers are judged by the app itself (CHAT_TRUSTED_PROXIES), never by gunicorn.
+forwarded_allow_ips = ""
 
 
 def post_worker_init(worker):

@@ -14,6 +14,7 @@ import collections
 import logging
 import random
 import time
+import weakref
 
 import torch
 from transformers import DynamicCache
@@ -35,7 +36,8 @@ class _BufferLayer(DynamicLayer):
 
     def __init__(self, owner: "KVBuffer", index: int):
         super().__init__()
-        self.owner, self.index = owner, index
+        # A weak link: a cycle would keep every replaced batch buffer alive until a full GC.
+        self.owner, self.index = weakref.proxy(owner), index
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):

@@ -1,7 +1,10 @@
 """Prometheus metrics for one app (its own registry, so tests may build many apps)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import gc
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for api.py)
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
@@ -21,6 +24,11 @@ class Metrics:
         queued.set_function(lambda: engine.stats().get("queued", 0))
         ready = Gauge("chat_ready", "1 once the model is loaded and warmed up", registry=r)
         ready.set_function(lambda: 1 if engine.ready else 0)
+        ProcessCollector(registry=r)  # resident memory, CPU, open fds
+        threads = Gauge("chat_os_threads", "OS threads in this worker process", registry=r)
+        threads.set_function(_os_threads)
+        greenlets = Gauge("chat_greenlets", "Live greenlets in this worker process", registry=r)
+        greenlets.set_function(_greenlets)
         self.tokens = Counter("chat_tokens_generated", "Completion tokens generated", registry=r)
         self.prompt_tokens = Counter("chat_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generations = Counter("chat_generations", "Finished generations by done reason",
@@ -49,3 +57,18 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _os_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+def _greenlets() -> int:
+    try:
+        from greenlet import greenlet
+    except ImportError:
+        return 0
+    return sum(1 for o in gc.get_objects() if isinstance(o, greenlet) and not o.dead)

@@ -231,6 +231,7 @@ class Run:
         self.state.metrics.finished(event)
         extra = {"chars": len(text)}
         if self.state.settings.log_content:
+            extra["prompt"] = self.gen.messages[-1]["content"]
             extra["text"] = text
         log.info("generation %s", json.dumps({
             "conversation": self.conversation_id, "id": self.id, "reason": event["reason"],

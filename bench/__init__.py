@@ -1,0 +1,1 @@
+"""Benchmark of the chat server against the real bundled model: ``python -m bench.run``."""

@@ -1,0 +1,89 @@
+"""In-process limit: plain transformers ``generate`` on a worker thread, the main thread torch-free.
+
+Run as ``python -m bench.inprocess --prompt TEXT --tokens N --reps R``; prints one JSON object.
+The model is loaded with the server's own loader and settings (same weights, dtype, threads),
+and the prompt goes through the same chat template with the same system prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+
+
+def measure(prompt_text: str, tokens: int, reps: int) -> dict:
+    """Load, warm up and time ``reps`` greedy generations of exactly ``tokens`` new tokens."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+    from transformers.utils import logging as hf_logging
+
+    from chat import model as loader
+    from chat import prompt
+    from chat.config import Settings
+
+    hf_logging.set_verbosity_error()
+
+    class Clock(BaseStreamer):
+        """Timestamps of every ``put``: the prompt first, then each new token."""
+
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    settings = Settings.from_env()
+    loaded = loader.load(settings)
+    messages = [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": prompt_text}]
+    ids = prompt.render(loaded.tokenizer, messages)
+    input_ids = torch.tensor([ids], device=loaded.device)
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else min(loaded.eos_ids)
+
+    def once(n: int) -> dict:
+        clock = Clock()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = loaded.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                        max_new_tokens=n, min_new_tokens=n, streamer=clock, pad_token_id=pad)
+        end = time.perf_counter()
+        new = out.shape[1] - len(ids)
+        first, last = clock.times[1], clock.times[-1]
+        return {"prefill_s": first - start, "total_s": end - start, "tokens": new,
+                "tok_s": (new - 1) / (last - first) if new > 1 and last > first else 0.0}
+
+    once(8)  # warm-up, not counted
+    runs = [once(tokens) for _ in range(reps)]
+    return {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
+            "device": str(loaded.device), "torch_threads": torch.get_num_threads(),
+            "load_s": loaded.load_s, "prompt_tokens": len(ids), "runs": runs,
+            "tok_s": statistics.median(r["tok_s"] for r in runs),
+            "prefill_s": statistics.median(r["prefill_s"] for r in runs)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    result: dict = {}
+
+    def work() -> None:
+        try:
+            result.update(measure(args.prompt, args.tokens, args.reps))
+        except Exception as exc:  # reported to the parent, which owns error handling
+            result["error"] = f"{type(exc).__name__}: {exc}"
+
+    worker = threading.Thread(target=work, name="bench-model")
+    worker.start()
+    worker.join()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Operating the server: metrics, origin and key checks, limits, headers, logs, a soak run."""
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import time
+
+import pytest
+import websocket
+
+from conftest import WS, http_get, text_of
+
+
+def metric(server, name: str, labels: str = "") -> float:
+    """One sample from /metrics (0 when absent)."""
+    body = http_get(server.url + "/metrics")[2].decode()
+    pattern = re.compile(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", re.M)
+    match = pattern.search(body)
+    return float(match.group(1)) if match else 0.0
+
+
+def handshake_status(url: str, **kwargs) -> int:
+    """101 when the upgrade succeeds, else the HTTP status the server refused with."""
+    try:
+        conn = websocket.create_connection(url, timeout=10, **kwargs)
+    except websocket.WebSocketBadStatusException as exc:
+        return exc.status_code
+    conn.close()
+    return 101
+
+
+def test_metrics_move_after_a_chat(server):
+    before = {name: metric(server, name, labels) for name, labels in [
+        ("chat_tokens_generated_total", ""), ("chat_generations_total", '{reason="length"}'),
+        ("chat_time_to_first_delta_seconds_count", ""), ("chat_errors_total", '{code="bad_json"}'),
+        ("chat_cancellations_total", "")]}
+    client = WS(server.ws_url)
+    frames = client.chat("count me", params={"temperature": 0, "max_new_tokens": 25})
+    client.send("{nope")
+    assert client.recv()["code"] == "bad_json"
+    client.send({"type": "chat", "id": "c2", "content": "cancel me", "params": {"max_new_tokens": 4000}})
+    client.until(lambda f: f["type"] == "delta")
+    client.send({"type": "cancel", "id": "c2"})
+    client.until(lambda f: f["type"] == "done")
+    assert metric(server, "chat_ws_connections") >= 1
+    client.close()
+    assert frames[-1]["usage"]["completion_tokens"] == 25
+    assert metric(server, "chat_tokens_generated_total") >= before["chat_tokens_generated_total"] + 25
+    assert metric(server, "chat_generations_total", '{reason="length"}') == \
+        before["chat_generations_total"] + 1
+    assert metric(server, "chat_time_to_first_delta_seconds_count") >= \
+        before["chat_time_to_first_delta_seconds_count"] + 2
+    assert metric(server, "chat_errors_total", '{code="bad_json"}') == before["chat_errors_total"] + 1
+    assert metric(server, "chat_cancellations_total") == before["chat_cancellations_total"] + 1
+    assert metric(server, "chat_ready") == 1 and metric(server, "process_resident_memory_bytes") > 0
+
+
+def test_cross_origin_handshake_is_refused(server_factory):
+    srv = server_factory("origin", CHAT_ALLOWED_ORIGINS="https://chat.example.com")
+    host = f"127.0.0.1:{srv.port}"
+    assert handshake_status(srv.ws_url, origin="https://evil.example.net") == 403
+    assert handshake_status(srv.ws_url, origin="http://localhost:1") == 403
+    assert handshake_status(srv.ws_url, origin=f"http://{host}") == 101
+    assert handshake_status(srv.ws_url, origin="https://chat.example.com") == 101
+    assert handshake_status(srv.ws_url, suppress_origin=True) == 101
+
+
+def test_connection_rate_and_frame_limits(server_factory):
+    srv = server_factory("limits", CHAT_MAX_CONNECTIONS_PER_IP=2, CHAT_RATE_LIMIT_PER_MIN=2,
+                         CHAT_MAX_MESSAGE_BYTES=2048)
+    a, b = WS(srv.ws_url), WS(srv.ws_url)
+    assert handshake_status(srv.ws_url) == 429
+    b.close()
+    time.sleep(0.5)
+    c = WS(srv.ws_url)  # a slot freed up
+    for rid in ("r1", "r2"):
+        assert a.chat("hi", rid=rid, params={"max_new_tokens": 3})[-1]["type"] == "done"
+    limited = a.chat("hi", rid="r3", params={"max_new_tokens": 3})[-1]
+    assert (limited["type"], limited["code"], limited["id"]) == ("error", "rate_limited", "r3")
+    assert a.ping()["type"] == "pong"
+    c.send({"type": "ping", "t": "x" * 4096})  # over the frame limit: the socket is closed
+    with pytest.raises(Exception):
+        c.recv()
+    assert a.ping()["type"] == "pong"
+    a.close()
+
+
+def test_api_key_guards_the_socket(server_factory):
+    srv = server_factory("key", CHAT_API_KEY="s3cret")
+    assert handshake_status(srv.ws_url) == 401
+    assert handshake_status(srv.ws_url, header=["Authorization: Bearer wrong"]) == 401
+    assert handshake_status(srv.ws_url, header=["Authorization: Bearer s3cret"]) == 101
+    assert handshake_status(srv.ws_url + "?token=s3cret") == 101
+    cookie = http_get(srv.url + "/")[1]["Set-Cookie"].split(";")[0]
+    assert handshake_status(srv.ws_url, cookie=cookie) == 101
+    forged = "chat_client=" + "A" * 32
+    assert handshake_status(srv.ws_url, cookie=forged) == 401
+
+
+def test_page_headers_and_cookie(server_factory):
+    srv = server_factory("proxied", CHAT_TRUSTED_PROXIES=1)
+    status, headers, body = http_get(srv.url + "/")
+    assert status == 200 and b'data-testid="prompt"' in body
+    csp = headers["Content-Security-Policy"]
+    assert "default-src 'self'" in csp and "script-src 'self'" in csp and "unsafe-inline" not in csp
+    assert headers["X-Frame-Options"] == "DENY" and headers["X-Content-Type-Options"] == "nosniff"
+    cookie = headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Lax" in cookie and "Secure" not in cookie
+    secure = http_get(srv.url + "/", headers={"X-Forwarded-Proto": "https"})[1]["Set-Cookie"]
+    assert "Secure" in secure
+
+
+def test_forwarded_proto_ignored_without_trusted_proxies(server):
+    cookie = http_get(server.url + "/", headers={"X-Forwarded-Proto": "https"})[1]["Set-Cookie"]
+    assert "Secure" not in cookie
+
+
+def test_logs_leave_out_message_text_unless_asked(server_factory):
+    quiet = server_factory("quiet")
+    loud = server_factory("loud", CHAT_LOG_CONTENT=1)
+    for srv in (quiet, loud):
+        client = WS(srv.ws_url)
+        frames = client.chat("PINEAPPLE-SECRET", params={"temperature": 0, "max_new_tokens": 10})
+        client.close()
+        time.sleep(0.3)
+        lines = [line for line in srv.log().splitlines() if "generation {" in line]
+        record = json.loads(lines[-1].split("generation ", 1)[1])
+        assert record["reason"] == "length" and record["completion_tokens"] == 10
+        assert record["ttft_ms"] is not None and "tokens_per_s" in record
+        assert ("PINEAPPLE-SECRET" in srv.log()) == (srv is loud)
+        if srv is loud:
+            assert record["text"] == text_of(frames)
+
+
+def test_soak_leaves_no_leaks_and_consistent_conversations(server_factory):
+    srv = server_factory("soak", CHAT_RESUME_GRACE_S=0.5, CHAT_MAX_ACTIVE_PER_CONNECTION=8)
+    cookie = http_get(srv.url + "/")[1]["Set-Cookie"].split(";")[0]
+
+    def warm():
+        client = WS(srv.ws_url, cookie=cookie)
+        client.chat("warm", params={"max_new_tokens": 20})
+        client.close()
+
+    for _ in range(5):
+        warm()
+    time.sleep(1.5)
+    base = {m: metric(srv, m) for m in ("chat_os_threads", "chat_greenlets", "process_resident_memory_bytes")}
+    outcomes = {"done": 0, "cancelled": 0, "dropped": 0}
+    lock = threading.Lock()
+
+    def worker(seed):
+        rng = random.Random(seed)
+        for i in range(40):
+            client = WS(srv.ws_url, cookie=cookie)
+            rid = f"s{seed}-{i}"
+            client.send({"type": "chat", "id": rid, "content": f"soak {seed} {i}",
+                         "params": {"max_new_tokens": rng.randint(5, 60), "temperature": 0.8}})
+            action = rng.random()
+            if action < 0.25:
+                client.until(lambda f: f["type"] in ("delta", "done"))
+                client.send({"type": "cancel", "id": rid})
+                client.until(lambda f: f["type"] == "done")
+                kind = "cancelled"
+            elif action < 0.5:
+                client.until(lambda f: f["type"] in ("start", "delta", "done"))
+                client.conn.sock.close()  # abrupt disconnect, no close frame
+                kind = "dropped"
+            else:
+                client.until(lambda f: f["type"] == "done")
+                kind = "done"
+            client.close()
+            with lock:
+                outcomes[kind] += 1
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert sum(outcomes.values()) == 320, outcomes
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (metric(srv, "chat_active_generations") or
+                                           metric(srv, "chat_ws_connections")):
+        time.sleep(0.2)
+    time.sleep(1.5)  # resume grace and finished-run expiry
+    assert metric(srv, "chat_active_generations") == 0 and metric(srv, "chat_queue_depth") == 0
+    assert metric(srv, "chat_ws_connections") == 0
+    assert metric(srv, "chat_os_threads") <= base["chat_os_threads"]
+    assert metric(srv, "chat_greenlets") <= base["chat_greenlets"] + 2
+    grown = metric(srv, "process_resident_memory_bytes") - base["process_resident_memory_bytes"]
+    assert grown < 150 * 1024 * 1024, f"resident memory grew by {grown / 2**20:.0f} MiB"
+    conversations = json.loads(http_get(srv.url + "/api/conversations", headers={"Cookie": cookie})[2])
+    assert len(conversations) == 325
+    for conv in conversations:
+        data = json.loads(http_get(f"{srv.url}/api/conversations/{conv['id']}", headers={"Cookie": cookie})[2])
+        roles = [m["role"] for m in data["messages"]]
+        assert roles == ["user", "assistant"], roles
+        answer = data["messages"][1]
+        assert answer["status"] in ("complete", "partial"), answer
+        assert answer["reason"] in ("stop", "length", "cancelled")
+        assert (answer["status"] == "complete") == (answer["reason"] in ("stop", "length"))
