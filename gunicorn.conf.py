@@ -38,7 +38,7 @@ def post_worker_init(worker):
 
     state = worker.wsgi.extensions["chat"]
     # Keep a margin inside gunicorn's own graceful timeout for the final shutdown frames.
-    budget = max(0.0, worker.cfg.graceful_timeout - 3)
+    budget = max(worker.cfg.graceful_timeout * 0.5, worker.cfg.graceful_timeout - 3)
 
     def on_term():
         worker.alive = False

@@ -57,7 +57,7 @@ class Settings:
     dtype: str = _setting("CHAT_DTYPE", "auto", _choice("auto", "float32", "bfloat16"))
     device: str = _setting("CHAT_DEVICE", "auto", _choice("auto", "cpu", "cuda"))
     threads: int = _setting("CHAT_THREADS", 0, int, low=0, high=512, doc="torch threads; 0: all cores")
-    cache_dir: str = _setting("CHAT_CACHE_DIR", "", str, doc="converted-weights cache; empty: data/model-cache")
+    cache_dir: str = _setting("CHAT_CACHE_DIR", "", str, doc="converted-weights cache; empty: <CHAT_DATA_DIR>/model-cache")
     data_dir: str = _setting("CHAT_DATA_DIR", str(ROOT / "data"), str)
     db: str = _setting("CHAT_DB", "", str, doc="SQLite file; empty: <data_dir>/chat.db")
     warmup: bool = _setting("CHAT_WARMUP", True, _bool)

@@ -93,11 +93,14 @@ class KVBuffer:
         self.values[index][:, :, self.length:end] = value_states
         return self.keys[index][:, :, :end], self.values[index][:, :, :end]
 
-    def row(self, r: int):
-        """(keys, values) of row ``r`` without its left padding, as compact tensors."""
+    def row(self, r: int, copy: bool = True):
+        """(keys, values) of row ``r`` without its left padding (compact copies unless ``copy=False``)."""
         start = self.length - int(self.mask[r, :self.length].sum())
-        return ([k[r:r + 1, :, start:self.length].clone() for k in self.keys],
-                [v[r:r + 1, :, start:self.length].clone() for v in self.values])
+        keys = [k[r:r + 1, :, start:self.length] for k in self.keys]
+        values = [v[r:r + 1, :, start:self.length] for v in self.values]
+        if copy:
+            keys, values = [k.clone() for k in keys], [v.clone() for v in values]
+        return keys, values
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
@@ -327,13 +330,19 @@ class LocalEngine(Engine):
         for gen in [g for g in self.pending if g.cancel_reason]:
             self.pending.remove(gen)
             self._done(gen, gen.cancel_reason, 0, 0, None)
-        while self.pending and len(self.rows) < self.settings.max_batch and not self.stopping:
+        joining = []
+        while self.pending and len(self.rows) + len(joining) < self.settings.max_batch and not self.stopping:
             gen = self.pending.popleft()
             try:
-                self._join(gen)
+                ids = gen.prompt_ids or self._fit(gen)
             except ProtocolError as exc:
                 gen.emit({"type": "error", "code": exc.code, "message": exc.message})
                 gen.finished = True
+                continue
+            joining.append(Slot(gen, ids, self.loaded.tokenizer, self.settings))
+            gen.emit({"type": "start", "prompt_tokens": len(ids)})
+        if joining:
+            self._join(joining)
         for position, gen in enumerate(self.pending, 1):
             if getattr(gen, "position", None) != position:
                 gen.position = position
@@ -345,32 +354,68 @@ class LocalEngine(Engine):
         budget = self.settings.context_tokens - min(max_new, self.settings.context_tokens // 2)
         return prompt.fit(self.loaded.tokenizer, gen.messages, budget)[0]
 
-    def _join(self, gen: Generation) -> None:
-        ids = gen.prompt_ids or self._fit(gen)
-        slot = Slot(gen, ids, self.loaded.tokenizer, self.settings)
-        gen.emit({"type": "start", "prompt_tokens": len(ids)})
+    def _join(self, slots: list) -> None:
+        """Prefill newcomers (fresh prompts together in one padded pass) and add them to the batch."""
+        prefilled = []  # (slot, kv buffer, row in it, logits)
+        fresh = []
         with torch.inference_mode():
-            reused = self.prefix.take(gen.key, ids)
-            slot.reused = reused[2] if reused else 0
-            kv, logits = self._prefill(ids, reused)
-        if gen.cancel_reason:
-            self._done(gen, gen.cancel_reason, len(ids), 0, slot)
+            for slot in slots:
+                reused = self.prefix.take(slot.gen.key, slot.prompt_ids)
+                if reused is None:
+                    fresh.append(slot)
+                    continue
+                slot.reused = reused[2]
+                kv, logits = self._prefill(slot.prompt_ids, reused)
+                prefilled.append((slot, kv, 0, logits[0]))
+            if len(fresh) == 1:
+                kv, logits = self._prefill(fresh[0].prompt_ids, None)
+                prefilled.append((fresh[0], kv, 0, logits[0]))
+            elif fresh:
+                kv, logits = self._prefill_together([s.prompt_ids for s in fresh])
+                prefilled += [(slot, kv, r, logits[r]) for r, slot in enumerate(fresh)]
+        kept = []
+        for slot, kv, r, logits in prefilled:
+            if slot.gen.cancel_reason:
+                self._done(slot.gen, slot.gen.cancel_reason, len(slot.prompt_ids), 0, slot)
+            else:
+                kept.append((slot, kv, r, logits))
+        if not kept:
             return
-        self._merge(slot, kv)
-        self._accept(slot, logits[0])
-
-    def _merge(self, slot: Slot, new: KVBuffer) -> None:
-        """Add a prefilled row to the running batch buffer."""
-        parts = []
-        if self.kv is not None and self.rows:
-            for r in range(len(self.rows)):
-                keys, values = self.kv.row(r)
-                parts.append((keys, values, keys[0].shape[2]))
-        keys, values = new.row(0)
-        parts.append((keys, values, keys[0].shape[2]))
-        self.rows.append(slot)
+        parts = [self._part(self.kv, r) for r in range(len(self.rows))] if self.kv is not None else []
+        parts += [self._part(kv, r) for _, kv, r, _ in kept]
+        self.rows += [slot for slot, _, _, _ in kept]
         self.kv = _assemble(parts, self.n_layers, self.n_kv_heads, self.head_dim,
                             self.loaded.dtype, self.loaded.device)
+        for slot, _, _, logits in kept:
+            self._accept(slot, logits)
+
+    @staticmethod
+    def _part(kv: KVBuffer, r: int):
+        keys, values = kv.row(r, copy=False)
+        return keys, values, keys[0].shape[2]
+
+    def _prefill_together(self, prompts: list):
+        """One left-padded forward pass for several fresh prompts."""
+        device = self.loaded.device
+        width = max(len(ids) for ids in prompts)
+        kv = KVBuffer(self.n_layers, len(prompts), self.n_kv_heads, self.head_dim, width + 64,
+                      self.loaded.dtype, device)
+        input_ids = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+        positions = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+        for r, ids in enumerate(prompts):
+            pad = width - len(ids)
+            input_ids[r, pad:] = torch.tensor(ids, device=device)
+            positions[r, pad:] = torch.arange(len(ids), device=device)
+            kv.mask[r, pad:width] = 1
+        logits = self._forward(input_ids, kv, positions)
+        kv.length = width
+        for r, ids in enumerate(prompts):
+            pad = width - len(ids)
+            if pad:  # padding rows attend to nothing; keep their never-read KV finite
+                for store in (kv.keys, kv.values):
+                    for t in store:
+                        t[r, :, :pad] = 0
+        return kv, logits
 
     def _sample(self, slot: Slot, logits) -> int:
         temperature, top_p = slot.params.temperature, slot.params.top_p
@@ -458,11 +503,7 @@ class LocalEngine(Engine):
         if not self.rows:
             self.kv = None
             return
-        parts = []
-        for i in range(self.kv.rows):
-            if i != r:
-                keys, values = self.kv.row(i)
-                parts.append((keys, values, keys[0].shape[2]))
+        parts = [self._part(self.kv, i) for i in range(self.kv.rows) if i != r]
         self.kv = _assemble(parts, self.n_layers, self.n_kv_heads, self.head_dim,
                             self.loaded.dtype, self.loaded.device)
 

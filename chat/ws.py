@@ -84,7 +84,11 @@ def websocket(ws):
     state = _state()
     settings = state.settings
     ip = identity.remote_ip(request, settings.trusted_proxies)
-    client = identity.current_client() or ("anon-" + identity.new_client_id())
+    client = identity.current_client()
+    if client is None and settings.api_key and bearer_ok(request, settings.api_key):
+        # A program that proved the key may name its own identity with an unsigned cookie.
+        client = identity.client_id(request)
+    client = client or ("anon-" + identity.new_client_id())
     state.connections_by_ip[ip] = state.connections_by_ip.get(ip, 0) + 1
     state.metrics.connections.inc()
     session = Session(ws, state, client)
