@@ -11,6 +11,7 @@ bounded LRU so the next turn only prefills what is new.
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import random
 import time
@@ -29,6 +30,14 @@ from .streams import Engine, GenParams, Generation, Wakeup, start_real_thread
 log = logging.getLogger(__name__)
 
 CHECK_PARTIAL_EVERY_S = 0.5
+
+
+def _release_memory() -> None:
+    """Hand freed heap back to the OS once the batch empties (glibc keeps it otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class _BufferLayer(DynamicLayer):
@@ -205,6 +214,7 @@ class LocalEngine(Engine):
         self.stopping = None  # reason, once shutdown was asked
         self.stopped = False
         self.steps = 0
+        self.trimmed = True
         self.tokens_generated = 0
         self.load_started = time.monotonic()
         if autostart:
@@ -264,7 +274,11 @@ class LocalEngine(Engine):
                 self._admit()
                 if self.rows:
                     self._step()
+                    self.trimmed = False
                 else:
+                    if not self.trimmed:
+                        _release_memory()
+                        self.trimmed = True
                     self.wake.wait(1.0)
             except Exception:
                 log.exception("engine step failed")

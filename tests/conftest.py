@@ -187,3 +187,12 @@ def ws(server):
     client = WS(server.ws_url)
     yield client
     client.close()
+
+
+def start_of(frames) -> dict:
+    """The ``start`` frame among a request's frames (``queued`` may come first on a busy server)."""
+    return next(f for f in frames if f["type"] == "start")
+
+
+def conv_of(frames) -> str:
+    return start_of(frames)["conversation_id"]

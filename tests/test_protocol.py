@@ -8,7 +8,7 @@ import time
 import pytest
 import websocket
 
-from conftest import WS, http_get, text_of
+from conftest import WS, conv_of, http_get, start_of, text_of
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40}
 
@@ -32,9 +32,9 @@ def test_chat_streams_and_stores_the_answer(server):
     cookie = cookie_for(server)
     client = WS(server.ws_url, cookie=cookie)
     frames = client.chat("Hello there", params=GREEDY)
-    kinds = [f["type"] for f in frames]
+    kinds = [f["type"] for f in frames if f["type"] != "queued"]
     assert kinds[0] == "start" and kinds[-1] == "done" and kinds.count("done") == 1
-    start, done = frames[0], frames[-1]
+    start, done = start_of(frames), frames[-1]
     assert done["reason"] == "length"
     assert done["usage"]["completion_tokens"] == 40 and done["usage"]["prompt_tokens"] > 0
     assert set(done["timings"]) == {"ttft_ms", "total_ms", "tokens_per_s"}
@@ -53,9 +53,9 @@ def test_greedy_answer_is_deterministic_and_multi_turn(ws):
     first = ws.chat("Same question", rid="a", params=GREEDY)
     again = ws.chat("Same question", rid="b", params=GREEDY)
     assert text_of(first) == text_of(again)
-    conv = first[0]["conversation_id"]
+    conv = conv_of(first)
     follow = ws.chat("And then?", rid="c", conversation_id=conv, params=GREEDY)
-    assert follow[0]["conversation_id"] == conv
+    assert conv_of(follow) == conv
     assert follow[-1]["usage"]["prompt_tokens"] > first[-1]["usage"]["prompt_tokens"]
 
 
@@ -138,7 +138,7 @@ def test_message_too_long_for_the_context_is_refused(server_factory):
         frames = client.chat("tell me more " * 5, rid=f"t{i}", params={"max_new_tokens": 32}, **extra)
         assert frames[-1]["type"] == "done", frames[-1]
         assert frames[-1]["usage"]["prompt_tokens"] <= 128 - 32
-        conv = frames[0]["conversation_id"]
+        conv = conv_of(frames)
     client.close()
 
 
@@ -156,7 +156,7 @@ def test_cancel_ends_the_stream_promptly(ws):
 
 def test_duplicate_id_and_busy_conversation(ws):
     first = ws.chat("hi", rid="d0", params=GREEDY)
-    conv = first[0]["conversation_id"]
+    conv = conv_of(first)
     ws.send({"type": "chat", "id": "d1", "content": "long", "conversation_id": conv,
              "params": {"max_new_tokens": 4000}})
     ws.until(lambda f: f["type"] == "start")
@@ -232,7 +232,7 @@ def test_unicode_round_trips_exactly(server):
     content = "你好，世界！用中文回答。😀🎉 👩‍👩‍👧 café"
     frames = client.chat(content, params={"temperature": 1.0, "seed": 3, "max_new_tokens": 200})
     answer = text_of(frames)
-    conv = frames[0]["conversation_id"]
+    conv = conv_of(frames)
     stored = json.loads(http_get(f"{server.url}/api/conversations/{conv}", headers={"Cookie": cookie})[2])
     assert stored["messages"][0]["content"] == content
     assert stored["messages"][1]["content"] == answer
@@ -244,7 +244,7 @@ def test_dropped_socket_cancels_after_grace_and_keeps_partial(server):
     client = WS(server.ws_url, cookie=cookie)
     client.send({"type": "chat", "id": "drop", "content": "go", "params": {"max_new_tokens": 4000}})
     frames = client.until(lambda f: f["type"] == "delta" and f["index"] >= 5)
-    conv = frames[0]["conversation_id"]
+    conv = conv_of(frames)
     client.conn.sock.close()  # abrupt: no close frame
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -273,3 +273,31 @@ def test_many_connections_stream_at_once(server):
         t.join(60)
     assert len(results) == 6
     assert all(r[-1]["type"] == "done" and r[-1]["reason"] == "length" for r in results.values())
+
+
+def test_queued_positions_then_overloaded(server_factory):
+    srv = server_factory("queue", CHAT_MAX_BATCH=1, CHAT_MAX_QUEUE=1, CHAT_MAX_NEW_TOKENS=4000)
+    first, second, third = WS(srv.ws_url), WS(srv.ws_url), WS(srv.ws_url)
+    first.send({"type": "chat", "id": "q1", "content": "long", "params": {"max_new_tokens": 4000}})
+    first.until(lambda f: f["type"] == "delta")
+    second.send({"type": "chat", "id": "q2", "content": "waits", "params": {"max_new_tokens": 5}})
+    assert second.recv() == {"type": "queued", "id": "q2", "position": 1}
+    third.send({"type": "chat", "id": "q3", "content": "too many"})
+    refused = third.recv()
+    assert (refused["type"], refused["code"], refused["id"]) == ("error", "overloaded", "q3")
+    first.send({"type": "cancel", "id": "q1"})
+    assert first.until(lambda f: f["type"] == "done")[-1]["reason"] == "cancelled"
+    frames = second.until(lambda f: f["type"] == "done")
+    assert start_of(frames) and frames[-1]["reason"] == "length"
+    for client in (first, second, third):
+        client.close()
+
+
+def test_generation_time_limit(server_factory):
+    srv = server_factory("timeout", CHAT_GENERATION_TIMEOUT_S=0.5, CHAT_MAX_NEW_TOKENS=30000,
+                         CHAT_CONTEXT_TOKENS=32768)
+    client = WS(srv.ws_url)
+    frames = client.chat("forever", params={"max_new_tokens": 30000})
+    client.close()
+    assert frames[-1]["reason"] == "timeout" and frames[-1]["usage"]["completion_tokens"] < 30000
+    assert text_of(frames)
