@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import gc
 import logging
 import random
 import time
@@ -296,6 +297,10 @@ class LocalEngine(Engine):
             self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             if self.settings.warmup:
                 self._warmup()
+        # Everything loaded so far lives for the whole process: keep it out of the GC's
+        # full collections, which otherwise stall the event loop for tenths of a second.
+        gc.collect()
+        gc.freeze()
         self.ready = True
         log.info("engine ready: %s, max batch %d", self.model_name, self.settings.max_batch)
 
