@@ -282,10 +282,11 @@ class LocalEngine(Engine):
                         self.trimmed = True
                     self.wake.wait(1.0)
             except Exception:
+                # Leave the batch state alone (it may be half-updated): end every row as failed.
                 log.exception("engine step failed")
-                for slot in list(self.rows):
-                    self._finish(slot, "error")
-                self.kv = None
+                rows, self.rows, self.kv = self.rows, [], None
+                for slot in rows:
+                    self._done(slot.gen, "error", len(slot.prompt_ids), len(slot.out_ids), slot)
 
     def _load(self) -> None:
         with torch.inference_mode():

@@ -141,3 +141,24 @@ def test_timeout_and_shutdown_reasons(tiny_model, tmp_path):
     eng.shutdown()
     with pytest.raises(ProtocolError):
         eng.submit(ask("late"), GenParams())
+
+
+def test_a_failing_step_ends_the_batch_with_error_and_the_engine_goes_on(tiny_model, tmp_path):
+    eng = make_engine(tiny_model, tmp_path)
+    try:
+        real_forward = eng._forward
+        broken = {"on": True}
+
+        def flaky(*args, **kwargs):
+            if broken["on"] and args[0].shape[1] == 1:
+                broken["on"] = False
+                raise RuntimeError("simulated kernel failure")
+            return real_forward(*args, **kwargs)
+
+        eng._forward = flaky
+        failed = list(eng.submit(ask("first"), GenParams(temperature=0, max_new_tokens=20)))
+        assert failed[-1]["reason"] == "error"
+        ok = list(eng.submit(ask("second"), GenParams(temperature=0, max_new_tokens=20)))
+        assert ok[-1]["reason"] == "length" and ok[-1]["usage"]["completion_tokens"] == 20
+    finally:
+        eng.shutdown()
