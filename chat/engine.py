@@ -30,9 +30,6 @@ from .streams import Engine, GenParams, Generation, Wakeup, start_real_thread
 
 log = logging.getLogger(__name__)
 
-CHECK_PARTIAL_EVERY_S = 0.5
-
-
 def _release_memory() -> None:
     """Hand freed heap back to the OS once the batch empties (glibc keeps it otherwise)."""
     try:
@@ -111,9 +108,6 @@ class KVBuffer:
         if copy:
             keys, values = [k.clone() for k in keys], [v.clone() for v in values]
         return keys, values
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
 
 def _assemble(parts, layers, heads, dim, dtype, device, spare=64) -> KVBuffer:
@@ -213,11 +207,8 @@ class LocalEngine(Engine):
         self.wake = Wakeup()
         self.accepting = True
         self.stopping = None  # reason, once shutdown was asked
-        self.stopped = False
-        self.steps = 0
         self.trimmed = True
         self.tokens_generated = 0
-        self.load_started = time.monotonic()
         if autostart:
             start_real_thread(self._run, name="engine")
 
@@ -269,7 +260,6 @@ class LocalEngine(Engine):
         while True:
             if self.stopping:
                 self._finish_all(self.stopping)
-                self.stopped = True
                 return
             try:
                 self._admit()
@@ -499,7 +489,6 @@ class LocalEngine(Engine):
         with torch.inference_mode():
             logits = self._forward(input_ids, kv, positions)
         kv.length += 1
-        self.steps += 1
         for r, slot in enumerate(list(self.rows)):
             slot.pos += 1
             self._accept(slot, logits[r])

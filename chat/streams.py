@@ -12,9 +12,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-TERMINAL_REASONS = ("stop", "length", "cancelled", "timeout", "shutdown", "error")
-
-
 def gevent_active() -> bool:
     """True when gevent has monkey-patched this process (gunicorn's gevent worker)."""
     monkey = sys.modules.get("gevent.monkey")
@@ -215,6 +212,9 @@ class Engine:
     def stats(self) -> dict:
         """Active and queued counts for health and metrics."""
         return {"active": 0, "queued": 0}
+
+    def drain(self) -> None:
+        """Stop taking new requests; the ones already taken go on."""
 
     def shutdown(self, reason: str = "shutdown") -> None:
         """End every generation with ``done`` ``reason`` and stop the engine."""

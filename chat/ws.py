@@ -254,7 +254,7 @@ class Run:
         self.state.runs.release(self)
         self.finished_event.set()
         if self.subscriber is not None:
-            self.subscriber.run_finished(self)
+            self.subscriber.forget(self)
         spawn(self._expire)
 
     def _expire(self) -> None:
@@ -458,11 +458,8 @@ class Session:
         self.state.runs.add(run)
         spawn(run.pump)
 
-    def run_finished(self, run) -> None:
-        if self.runs.get(run.id) is run:
-            del self.runs[run.id]
-
     def forget(self, run) -> None:
+        """The run ended, or moved to another connection."""
         if self.runs.get(run.id) is run:
             del self.runs[run.id]
 
@@ -479,8 +476,7 @@ def graceful_shutdown(state, timeout: float) -> None:
     """
     engine = state.engine
     log.info("shutting down: letting %d answers finish", len(state.runs.all_active()))
-    if hasattr(engine, "drain"):
-        engine.drain()
+    engine.drain()
     deadline = time.monotonic() + max(0.0, timeout)
     while state.runs.all_active() and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -196,3 +197,12 @@ def start_of(frames) -> dict:
 
 def conv_of(frames) -> str:
     return start_of(frames)["conversation_id"]
+
+
+def in_threads(target, count: int, timeout: float = 120) -> None:
+    """Run ``target(i)`` for i in range(count) on parallel threads and wait for all."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)

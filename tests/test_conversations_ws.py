@@ -3,12 +3,9 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 
-import pytest
-
-from conftest import WS, conv_of, http_get, start_of, text_of
+from conftest import WS, conv_of, http_get, in_threads, text_of
 
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
 
@@ -142,11 +139,7 @@ def test_eight_concurrent_streams_store_without_errors(server):
         done[i] = (conv_of(frames), text_of(frames), frames[-1])
         client.close()
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
+    in_threads(one, 8, timeout=90)
     assert len(done) == 8
     for conv, text, last in done.values():
         assert last["type"] == "done", last

@@ -10,7 +10,7 @@ import time
 import pytest
 import websocket
 
-from conftest import WS, http_get, text_of
+from conftest import WS, http_get, in_threads, text_of
 
 
 def metric(server, name: str, labels: str = "") -> float:
@@ -174,11 +174,7 @@ def test_soak_leaves_no_leaks_and_consistent_conversations(server_factory):
             with lock:
                 outcomes[kind] += 1
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
+    in_threads(worker, 8, timeout=600)
     assert sum(outcomes.values()) == 320, outcomes
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (metric(srv, "chat_active_generations") or

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
 import websocket
 
-from conftest import WS, conv_of, http_get, start_of, text_of
+from conftest import WS, conv_of, http_get, in_threads, start_of, text_of
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40}
 
@@ -266,11 +265,7 @@ def test_many_connections_stream_at_once(server):
         results[i] = client.chat(f"question {i}", rid=f"m{i}", params={"temperature": 0.7, "max_new_tokens": 60})
         client.close()
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    in_threads(one, 6, timeout=60)
     assert len(results) == 6
     assert all(r[-1]["type"] == "done" and r[-1]["reason"] == "length" for r in results.values())
 
