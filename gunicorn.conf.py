@@ -34,7 +34,7 @@ def post_worker_init(worker):
     """On SIGTERM, finish answers within the graceful timeout and store the rest as partial."""
     import gevent
 
-    from chat.ws import graceful_shutdown
+    from chat.web.ws import graceful_shutdown
 
     state = worker.wsgi.extensions["chat"]
     # Keep a margin inside gunicorn's own graceful timeout for the final shutdown frames.

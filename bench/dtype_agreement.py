@@ -28,8 +28,8 @@ def compare(tokens: int) -> list[dict]:
     """Greedy answers in both dtypes, with the length of their common token prefix."""
     import torch
 
-    from chat import model as loader
-    from chat import prompt
+    from chat.engine import model as loader
+    from chat.engine import prompt
     from chat.config import Settings
 
     answers = {}

@@ -19,8 +19,8 @@ def measure(prompt_text: str, tokens: int, reps: int) -> dict:
     from transformers.generation.streamers import BaseStreamer
     from transformers.utils import logging as hf_logging
 
-    from chat import model as loader
-    from chat import prompt
+    from chat.engine import model as loader
+    from chat.engine import prompt
     from chat.config import Settings
 
     hf_logging.set_verbosity_error()

@@ -20,15 +20,6 @@ class AppState:
         self.store = store
 
 
-def make_engine(settings):
-    """The engine named by the settings: the local model, or a remote OpenAI-compatible one."""
-    if settings.backend == "openai":
-        from .remote import RemoteEngine
-        return RemoteEngine(settings)
-    from .engine import LocalEngine
-    return LocalEngine(settings)
-
-
 def create_app(settings: Settings | None = None, engine=None, store=None) -> Flask:
     """Build the Flask app; the engine starts loading its model on its own thread."""
     settings = settings or Settings.from_env()
@@ -43,15 +34,12 @@ def create_app(settings: Settings | None = None, engine=None, store=None) -> Fla
         from .store import Store
         store = Store(settings.db_path)
     if engine is None:
+        from .engine import make_engine
         engine = make_engine(settings)
     state = AppState(settings, engine, store)
     state.metrics = Metrics(engine)
     app.extensions["chat"] = state
 
-    from . import api, conversations, openai_api, pages, ws
-    app.register_blueprint(pages.bp)
-    app.register_blueprint(api.bp)
-    app.register_blueprint(conversations.bp)
-    app.register_blueprint(openai_api.bp)
-    ws.init_app(app)
+    from . import web
+    web.init_app(app)
     return app

@@ -5,9 +5,9 @@ import types
 import pytest
 from flask import Flask
 
-from chat import conversations
+from chat.web import conversations
 from chat.config import Settings
-from chat.identity import COOKIE
+from chat.web.identity import COOKIE
 from chat.store import Store
 
 ALICE = "alice-client-0123456789"

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from chat import prompt
-from chat.decoding import IncrementalDecoder, StopMatcher
+from chat.engine import prompt
+from chat.engine.decoding import IncrementalDecoder, StopMatcher
 from chat.errors import ProtocolError
 
 TEXTS = [

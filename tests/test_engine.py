@@ -6,9 +6,9 @@ import time
 import pytest
 
 from chat.config import Settings
-from chat.engine import LocalEngine
+from chat.engine.local import LocalEngine
 from chat.errors import ProtocolError
-from chat.streams import GenParams
+from chat.engine import GenParams
 
 
 def wait_ready(engine, timeout=120):

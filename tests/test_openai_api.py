@@ -13,8 +13,9 @@ from werkzeug.serving import make_server
 from chat import AppState
 from chat.config import Settings
 from chat.errors import ProtocolError
-from chat.openai_api import bp
-from chat.streams import Engine, Generation, real_sleep, start_real_thread
+from chat.web.openai_api import bp
+from chat.concurrency import real_sleep, start_real_thread
+from chat.engine import Engine, Generation
 
 openai = pytest.importorskip("openai")
 
@@ -389,13 +390,13 @@ def test_engine_error_event_before_start(sdk, client, engine):
 
 
 def test_body_size_limit(client, monkeypatch):
-    monkeypatch.setattr("chat.openai_api.MAX_BODY_BYTES", 100)
+    monkeypatch.setattr("chat.web.openai_api.MAX_BODY_BYTES", 100)
     response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 200}]})
     assert response.status_code == 413 and response.get_json()["error"]["code"] == "too_large"
 
 
 def test_keepalive_comments_while_silent(live, sdk, engine, monkeypatch):
-    monkeypatch.setattr("chat.openai_api.KEEPALIVE_S", 0.02)
+    monkeypatch.setattr("chat.web.openai_api.KEEPALIVE_S", 0.02)
     engine.delay = 0.1
     conn, _, lines = _raw_stream(live.port, {"messages": HELLO, "max_tokens": 2, "stream": True})
     conn.close()
@@ -405,7 +406,7 @@ def test_keepalive_comments_while_silent(live, sdk, engine, monkeypatch):
 
 
 def test_rate_limited_per_address(app, client):
-    from chat.ws import RateLimiter
+    from chat.web.ws import RateLimiter
     app.extensions["chat"].rate = RateLimiter(2)
     codes = [client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1}).status_code
              for _ in range(3)]

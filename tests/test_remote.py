@@ -15,8 +15,8 @@ import pytest
 
 from chat.config import Settings
 from chat.errors import ProtocolError
-from chat.remote import RemoteEngine
-from chat.streams import GenParams
+from chat.engine.remote import RemoteEngine
+from chat.engine import GenParams
 from test_openai_api import WORDS, FakeEngine, LiveServer, make_app, wait_for
 
 HELLO = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]

@@ -16,7 +16,7 @@ def tiny_model_dir(name: str = "tiny-qwen2", hidden: int = 64, layers: int = 2, 
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from chat.model import resolve_source
+    from chat.engine.model import resolve_source
     source, _ = resolve_source("", str(ROOT / "data" / "model-cache"))
     tokenizer = AutoTokenizer.from_pretrained(source)
     torch.manual_seed(seed)

@@ -11,10 +11,11 @@ from flask import Blueprint, current_app, jsonify, request
 from flask_sock import Sock
 from simple_websocket import ConnectionClosed
 
+from ..concurrency import spawn
+from ..engine import GenParams
+from ..errors import ProtocolError
 from . import identity
-from .errors import ProtocolError
 from .protocol import PROTOCOL, parse
-from .streams import GenParams, spawn
 
 log = logging.getLogger(__name__)
 

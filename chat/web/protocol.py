@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 PROTOCOL = "chat.v1"
 ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

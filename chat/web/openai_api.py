@@ -11,9 +11,9 @@ import uuid
 from flask import Blueprint, Response, current_app, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from ..engine import GenParams
+from ..errors import ProtocolError
 from . import identity
-from .errors import ProtocolError
-from .streams import GenParams
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Chat template, and fitting a conversation into the context budget."""
 from __future__ import annotations
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 
 def render(tokenizer, messages: list) -> list[int]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 from .identity import current_client
 
 bp = Blueprint("conversations", __name__, url_prefix="/api/conversations")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, current_app, jsonify
 
-from .metrics import CONTENT_TYPE_LATEST
+from ..metrics import CONTENT_TYPE_LATEST
 
 bp = Blueprint("api", __name__)
 

@@ -22,11 +22,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from ..concurrency import Wakeup, start_real_thread
+from ..errors import ProtocolError
 from . import model as model_loader
 from . import prompt
+from .base import Engine, GenParams, Generation
 from .decoding import IncrementalDecoder, StopMatcher
-from .errors import ProtocolError
-from .streams import Engine, GenParams, Generation, Wakeup, start_real_thread
 
 log = logging.getLogger(__name__)
 

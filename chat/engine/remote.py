@@ -8,8 +8,9 @@ import socket
 import time
 from urllib.parse import urlsplit
 
-from .errors import BackendError, ConfigError, ProtocolError
-from .streams import Engine, GenParams, Generation, real_lock, spawn
+from ..concurrency import real_lock, spawn
+from ..errors import BackendError, ConfigError, ProtocolError
+from .base import Engine, GenParams, Generation
 
 log = logging.getLogger(__name__)
 

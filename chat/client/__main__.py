@@ -1,0 +1,6 @@
+"""``python -m chat.client``."""
+import sys
+
+from . import main
+
+sys.exit(main())
