@@ -174,3 +174,97 @@ def test_other_clients_get_not_found(app, store, conv, method, path, kwargs, coo
 @pytest.mark.parametrize("bad_id", ["nope", "0" * 32, "0" * 33, "A" * 32, "%27%20OR%201%3D1", "..", "%00"])
 def test_malformed_or_unknown_ids_get_not_found(alice, conv, method, path, kwargs, bad_id):
     _not_found(getattr(alice, method)(path.format(id=bad_id), **kwargs))
+
+
+def test_show_has_versions_and_active_switches_them(alice, store, conv):
+    first = store.get_conversation(ALICE, conv["id"])["messages"]
+    edited = store.add_user_message(ALICE, conv["id"], "What is 3+3?", replaces=first[0]["id"])
+    shown = alice.get(f"/api/conversations/{conv['id']}").get_json()["messages"]
+    assert [m["content"] for m in shown] == ["What is 3+3?"]
+    assert shown[0]["parent_id"] is None
+    assert shown[0]["versions"] == {"index": 1, "count": 2, "ids": [first[0]["id"], edited["id"]]}
+    response = alice.post(f"/api/conversations/{conv['id']}/active", json={"message_id": first[0]["id"]})
+    assert response.status_code == 200
+    body = response.get_json()
+    assert [m["content"] for m in body["messages"]] == ["What is 2+2?", "4"]
+    assert body["messages"][1]["parent_id"] == first[0]["id"]
+    assert body == alice.get(f"/api/conversations/{conv['id']}").get_json()
+
+
+@pytest.mark.parametrize("body", [{}, {"message_id": 5}, {"message_id": "0" * 32}, {"message_id": "x"}, None])
+def test_active_rejects_bad_message_ids(alice, conv, body):
+    response = alice.post(f"/api/conversations/{conv['id']}/active", json=body)
+    assert response.status_code == 400 and response.get_json()["error"]["code"] == "bad_message"
+
+
+def test_active_of_another_client_is_not_found(bob, store, conv):
+    message_id = store.get_conversation(ALICE, conv["id"])["messages"][0]["id"]
+    _not_found(bob.post(f"/api/conversations/{conv['id']}/active", json={"message_id": message_id}))
+
+
+def test_import_round_trip(alice, store, conv):
+    exported = alice.get(f"/api/conversations/{conv['id']}/export?format=json").get_data()
+    response = alice.post("/api/conversations/import", data=exported, content_type="application/json")
+    assert response.status_code == 201
+    new_id = response.get_json()["id"]
+    assert new_id != conv["id"] and set(response.get_json()) == {"id"}
+    again = json.loads(alice.get(f"/api/conversations/{new_id}/export?format=json").get_data())
+    before = json.loads(exported)
+    assert again["title"] == before["title"] and again["system"] == before["system"]
+    keep = ("role", "content", "status", "reason", "usage", "timings", "created_at", "attachments")
+    assert [{k: m[k] for k in keep} for m in again["messages"]] == [{k: m[k] for k in keep} for m in before["messages"]]
+
+
+def test_import_openai_messages(alice):
+    response = alice.post("/api/conversations/import", json={"title": "Imported", "messages": [
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]})
+    assert response.status_code == 201
+    listed = alice.get("/api/conversations").get_json()
+    assert [(c["id"], c["title"]) for c in listed] == [(response.get_json()["id"], "Imported")]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"data": "not json", "content_type": "application/json"},
+    {"data": b"\xff\xfe", "content_type": "application/json"},
+    {"json": []}, {"json": {"messages": [{"role": "robot", "content": "x"}]}},
+])
+def test_import_rejects_malformed(alice, kwargs):
+    response = alice.post("/api/conversations/import", **kwargs)
+    assert response.status_code == 400 and response.get_json()["error"]["code"] == "bad_message"
+    assert alice.get("/api/conversations").get_json() == []
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "assistant", "content": "x" * (conversations.MAX_IMPORT_BYTES + 1)}]},
+    {"messages": [{"role": "user", "content": "x" * (Settings().max_content_chars + 1)}]},
+])
+def test_import_refuses_oversized(alice, body):
+    response = alice.post("/api/conversations/import", json=body)
+    assert response.status_code == 413 and response.get_json()["error"]["code"] == "too_large"
+    assert alice.get("/api/conversations").get_json() == []
+
+
+def test_import_needs_an_identity(app):
+    response = _client(app, None).post("/api/conversations/import", json={"messages": []})
+    assert response.status_code == 400
+
+
+def test_search(alice, conv):
+    response = alice.get("/api/search", query_string={"q": "2+2"})
+    assert response.status_code == 200 and response.headers["Cache-Control"] == "no-store"
+    (hit,) = response.get_json()["results"]
+    assert set(hit) >= {"conversation_id", "title", "message_id", "snippet", "highlights"}
+    assert hit["conversation_id"] == conv["id"] and hit["title"] == "What is 2+2?"
+    assert all(hit["snippet"][s:e] in ("2", "2+2") for s, e in hit["highlights"]) and hit["highlights"]
+    assert alice.get("/api/search").get_json() == {"results": []}
+    assert alice.get("/api/search", query_string={"q": "x" * 501}).status_code == 400
+
+
+def test_search_is_isolated_between_clients(app, alice, bob, store, conv):
+    theirs = store.create_conversation(BOB)
+    store.add_user_message(BOB, theirs["id"], "What is the launch code?")
+    assert alice.get("/api/search?q=launch").get_json() == {"results": []}
+    assert [r["conversation_id"] for r in bob.get("/api/search?q=launch").get_json()["results"]] == [theirs["id"]]
+    assert bob.get("/api/search?q=2").get_json() == {"results": []}
+    assert _client(app, None).get("/api/search?q=launch").get_json() == {"results": []}
+    assert [r["conversation_id"] for r in alice.get("/api/search?q=what").get_json()["results"]] == [conv["id"]]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from chat import store as store_module
+from chat.errors import ProtocolError
 from chat.store import MIGRATIONS, Store
 
 ALICE = "alice-client-0123456789"
@@ -72,7 +72,9 @@ def test_conversation_round_trip(store, conv):
         "id": answer["id"], "conversation_id": conv["id"], "role": "assistant", "content": "Hi.",
         "status": "complete", "reason": "stop", "usage": {"prompt_tokens": 5, "completion_tokens": 2},
         "timings": {"ttft_ms": 10.0, "total_ms": 20.0, "tokens_per_s": 100.0},
-        "created_at": answer["created_at"]}
+        "created_at": answer["created_at"], "parent_id": user["id"], "attachments": [],
+        "versions": {"index": 0, "count": 1, "ids": [answer["id"]]}}
+    assert user["parent_id"] is None
 
 
 def test_ids_are_random_hex(store):
@@ -119,7 +121,7 @@ def test_clients_are_isolated(store, conv):
     assert store.owns(BOB, conv["id"]) is False
     assert store.rename(BOB, conv["id"], "stolen") is False
     assert store.add_user_message(BOB, conv["id"], "hi") is None
-    assert store.drop_last_assistant(BOB, conv["id"]) is None
+    assert store.question_for(BOB, conv["id"]) is None
     assert store.export(BOB, conv["id"], "json") is None
     assert store.delete(BOB, conv["id"]) is False
     got = store.get_conversation(ALICE, conv["id"])
@@ -136,7 +138,7 @@ def test_malformed_ids_are_not_found(store, conv, bad_id):
     assert store.rename(ALICE, bad_id, "t") is False
     assert store.delete(ALICE, bad_id) is False
     assert store.add_user_message(ALICE, bad_id, "hi") is None
-    assert store.drop_last_assistant(ALICE, bad_id) is None
+    assert store.question_for(ALICE, bad_id) is None
     assert store.export(ALICE, bad_id, "md") is None
 
 
@@ -232,7 +234,7 @@ def test_recover_spares_live_sibling_process(db_path, monkeypatch, owner_alive, 
         pid = dead.pid
     sibling = Store(db_path)
     with monkeypatch.context() as m:
-        m.setattr(store_module.os, "getpid", lambda: pid)
+        m.setattr(os, "getpid", lambda: pid)
         conv_id = _streaming(sibling)
     sibling.close()
     restarted = Store(db_path)
@@ -242,17 +244,26 @@ def test_recover_spares_live_sibling_process(db_path, monkeypatch, owner_alive, 
         restarted.close()
 
 
-def test_drop_last_assistant(store, conv):
-    user = store.drop_last_assistant(ALICE, conv["id"])
+def test_question_for_regenerate_keeps_the_old_answer(store, conv):
+    user = store.question_for(ALICE, conv["id"])
     assert (user["role"], user["content"]) == ("user", "Hello?")
-    assert [m["role"] for m in store.get_conversation(ALICE, conv["id"])["messages"]] == ["user"]
-    assert store.drop_last_assistant(ALICE, conv["id"])["id"] == user["id"]
-    assert [m["role"] for m in store.get_conversation(ALICE, conv["id"])["messages"]] == ["user"]
+    first = store.get_conversation(ALICE, conv["id"])["messages"][1]["id"]
+    second = store.start_assistant(conv["id"], user["id"])
+    store.finish_assistant(second, "Hello.", "stop")
+    answer = store.get_conversation(ALICE, conv["id"])["messages"][1]
+    assert (answer["id"], answer["content"]) == (second, "Hello.")
+    assert answer["versions"] == {"index": 1, "count": 2, "ids": [first, second]}
+    assert store.question_for(ALICE, conv["id"], second)["id"] == user["id"]
+    with pytest.raises(ProtocolError) as err:  # the old answer is on another branch now
+        store.question_for(ALICE, conv["id"], first)
+    assert err.value.code == "bad_message"
 
 
-def test_drop_last_assistant_without_user_message(store):
+def test_question_for_without_user_message(store):
     c = store.create_conversation(ALICE)
-    assert store.drop_last_assistant(ALICE, c["id"]) is None
+    with pytest.raises(ProtocolError) as err:
+        store.question_for(ALICE, c["id"])
+    assert err.value.code == "bad_message"
 
 
 def test_history(store, conv):

@@ -1,15 +1,19 @@
-"""HTTP API over the caller's own conversations: list, read, rename, delete, export."""
+"""HTTP API over the caller's own conversations: list, read, rename, delete, versions, export, import, search."""
 from __future__ import annotations
+
+import json
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from ..errors import ProtocolError
 from .identity import current_client
 
-bp = Blueprint("conversations", __name__, url_prefix="/api/conversations")
+bp = Blueprint("conversations", __name__, url_prefix="/api")
 
 MAX_TITLE_CHARS = 200
 EXPORT_FORMATS = ("md", "json")
+MAX_IMPORT_BYTES = 2 * 2**20  # the same cap as nginx's client_max_body_size
+MAX_QUERY_CHARS = 500
 
 
 def _store():
@@ -48,19 +52,19 @@ def _private(response):
     return response
 
 
-@bp.get("")
+@bp.get("/conversations")
 def index():
     """This client's conversations, newest first."""
     return jsonify(_store().list_conversations(current_client()))
 
 
-@bp.get("/<conv_id>")
+@bp.get("/conversations/<conv_id>")
 def show(conv_id):
     """One conversation with its messages."""
     return jsonify(_found(_store().get_conversation(current_client(), conv_id)))
 
 
-@bp.patch("/<conv_id>")
+@bp.patch("/conversations/<conv_id>")
 def rename(conv_id):
     """Rename a conversation."""
     title = _title()
@@ -68,14 +72,14 @@ def rename(conv_id):
     return jsonify(id=conv_id, title=title)
 
 
-@bp.delete("/<conv_id>")
+@bp.delete("/conversations/<conv_id>")
 def delete(conv_id):
     """Delete a conversation and its messages."""
     _found(_store().delete(current_client(), conv_id))
     return jsonify(id=conv_id, deleted=True)
 
 
-@bp.get("/<conv_id>/export")
+@bp.get("/conversations/<conv_id>/export")
 def export(conv_id):
     """Download a conversation as Markdown or JSON."""
     fmt = request.args.get("format", "md")
@@ -84,3 +88,42 @@ def export(conv_id):
     body, mimetype, filename = _found(_store().export(current_client(), conv_id, fmt))
     return Response(body, mimetype=mimetype,
                     headers={"Content-Disposition": f'attachment; filename="{filename}"'})
+
+
+@bp.post("/conversations/<conv_id>/active")
+def activate(conv_id):
+    """Switch versions: make the path through a message active; the conversation as GET returns it."""
+    body = request.get_json(silent=True)
+    message_id = body.get("message_id") if isinstance(body, dict) else None
+    if not isinstance(message_id, str):
+        raise ProtocolError("bad_message", "body must be a JSON object with a string 'message_id'")
+    return jsonify(_found(_store().set_active(current_client(), conv_id, message_id)))
+
+
+@bp.post("/conversations/import")
+def import_():
+    """Create a conversation of this client from an export or an OpenAI-style messages list."""
+    client = current_client()
+    if not client:
+        raise ProtocolError("bad_message", "no client identity: open the page first to get one")
+    if (request.content_length or 0) > MAX_IMPORT_BYTES:
+        raise ProtocolError("too_large", f"an import may be at most {MAX_IMPORT_BYTES // 2**20} MiB")
+    raw = request.get_data(cache=False)
+    if len(raw) > MAX_IMPORT_BYTES:  # a chunked body declares no length
+        raise ProtocolError("too_large", f"an import may be at most {MAX_IMPORT_BYTES // 2**20} MiB")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ProtocolError("bad_message", "the body is not valid JSON") from None
+    settings = current_app.extensions["chat"].settings
+    conv_id = _store().import_conversation(client, body, settings.max_content_chars)
+    return jsonify(id=conv_id), 201
+
+
+@bp.get("/search")
+def search():
+    """Full-text search over this client's own messages."""
+    q = request.args.get("q", "")
+    if len(q) > MAX_QUERY_CHARS:
+        raise ProtocolError("bad_message", f"q may be at most {MAX_QUERY_CHARS} characters")
+    return jsonify(results=_store().search(current_client(), q))

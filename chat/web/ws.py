@@ -385,16 +385,16 @@ class Session:
         if not store.owns(self.client, req.conversation_id):
             raise ProtocolError("not_found", "no such conversation", req.id)
         self._check_busy(req)
-        history = store.history(req.conversation_id)
-        if history and history[-1]["role"] == "assistant":
-            history = history[:-1]
-        if not history or history[-1]["role"] != "user":
-            raise ProtocolError("bad_message", "the conversation has no user message to answer", req.id)
+        try:
+            question = store.question_for(self.client, req.conversation_id)
+        except ProtocolError as exc:
+            exc.id = req.id
+            raise
+        history = store.history(req.conversation_id, upto=question["id"])
         if history[0]["role"] != "system":
             history.insert(0, {"role": "system", "content": self.settings.system_prompt})
         gen = self._submit(req, history, req.conversation_id)
-        store.drop_last_assistant(self.client, req.conversation_id)
-        self._start_run(req, gen)
+        self._start_run(req, gen, parent_id=question["id"])
 
     def on_cancel(self, req) -> None:
         run = self.state.runs.get(self.client, req.id)
@@ -452,8 +452,8 @@ class Session:
             exc.id = req.id
             raise
 
-    def _start_run(self, req, gen) -> None:
-        message_id = self.state.store.start_assistant(req.conversation_id)
+    def _start_run(self, req, gen, parent_id: str | None = None) -> None:
+        message_id = self.state.store.start_assistant(req.conversation_id, parent_id)
         run = Run(self.state, self.client, req.id, req.conversation_id, message_id, gen, self)
         self.runs[req.id] = run
         self.state.runs.add(run)

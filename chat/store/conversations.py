@@ -1,4 +1,4 @@
-"""Conversations and messages in one SQLite file: the only module that touches sqlite3."""
+"""The Store: conversations and their message trees in one SQLite file."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,12 @@ import time
 import unicodedata
 import uuid
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
+
+from .. import attachments as files
+from ..errors import ProtocolError
+from . import search as fts, transfer, tree
+from .schema import migrate
 
 try:
     from gevent.monkey import get_original
@@ -25,39 +29,11 @@ PLACEHOLDER_TITLE = "New chat"
 TITLE_CHARS = 60
 BUSY_TIMEOUT_MS = 5000
 FINISHED = ("stop", "length")
+# Answers that ``continue`` may extend: cut short, not ended by the model.
+CONTINUABLE = ("length", "cancelled", "timeout", "shutdown")
 _ID = re.compile(r"[0-9a-f]{32}")
 
-# Each entry moves the schema from version N to N + 1; append, never edit.
-MIGRATIONS = [
-    (
-        """CREATE TABLE conversations (
-            id TEXT PRIMARY KEY,
-            client_id TEXT NOT NULL,
-            title TEXT NOT NULL,
-            title_set INTEGER NOT NULL DEFAULT 0,
-            system TEXT,
-            created_at REAL NOT NULL,
-            updated_at REAL NOT NULL)""",
-        "CREATE INDEX conversations_by_client ON conversations (client_id, updated_at)",
-        """CREATE TABLE messages (
-            seq INTEGER PRIMARY KEY AUTOINCREMENT,
-            id TEXT NOT NULL UNIQUE,
-            conversation_id TEXT NOT NULL REFERENCES conversations (id) ON DELETE CASCADE,
-            role TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
-            content TEXT NOT NULL DEFAULT '',
-            status TEXT NOT NULL,
-            reason TEXT,
-            usage TEXT,
-            timings TEXT,
-            owner TEXT,
-            created_at REAL NOT NULL)""",
-        "CREATE INDEX messages_by_conversation ON messages (conversation_id, seq)",
-        "CREATE INDEX messages_streaming ON messages (status) WHERE status = 'streaming'",
-    ),
-]
-
 _CONV = "id, title, system, created_at, updated_at"
-_MSG = "id, conversation_id, role, content, status, reason, usage, timings, created_at"
 
 
 def _new_id() -> str:
@@ -84,11 +60,6 @@ def _slug(title: str) -> str:
     """An ASCII file-name stem for a title."""
     ascii_title = unicodedata.normalize("NFKD", title).encode("ascii", "ignore").decode()
     return re.sub(r"[^a-z0-9]+", "-", ascii_title.lower()).strip("-")[:50].strip("-") or "conversation"
-
-
-def _iso(ts: float) -> str:
-    """A UNIX time as a readable UTC date."""
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 _open_stores: set[str] = set()
@@ -143,11 +114,7 @@ class Store:
     def _migrate(self) -> None:
         """Bring the schema up to date, inside one write transaction."""
         with self._lock, self._transaction():
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            for number, statements in enumerate(MIGRATIONS[version:], start=version + 1):
-                for statement in statements:
-                    self._db.execute(statement)
-                self._db.execute(f"PRAGMA user_version = {number}")
+            migrate(self._db)
 
     @property
     def schema_version(self) -> int:
@@ -183,6 +150,7 @@ class Store:
         out = dict(row)
         for key in ("usage", "timings"):
             out[key] = json.loads(out[key]) if out[key] else None
+        out["attachments"] = json.loads(out["attachments"]) if out.get("attachments") else []
         return out
 
     def recover(self) -> int:
@@ -213,14 +181,14 @@ class Store:
             return self._owned(client_id, conv_id)
 
     def get_conversation(self, client_id: str | None, conv_id) -> dict | None:
-        """The conversation with its messages (oldest first), or None if not this client's."""
+        """The conversation with its active path (oldest first, each message with its
+        ``versions``), or None if not this client's."""
         with self._lock:
             if not self._owned(client_id, conv_id):
                 return None
             conv = dict(self._one(f"SELECT {_CONV} FROM conversations WHERE id = ?", (conv_id,)))
-            rows = self._db.execute(
-                f"SELECT {_MSG} FROM messages WHERE conversation_id = ? ORDER BY seq", (conv_id,)).fetchall()
-        conv["messages"] = [self._message(r) for r in rows]
+            conv["messages"] = [self._message(r) for r in tree.path(self._db, conv_id)]
+            tree.versions(self._db, conv_id, conv["messages"])
         return conv
 
     def list_conversations(self, client_id: str | None) -> list[dict]:
@@ -251,32 +219,112 @@ class Store:
                                    (conv_id, client_id))
         return cur.rowcount > 0
 
-    def add_user_message(self, client_id: str | None, conv_id, content: str) -> dict | None:
-        """Append a user message; the first one also titles a conversation not yet named."""
+    def _insert(self, conv_id: str, parent_id: str | None, fields: dict) -> str:
+        """Insert one message under ``parent_id`` and make it the active leaf; return its id."""
+        message_id = _new_id()
+        self._db.execute(
+            "INSERT INTO messages (id, conversation_id, parent_id, role, content, attachments, status, reason,"
+            " usage, timings, owner, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (message_id, conv_id, parent_id, fields["role"], fields.get("content", ""),
+             json.dumps(fields["attachments"], ensure_ascii=False) if fields.get("attachments") else None,
+             fields["status"], fields.get("reason"),
+             json.dumps(fields["usage"]) if fields.get("usage") is not None else None,
+             json.dumps(fields["timings"]) if fields.get("timings") is not None else None,
+             fields.get("owner"), fields.get("created_at") or time.time()))
+        self._db.execute("UPDATE conversations SET active_id = ? WHERE id = ?", (message_id, conv_id))
+        return message_id
+
+    def _on_path(self, conv_id: str, message_id, role: str) -> sqlite3.Row:
+        """The message of ``role`` on the active path, or bad_message (never another conversation's)."""
+        if _valid(message_id):
+            for row in tree.path(self._db, conv_id):
+                if row["id"] == message_id and row["role"] == role:
+                    return row
+        raise ProtocolError("bad_message", f"message_id is not one of the {role} messages on this conversation's active path")
+
+    def add_user_message(self, client_id: str | None, conv_id, content: str, attachments=None,
+                         replaces: str | None = None) -> dict | None:
+        """Append a user message to the active path, or with ``replaces`` add it as a new version
+        of that user message (bad_message unless it is one on the active path). The first
+        message also titles a conversation not yet named."""
         now = time.time()
-        msg = {"id": _new_id(), "conversation_id": conv_id, "role": "user", "content": content,
-               "status": "complete", "reason": None, "usage": None, "timings": None, "created_at": now}
+        msg = {"conversation_id": conv_id, "role": "user", "content": content, "status": "complete",
+               "reason": None, "usage": None, "timings": None, "created_at": now,
+               "attachments": files.clean(attachments)}
         with self._lock:
             if not self._owned(client_id, conv_id):
                 return None
             with self._transaction():
-                self._db.execute(
-                    "INSERT INTO messages (id, conversation_id, role, content, status, created_at)"
-                    " VALUES (?, ?, 'user', ?, 'complete', ?)", (msg["id"], conv_id, content, now))
+                parent = (self._on_path(conv_id, replaces, "user")["parent_id"] if replaces is not None
+                          else tree.active_leaf(self._db, conv_id))
+                msg["id"], msg["parent_id"] = self._insert(conv_id, parent, msg), parent
                 self._db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conv_id))
                 self._db.execute("UPDATE conversations SET title = ?, title_set = 1 WHERE id = ? AND title_set = 0",
                                  (_title_from(content), conv_id))
         return msg
 
-    def start_assistant(self, conv_id: str) -> str:
-        """Add an empty 'streaming' assistant message and return its id."""
-        message_id = _new_id()
+    def start_assistant(self, conv_id: str, parent_id: str | None = None) -> str:
+        """Add an empty 'streaming' assistant message under ``parent_id`` (default: the active
+        leaf), make it active and return its id."""
+        with self._lock, self._transaction():
+            parent = parent_id or tree.active_leaf(self._db, conv_id)
+            return self._insert(conv_id, parent, {"role": "assistant", "status": "streaming", "owner": self._owner})
+
+    @property
+    def _owner(self) -> str:
+        """Who writes a streaming answer: this Store in this process on this host."""
+        return f"{socket.gethostname()}:{os.getpid()}:{self._token}"
+
+    def question_for(self, client_id: str | None, conv_id, message_id: str | None = None) -> dict | None:
+        """For regenerate: the user message that ``message_id`` (an assistant message on the
+        active path; default the last message) answers. None if not this client's; bad_message
+        when there is nothing to answer."""
         with self._lock:
-            self._db.execute(
-                "INSERT INTO messages (id, conversation_id, role, status, owner, created_at)"
-                " VALUES (?, ?, 'assistant', 'streaming', ?, ?)",
-                (message_id, conv_id, f"{socket.gethostname()}:{os.getpid()}:{self._token}", time.time()))
-        return message_id
+            if not self._owned(client_id, conv_id):
+                return None
+            rows = tree.path(self._db, conv_id)
+            if message_id is not None:
+                answer = self._on_path(conv_id, message_id, "assistant")
+                rows = rows[:[r["id"] for r in rows].index(answer["id"])]
+            elif rows and rows[-1]["role"] == "assistant":
+                rows = rows[:-1]
+        if not rows or rows[-1]["role"] != "user":
+            raise ProtocolError("bad_message", "the conversation has no user message to answer")
+        return self._message(rows[-1])
+
+    def continuable(self, client_id: str | None, conv_id) -> dict | None:
+        """For continue: the last message of the active path when it is an answer cut short
+        (length, cancelled, timeout, shutdown, interrupted). None if not this client's."""
+        with self._lock:
+            if not self._owned(client_id, conv_id):
+                return None
+            rows = tree.path(self._db, conv_id, limit=1)
+        last = self._message(rows[-1]) if rows else None
+        if last is None or last["role"] != "assistant":
+            raise ProtocolError("bad_message", "the conversation does not end with an answer to continue")
+        if last["status"] != "interrupted" and last["reason"] not in CONTINUABLE:
+            raise ProtocolError("bad_message", f"the last answer ended with {last['reason']!r}; only an answer "
+                                               "cut short can be continued")
+        return last
+
+    def reopen_assistant(self, message_id: str) -> None:
+        """Mark a finished answer 'streaming' again, to be extended in place by ``continue``."""
+        with self._lock:
+            self._db.execute("UPDATE messages SET status = 'streaming', owner = ? WHERE id = ?",
+                             (self._owner, message_id))
+
+    def set_active(self, client_id: str | None, conv_id, message_id) -> dict | None:
+        """Make the path through ``message_id`` (down to its newest descendant) active and return
+        the conversation; None if not this client's, bad_message if not its message."""
+        with self._lock:
+            if not self._owned(client_id, conv_id):
+                return None
+            with self._transaction():
+                leaf = tree.newest_descendant(self._db, conv_id, message_id) if _valid(message_id) else None
+                if leaf is None:
+                    raise ProtocolError("bad_message", "message_id is not a message of this conversation")
+                self._db.execute("UPDATE conversations SET active_id = ? WHERE id = ?", (leaf, conv_id))
+        return self.get_conversation(client_id, conv_id)
 
     def save_partial(self, message_id: str, content: str) -> None:
         """Checkpoint the text streamed so far, so a crash loses little of it."""
@@ -299,29 +347,42 @@ class Store:
                 "UPDATE conversations SET updated_at = ?"
                 " WHERE id = (SELECT conversation_id FROM messages WHERE id = ?)", (now, message_id))
 
-    def drop_last_assistant(self, client_id: str | None, conv_id) -> dict | None:
-        """For regenerate: delete a trailing assistant message and return the last user message."""
-        with self._lock:
-            if not self._owned(client_id, conv_id):
-                return None
-            with self._transaction():
-                last = self._one("SELECT seq, role FROM messages WHERE conversation_id = ?"
-                                 " ORDER BY seq DESC LIMIT 1", (conv_id,))
-                if last is not None and last["role"] == "assistant":
-                    self._db.execute("DELETE FROM messages WHERE seq = ?", (last["seq"],))
-                row = self._one(f"SELECT {_MSG} FROM messages WHERE conversation_id = ? AND role = 'user'"
-                                " ORDER BY seq DESC LIMIT 1", (conv_id,))
-        return self._message(row) if row is not None else None
-
-    def history(self, conv_id: str) -> list[dict]:
-        """The prompt messages: the system prompt (if any), then every non-empty turn in order."""
+    def history(self, conv_id: str, upto: str | None = None, limit: int | None = None) -> list[dict]:
+        """The prompt messages: the system prompt (if any), then the non-empty turns of the active
+        path (or of the path ending at ``upto``), attachments as fenced blocks; at most the newest
+        ``limit`` turns when given."""
         with self._lock:
             conv = self._one("SELECT system FROM conversations WHERE id = ?", (conv_id,))
-            rows = self._db.execute(
-                "SELECT role, content FROM messages WHERE conversation_id = ?"
-                " AND NOT (role = 'assistant' AND content = '') ORDER BY seq", (conv_id,)).fetchall()
+            rows = tree.path(self._db, conv_id, upto, limit)
         out = [{"role": "system", "content": conv["system"]}] if conv is not None and conv["system"] else []
-        return out + [dict(r) for r in rows]
+        for row in rows:
+            if row["role"] == "assistant" and row["content"] == "":
+                continue
+            attached = json.loads(row["attachments"]) if row["attachments"] else None
+            out.append({"role": row["role"], "content": files.with_attachments(row["content"], attached)})
+        return out
+
+    def search(self, client_id: str | None, text: str) -> list[dict]:
+        """This client's messages that match ``text``, best first (see search.py)."""
+        with self._lock:
+            return fts.search(self._db, client_id, text)
+
+    def import_conversation(self, client_id: str, body, max_content_chars: int, max_messages: int = 0) -> str:
+        """Create a conversation of ``client_id`` from an export or a ``messages`` list; its id."""
+        data = transfer.parse_import(body, max_content_chars, max_messages)
+        first = next((m["content"] for m in data["messages"] if m["role"] == "user"), "")
+        conv_id, now = _new_id(), time.time()
+        created = data["created_at"] or now
+        with self._lock, self._transaction():
+            self._db.execute(
+                "INSERT INTO conversations (id, client_id, title, title_set, system, created_at, updated_at)"
+                " VALUES (?, ?, ?, 1, ?, ?, ?)",
+                (conv_id, client_id, data["title"] or (_title_from(first) if first else PLACEHOLDER_TITLE),
+                 data["system"], created, now))
+            parent = None
+            for msg in data["messages"]:
+                parent = self._insert(conv_id, parent, {**msg, "created_at": msg["created_at"] or now})
+        return conv_id
 
     def export(self, client_id: str | None, conv_id, fmt: str) -> tuple[str, str, str] | None:
         """(body, mimetype, filename) of the conversation as Markdown or JSON, or None."""
@@ -333,16 +394,5 @@ class Store:
         filename = f"{_slug(conv['title'])}-{conv['id'][:8]}.{fmt}"
         if fmt == "json":
             return json.dumps(conv, ensure_ascii=False, indent=2) + "\n", "application/json", filename
-        return _markdown(conv), "text/markdown", filename
+        return transfer.markdown(conv), "text/markdown", filename
 
-
-def _markdown(conv: dict) -> str:
-    """The conversation as a readable Markdown document."""
-    parts = [f"# {conv['title']}", f"_Created {_iso(conv['created_at'])}_"]
-    if conv["system"]:
-        parts.append(f"**System:** {conv['system']}")
-    for msg in conv["messages"]:
-        parts += [f"## {msg['role'].capitalize()}", msg["content"]]
-        if msg["role"] == "assistant" and msg["status"] != "complete":
-            parts.append(f"_(incomplete answer: {msg['reason'] or msg['status']})_")
-    return "\n\n".join(parts) + "\n"

@@ -1,0 +1,65 @@
+"""The schema as an append-only list of migrations, and the code that applies them."""
+from __future__ import annotations
+
+# Each entry moves the schema from version N to N + 1; append, never edit.
+MIGRATIONS = [
+    (
+        """CREATE TABLE conversations (
+            id TEXT PRIMARY KEY,
+            client_id TEXT NOT NULL,
+            title TEXT NOT NULL,
+            title_set INTEGER NOT NULL DEFAULT 0,
+            system TEXT,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL)""",
+        "CREATE INDEX conversations_by_client ON conversations (client_id, updated_at)",
+        """CREATE TABLE messages (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            id TEXT NOT NULL UNIQUE,
+            conversation_id TEXT NOT NULL REFERENCES conversations (id) ON DELETE CASCADE,
+            role TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
+            content TEXT NOT NULL DEFAULT '',
+            status TEXT NOT NULL,
+            reason TEXT,
+            usage TEXT,
+            timings TEXT,
+            owner TEXT,
+            created_at REAL NOT NULL)""",
+        "CREATE INDEX messages_by_conversation ON messages (conversation_id, seq)",
+        "CREATE INDEX messages_streaming ON messages (status) WHERE status = 'streaming'",
+    ),
+    (
+        # Versions: messages form a tree; the conversation remembers the leaf of its active path.
+        "ALTER TABLE messages ADD COLUMN parent_id TEXT",
+        "ALTER TABLE messages ADD COLUMN attachments TEXT",
+        "ALTER TABLE conversations ADD COLUMN active_id TEXT",
+        # Every stored conversation becomes a single path: each message's parent is the one before it.
+        """UPDATE messages SET parent_id = (
+            SELECT p.id FROM messages p WHERE p.conversation_id = messages.conversation_id
+            AND p.seq < messages.seq ORDER BY p.seq DESC LIMIT 1)""",
+        """UPDATE conversations SET active_id = (
+            SELECT m.id FROM messages m WHERE m.conversation_id = conversations.id ORDER BY m.seq DESC LIMIT 1)""",
+        "CREATE INDEX messages_by_parent ON messages (parent_id)",
+        # Search: a full-text index of finished text, kept in step by triggers. Streaming
+        # checkpoints are skipped so a long answer is indexed once, not once per checkpoint.
+        "CREATE VIRTUAL TABLE messages_fts USING fts5(content, tokenize = 'unicode61 remove_diacritics 2')",
+        "INSERT INTO messages_fts (rowid, content) SELECT seq, content FROM messages WHERE status != 'streaming'",
+        """CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages WHEN new.status != 'streaming' BEGIN
+            INSERT INTO messages_fts (rowid, content) VALUES (new.seq, new.content); END""",
+        """CREATE TRIGGER messages_fts_update AFTER UPDATE OF content, status ON messages
+            WHEN new.status != 'streaming' BEGIN
+            DELETE FROM messages_fts WHERE rowid = old.seq;
+            INSERT INTO messages_fts (rowid, content) VALUES (new.seq, new.content); END""",
+        """CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+            DELETE FROM messages_fts WHERE rowid = old.seq; END""",
+    ),
+]
+
+
+def migrate(db) -> None:
+    """Apply the migrations the file has not seen; the caller holds a write transaction."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    for number, statements in enumerate(MIGRATIONS[version:], start=version + 1):
+        for statement in statements:
+            db.execute(statement)
+        db.execute(f"PRAGMA user_version = {number}")
