@@ -495,3 +495,18 @@ def test_load_mode_counts_refused_connections_and_exits_3():
         assert summary["errors"] == {"connect": 3} and summary["ok"] == 0
     finally:
         server.close()
+
+
+def test_e2e_interactive_edit_continue_search(server):
+    result = run_cli("-i", "--json", "--url", server.ws_url, "--max-tokens", "8",
+                     input="alpha question\n/continue\n/edit beta question\n/search beta\n/open 1\n"
+                           "/open 9\nand then?\n/quit\n", timeout=90)
+    assert result.returncode == 0, result.stderr
+    frames = [json.loads(line) for line in result.stdout.splitlines()]
+    starts = [f for f in frames if f["type"] == "start"]
+    assert len(starts) == 4 and [f["type"] for f in frames].count("done") == 4
+    chat, more, edit, follow = starts
+    assert more["message_id"] == chat["message_id"]  # /continue extends the same answer
+    assert edit["message_id"] != chat["message_id"]
+    assert len({s["conversation_id"] for s in starts}) == 1
+    assert "[beta] question" in result.stderr and "usage: /open N" in result.stderr

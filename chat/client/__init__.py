@@ -18,6 +18,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import websocket
 
+from . import commands
+
 DEFAULT_URL = "ws://127.0.0.1:8000/ws"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CONNECT, EXIT_TIMEOUT, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 EXIT_CODES = """\
@@ -189,20 +191,22 @@ class Session:
         return frame if isinstance(frame, dict) else {"type": None, "raw": frame}
 
     def chat(self, content: str, *, conversation_id: str | None = None, system: str | None = None,
-             params: dict | None = None, id: str | None = None,
+             params: dict | None = None, id: str | None = None, attachments: list | None = None,
              cancel: threading.Event | None = None) -> Iterator[dict]:
         """Send a ``chat`` and yield its frames (queued, start, delta…) up to ``done`` or ``error``.
 
         Setting ``cancel`` sends a ``cancel`` for the request; the frames up to
         its ``done`` (reason ``cancelled``) are still yielded.
         """
-        frame = {"type": "chat", "id": id or new_id(), "content": content}
-        if conversation_id:
-            frame["conversation_id"] = conversation_id
-        if system:
-            frame["system"] = system
-        if params:
-            frame["params"] = params
+        yield from self.request({"type": "chat", "content": content, "conversation_id": conversation_id,
+                                 "system": system, "params": params, "attachments": attachments, "id": id},
+                                cancel)
+
+    def request(self, frame: dict, cancel: threading.Event | None = None) -> Iterator[dict]:
+        """Send any answer-producing request (chat, edit, regenerate, continue) and yield its
+        frames like ``chat``; empty optional fields are left out and a missing id is made up."""
+        frame = {k: v for k, v in frame.items() if v not in (None, "", {}, [])}
+        frame.setdefault("id", new_id())
         self.send(frame)
         yield from self.follow(frame["id"], cancel)
 
@@ -450,13 +454,16 @@ def _say(message: str) -> None:
     print(f"chat.client: {message}", file=sys.stderr, flush=True)
 
 
-def _stream(session: Session, printer: _Printer, interrupts: _Interrupts, prompt: str,
+def _stream(session: Session, printer: _Printer, interrupts: _Interrupts, request: dict,
             **kwargs) -> tuple[dict | None, dict | None, bool]:
-    """Print one answer as it streams; returns (start, done, whether the user cancelled)."""
+    """Print one answer as it streams; returns (start, done, whether the user cancelled).
+    ``request`` is a prompt string (a chat, with ``kwargs``) or a whole request frame."""
     start = done = None
+    if isinstance(request, str):
+        request = {"type": "chat", "content": request, **kwargs}
     with interrupts.armed() as cancel:
         try:
-            for frame in session.chat(prompt, cancel=cancel, **kwargs):
+            for frame in session.request(request, cancel):
                 kind = frame.get("type")
                 if kind == "start":
                     start = frame
@@ -517,9 +524,10 @@ def _interactive(session: Session, printer: _Printer, args, first: str | None) -
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     if sys.stdin.isatty():
-        _say(f"connected to {ready.get('model', '?')}; /new starts a new conversation, /quit quits, "
-             "Ctrl-C stops an answer")
+        _say(f"connected to {ready.get('model', '?')}; /new starts a new conversation, /help lists "
+             "commands, /quit quits, Ctrl-C stops an answer")
     interrupts = _Interrupts()
+    slash = commands.Commands(session, _say)
     conversation = args.conversation
     system = None if conversation else args.system
     try:
@@ -546,14 +554,22 @@ def _interactive(session: Session, printer: _Printer, args, first: str | None) -
                 _say("new conversation")
                 continue
             if line == "/help":
-                _say("/new: new conversation, /quit: quit; Ctrl-C stops an answer, twice quits")
+                _say(commands.HELP)
                 continue
             try:
+                request = slash.request_for(line, conversation)
+                if request is None:
+                    continue
+                if isinstance(request, commands.Open):
+                    conversation, system = request.conversation_id, None
+                    continue
                 if session.ws is None:
                     session.connect()
-                start, done, cancelled = _stream(session, printer, interrupts, line,
-                                                 conversation_id=conversation, system=system,
-                                                 params=_params(args))
+                request.setdefault("conversation_id", conversation)
+                if request["type"] == "chat":
+                    request["system"] = system
+                request["params"] = _params(args)
+                start, done, cancelled = _stream(session, printer, interrupts, request)
             except ServerError as exc:
                 _say(str(exc))
                 if exc.code == "not_found" and conversation:

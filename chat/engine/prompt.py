@@ -5,8 +5,14 @@ from ..errors import ProtocolError
 
 
 def render(tokenizer, messages: list) -> list[int]:
-    """Token ids of ``messages`` in the model's chat template, ready for the answer."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    """Token ids of ``messages`` in the model's chat template, ready for the answer; when the
+    last message is an assistant message marked ``"prefix": True`` (``continue``), its turn is
+    left open so the model extends that text instead of starting a new answer."""
+    if messages and messages[-1]["role"] == "assistant" and messages[-1].get("prefix"):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                             continue_final_message=True)
+    else:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -155,6 +155,9 @@ class RemoteEngine(Engine):
             body["seed"] = p.seed
         if p.stop:
             body["stop"] = list(p.stop)
+        if gen.messages and gen.messages[-1].get("prefix"):
+            # continue: backends that know these (vLLM, SGLang) extend the last answer in place.
+            body.update(continue_final_message=True, add_generation_prompt=False)
         return json.dumps(body).encode()
 
     def _run(self, gen: Generation) -> None:

@@ -275,6 +275,14 @@ class Store:
         """Who writes a streaming answer: this Store in this process on this host."""
         return f"{socket.gethostname()}:{os.getpid()}:{self._token}"
 
+    def user_message(self, client_id: str | None, conv_id, message_id) -> dict | None:
+        """For edit: the user message ``message_id`` on the active path (bad_message when it is
+        not one); None if the conversation is not this client's."""
+        with self._lock:
+            if not self._owned(client_id, conv_id):
+                return None
+            return self._message(self._on_path(conv_id, message_id, "user"))
+
     def question_for(self, client_id: str | None, conv_id, message_id: str | None = None) -> dict | None:
         """For regenerate: the user message that ``message_id`` (an assistant message on the
         active path; default the last message) answers. None if not this client's; bad_message
@@ -349,8 +357,8 @@ class Store:
 
     def history(self, conv_id: str, upto: str | None = None, limit: int | None = None) -> list[dict]:
         """The prompt messages: the system prompt (if any), then the non-empty turns of the active
-        path (or of the path ending at ``upto``), attachments as fenced blocks; at most the newest
-        ``limit`` turns when given."""
+        path (or of the path ending at ``upto``; none for ``""``), attachments as fenced blocks; at
+        most the newest ``limit`` turns when given."""
         with self._lock:
             conv = self._one("SELECT system FROM conversations WHERE id = ?", (conv_id,))
             rows = tree.path(self._db, conv_id, upto, limit)

@@ -6,6 +6,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from .. import attachments as files
 from ..errors import ProtocolError
 
 PROTOCOL = "chat.v1"
@@ -22,6 +23,8 @@ class Request:
     conversation_id: str | None = None
     system: str | None = None
     params: dict = field(default_factory=dict)
+    message_id: str | None = None
+    attachments: list = field(default_factory=list)
     from_index: int = 0
     t: object = None
 
@@ -53,6 +56,11 @@ def _conv_id(v) -> str | None:
     return None
 
 
+def _message_id(v) -> str | None:
+    # Like conversation ids: the store answers bad_message for one that is not on the path.
+    return _conv_id(v) and "must be a message id string"
+
+
 def _opt_str(v) -> str | None:
     return None if isinstance(v, str) else "must be a string"
 
@@ -72,8 +80,12 @@ def _params(v) -> str | None:
 # field -> (required, check); one row per message type.
 MESSAGES = {
     "chat": {"id": (True, _req_id), "content": (True, _content), "conversation_id": (False, _conv_id),
-             "system": (False, _opt_str), "params": (False, _params)},
-    "regenerate": {"id": (True, _req_id), "conversation_id": (True, _conv_id), "params": (False, _params)},
+             "system": (False, _opt_str), "params": (False, _params), "attachments": (False, files.problem)},
+    "regenerate": {"id": (True, _req_id), "conversation_id": (True, _conv_id), "message_id": (False, _message_id),
+                   "params": (False, _params)},
+    "edit": {"id": (True, _req_id), "conversation_id": (True, _conv_id), "message_id": (True, _message_id),
+             "content": (True, _content), "params": (False, _params)},
+    "continue": {"id": (True, _req_id), "conversation_id": (True, _conv_id), "params": (False, _params)},
     "cancel": {"id": (True, _req_id)},
     "stop": {},
     "resume": {"id": (True, _req_id), "from": (True, _from)},
@@ -127,9 +139,13 @@ def parse(raw, max_content_chars: int, max_new_tokens: int) -> Request:
         if value is not None and not rule[0](value):
             raise ProtocolError("bad_message", f"params.{name} must be {rule[1]}", rid)
     params = {k: v for k, v in params.items() if k in rules and v is not None}
-    for name in ("content", "system"):
-        if isinstance(msg.get(name), str) and len(msg[name]) > max_content_chars:
-            raise ProtocolError("too_large", f"{name} is longer than {max_content_chars} characters", rid)
+    attached = files.clean(msg.get("attachments")) if "attachments" in spec else []
+    if isinstance(msg.get("system"), str) and len(msg["system"]) > max_content_chars:
+        raise ProtocolError("too_large", f"system is longer than {max_content_chars} characters", rid)
+    if isinstance(msg.get("content"), str) and len(msg["content"]) + files.chars(attached) > max_content_chars:
+        what = "content plus attachments" if attached else "content"
+        raise ProtocolError("too_large", f"{what} is longer than {max_content_chars} characters", rid)
     return Request(type=kind, id=msg.get("id"), content=msg.get("content"),
                    conversation_id=msg.get("conversation_id"), system=msg.get("system"),
-                   params=params, from_index=msg.get("from", 0), t=msg.get("t"))
+                   params=params, message_id=msg.get("message_id"), attachments=attached,
+                   from_index=msg.get("from", 0), t=msg.get("t"))

@@ -11,6 +11,7 @@ from flask import Blueprint, current_app, jsonify, request
 from flask_sock import Sock
 from simple_websocket import ConnectionClosed
 
+from .. import attachments as files
 from ..concurrency import spawn
 from ..engine import GenParams
 from ..errors import ProtocolError
@@ -169,8 +170,9 @@ class Run:
     while the run is going and for a grace period after it ends.
     """
 
-    def __init__(self, state, client, rid, conversation_id, message_id, gen, session):
+    def __init__(self, state, client, rid, conversation_id, message_id, gen, session, prefix=""):
         self.state, self.client, self.id = state, client, rid
+        self.prefix = prefix  # continue: the answer's text so far, which the deltas extend
         self.conversation_id, self.message_id, self.gen = conversation_id, message_id, gen
         self.deltas: list[str] = []
         self.done_frame = None
@@ -219,17 +221,17 @@ class Run:
         now = time.monotonic()
         if now - self.last_checkpoint >= CHECKPOINT_EVERY_S:
             self.last_checkpoint = now
-            self.state.store.save_partial(self.message_id, "".join(self.deltas))
+            self.state.store.save_partial(self.message_id, self.prefix + "".join(self.deltas))
 
     def on_error(self, event: dict) -> None:
-        self.state.store.finish_assistant(self.message_id, "", "error", {}, {})
+        self.state.store.finish_assistant(self.message_id, self.prefix, "error", {}, {})
         self.state.metrics.errors.labels(event.get("code", "internal")).inc()
         self.forward({"type": "error", "id": self.id, "code": event.get("code", "internal"),
                       "message": event.get("message", "the request failed")})
 
     def on_done(self, event: dict) -> None:
         self.send_start()  # a request cancelled while queued still gets start, then done
-        text = "".join(self.deltas)
+        text = self.prefix + "".join(self.deltas)
         usage = event.get("usage") or {"prompt_tokens": 0, "completion_tokens": 0}
         timings = event.get("timings") or {"ttft_ms": None, "total_ms": 0, "tokens_per_s": 0}
         self.state.store.finish_assistant(self.message_id, text, event["reason"], usage, timings)
@@ -359,42 +361,57 @@ class Session:
 
     def on_chat(self, req) -> None:
         store = self.state.store
-        self._check_new(req)
         if req.conversation_id is not None:
-            if not store.owns(self.client, req.conversation_id):
-                raise ProtocolError("not_found", "no such conversation", req.id)
-            self._check_busy(req)
-            messages = store.history(req.conversation_id)
+            self._check_conversation(req)
+            messages = self._with_system(store.history(req.conversation_id))
         else:
+            self._check_new(req)
             self._check_busy(req)
             messages = [{"role": "system", "content": req.system or self.settings.system_prompt}]
-        if not any(m["role"] == "system" for m in messages[:1]):
-            messages.insert(0, {"role": "system", "content": self.settings.system_prompt})
-        messages.append({"role": "user", "content": req.content})
+        messages.append({"role": "user", "content": files.with_attachments(req.content, req.attachments)})
         gen = self._submit(req, messages, req.conversation_id)
         if req.conversation_id is None:
             conv = store.create_conversation(self.client, system=req.system or self.settings.system_prompt)
             req.conversation_id = conv["id"]
             gen.key = conv["id"]
-        store.add_user_message(self.client, req.conversation_id, req.content)
+        store.add_user_message(self.client, req.conversation_id, req.content, req.attachments)
+        self._start_run(req, gen)
+
+    def on_edit(self, req) -> None:
+        store = self.state.store
+        self._check_conversation(req)
+        edited = self._store_call(req, store.user_message, self.client, req.conversation_id, req.message_id)
+        # The new version sits beside the old one: the model sees the path above it, and the
+        # files of the version it replaces.
+        messages = self._with_system(store.history(req.conversation_id, upto=edited["parent_id"] or ""))
+        messages.append({"role": "user", "content": files.with_attachments(req.content, edited["attachments"])})
+        gen = self._submit(req, messages, req.conversation_id)
+        try:
+            self._store_call(req, store.add_user_message, self.client, req.conversation_id, req.content,
+                             edited["attachments"], replaces=req.message_id)
+        except ProtocolError:
+            gen.cancel("cancelled")
+            raise
         self._start_run(req, gen)
 
     def on_regenerate(self, req) -> None:
         store = self.state.store
-        self._check_new(req)
-        if not store.owns(self.client, req.conversation_id):
-            raise ProtocolError("not_found", "no such conversation", req.id)
-        self._check_busy(req)
-        try:
-            question = store.question_for(self.client, req.conversation_id)
-        except ProtocolError as exc:
-            exc.id = req.id
-            raise
-        history = store.history(req.conversation_id, upto=question["id"])
-        if history[0]["role"] != "system":
-            history.insert(0, {"role": "system", "content": self.settings.system_prompt})
+        self._check_conversation(req)
+        question = self._store_call(req, store.question_for, self.client, req.conversation_id, req.message_id)
+        history = self._with_system(store.history(req.conversation_id, upto=question["id"]))
         gen = self._submit(req, history, req.conversation_id)
         self._start_run(req, gen, parent_id=question["id"])
+
+    def on_continue(self, req) -> None:
+        store = self.state.store
+        self._check_conversation(req)
+        answer = self._store_call(req, store.continuable, self.client, req.conversation_id)
+        history = self._with_system(store.history(req.conversation_id))
+        if answer["content"]:  # an empty answer is simply answered afresh
+            history[-1] = {**history[-1], "prefix": True}
+        gen = self._submit(req, history, req.conversation_id)
+        store.reopen_assistant(answer["id"])
+        self._start_run(req, gen, message_id=answer["id"], prefix=answer["content"])
 
     def on_cancel(self, req) -> None:
         run = self.state.runs.get(self.client, req.id)
@@ -426,6 +443,28 @@ class Session:
 
     # ---- helpers ----
 
+    def _check_conversation(self, req) -> None:
+        """A request on an existing conversation: new id, this client's, not already answering."""
+        self._check_new(req)
+        if not self.state.store.owns(self.client, req.conversation_id):
+            raise ProtocolError("not_found", "no such conversation", req.id)
+        self._check_busy(req)
+
+    @staticmethod
+    def _store_call(req, method, *args, **kwargs):
+        """A store call whose protocol errors concern this request."""
+        try:
+            return method(*args, **kwargs)
+        except ProtocolError as exc:
+            exc.id = req.id
+            raise
+
+    def _with_system(self, messages: list) -> list:
+        """The history with the default system prompt in front when it has none."""
+        if not any(m["role"] == "system" for m in messages[:1]):
+            messages.insert(0, {"role": "system", "content": self.settings.system_prompt})
+        return messages
+
     def _check_new(self, req) -> None:
         if self.state.runs.active(self.client, req.id):
             raise ProtocolError("duplicate_id", f"request {req.id!r} is already active", req.id)
@@ -452,9 +491,12 @@ class Session:
             exc.id = req.id
             raise
 
-    def _start_run(self, req, gen, parent_id: str | None = None) -> None:
-        message_id = self.state.store.start_assistant(req.conversation_id, parent_id)
-        run = Run(self.state, self.client, req.id, req.conversation_id, message_id, gen, self)
+    def _start_run(self, req, gen, parent_id: str | None = None, message_id: str | None = None,
+                   prefix: str = "") -> None:
+        """Stream ``gen`` into a new answer under ``parent_id``, or onto the end of ``message_id``."""
+        if message_id is None:
+            message_id = self.state.store.start_assistant(req.conversation_id, parent_id)
+        run = Run(self.state, self.client, req.id, req.conversation_id, message_id, gen, self, prefix)
         self.runs[req.id] = run
         self.state.runs.add(run)
         spawn(run.pump)
