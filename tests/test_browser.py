@@ -306,7 +306,7 @@ def test_html_payload_in_user_message_stays_inert(chat):
     c = chat(settings={"max_new_tokens": 8})
     c.send(XSS)
     c.wait_done()
-    user = c.page.locator("[data-testid=message-user]")
+    user = c.page.locator("[data-testid=message-user] .msg-body")
     assert user.count() == 1
     assert user.text_content() == XSS
     assert c.js("document.querySelectorAll('#thread img, #thread script, #injected, [onerror]').length") == 0
@@ -316,7 +316,7 @@ def test_html_payload_in_user_message_stays_inert(chat):
     assert c.js("document.querySelectorAll('#conversation-list img, #conversation-list b').length") == 0
     c.page.reload()
     c.page.wait_for_selector("[data-testid=message-user]")
-    assert c.page.locator("[data-testid=message-user]").text_content() == XSS
+    assert c.page.locator("[data-testid=message-user] .msg-body").text_content() == XSS
     assert c.js("document.querySelectorAll('#thread img, #thread script, #injected').length") == 0
     assert c.js("window.__xss") is None and c.dialogs == []
 
@@ -343,7 +343,7 @@ def test_enter_during_ime_composition_does_not_send(chat):
     assert c.page.locator("[data-testid=message-user]").count() == 0
     c.page.keyboard.press("Enter")
     c.page.wait_for_selector("[data-testid=message-user]")
-    assert c.page.locator("[data-testid=message-user]").text_content() == "にほんご"
+    assert c.page.locator("[data-testid=message-user] .msg-body").text_content() == "にほんご"
     c.wait_done()
 
 
@@ -374,7 +374,7 @@ def test_reload_restores_the_conversation(chat):
     c.page.reload()
     c.page.wait_for_selector("[data-testid=conversation-item]")
     c.page.wait_for_selector("[data-testid=message-assistant]")
-    assert c.page.locator("[data-testid=message-user]").text_content() == "Remember me"
+    assert c.page.locator("[data-testid=message-user] .msg-body").text_content() == "Remember me"
     assert c.answer() == before
     assert c.page.text_content("#chat-title") == "Remember me"
     c.shot("reloaded")
@@ -386,7 +386,7 @@ def test_reload_restores_the_conversation(chat):
     c.wait_done()
     c.wait_until("() => document.querySelectorAll('[data-testid=conversation-item]').length === 2")
     c.page.click(f"[data-testid=conversation-item][data-id='{conv}'] .conversation-open")
-    c.wait_until("() => document.querySelector('[data-testid=message-user]')?.textContent === 'Remember me'")
+    c.wait_until("() => document.querySelector('[data-testid=message-user] .msg-body')?.textContent === 'Remember me'")
     assert c.answer() == before
 
 

@@ -1,4 +1,4 @@
-// The conversations HTTP API (/api/conversations), as the page uses it.
+// The HTTP API (/api/conversations, /api/search), as the page uses it.
 const url = (id) => `/api/conversations/${encodeURIComponent(id)}`;
 
 /** JSON from the server; a failure throws an Error with the server's message, status and code. */
@@ -28,3 +28,9 @@ export const renameConversation = (id, title) => call(url(id), { method: 'PATCH'
 export const deleteConversation = (id) => call(url(id), { method: 'DELETE' });
 /** Where to download a conversation as ``md`` or ``json``. */
 export const exportUrl = (id, format) => `${url(id)}/export?format=${format}`;
+/** Make the path through ``messageId`` active (switching versions); returns the conversation. */
+export const setActive = (id, messageId) => call(`${url(id)}/active`, { method: 'POST', json: { message_id: messageId } });
+/** Create a conversation from an export or a ``messages`` list; returns {id}. */
+export const importConversation = (body) => call('/api/conversations/import', { method: 'POST', json: body });
+/** Full-text search over this client's messages: {results: [{conversation_id, title, message_id, snippet, highlights}]}. */
+export const search = (q) => call(`/api/search?q=${encodeURIComponent(q)}`);

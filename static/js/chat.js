@@ -1,13 +1,14 @@
-// What a person does with a conversation (open, send, regenerate, stop, delete) and how
-// chat.v1 frames from the server move the page along.
+// What a person does with a conversation (open, send, edit, regenerate, continue, switch
+// versions, stop, delete) and how chat.v1 frames from the server move the page along.
 import * as api from './api.js';
+import * as attachments from './attachments.js';
 import * as composer from './composer.js';
 import * as requests from './requests.js';
 import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
 import * as thread from './thread.js';
-import { AssistantMessage, REASONS } from './message.js';
+import { AssistantMessage, REASONS, editInPlace, setUserText } from './message.js';
 import { announce, newId } from './util.js';
 
 let viewToken = 0; // the latest openConversation; older loads arriving late are dropped
@@ -31,20 +32,95 @@ export function send() {
     composer.showError('Not connected to the server yet. Your message is kept; send it once the connection is back.');
     return;
   }
-  if (composer.tooLong(content)) {
+  const files = attachments.current();
+  if (composer.tooLong(content + files.map((f) => f.text).join(''))) {
     composer.showError(composer.errorText('too_large'));
     return;
   }
   composer.clearError();
   composer.clear();
+  attachments.clear();
   const conversationId = sidebar.currentId();
   const message = { type: 'chat', id: newId(), content };
+  if (files.length) message.attachments = files;
   if (conversationId) message.conversation_id = conversationId;
   else if (settings.systemPrompt()) message.system = settings.systemPrompt();
-  submit(message, { conversationId, content, userEl: thread.appendUser(content) });
+  submit(message, { conversationId, content, files, userEl: thread.appendUser(content, files) });
 }
 
-/** Answer the last user message again, replacing the last answer. */
+/** Whether a new request may start in the open conversation; says why not when it may not. */
+function canStart() {
+  if (!sidebar.currentId() || inView().length) return false;
+  if (!socket.isReady()) {
+    composer.showError('Not connected to the server yet. Try again once the connection is back.');
+    return false;
+  }
+  composer.clearError();
+  return true;
+}
+
+/** Edit a user message in place; Enter sends it as a new version, whose answer follows. */
+export function edit(article) {
+  if (inView().length) return;
+  editInPlace(article, async (content) => {
+    if (!canStart()) return;
+    if (composer.tooLong(content + (article.files || []).map((f) => f.text).join(''))) {
+      composer.showError(composer.errorText('too_large'));
+      return;
+    }
+    const conversationId = sidebar.currentId();
+    if (!article.dataset.id && !(await syncIds())) return;
+    setUserText(article, content);
+    // What followed the old version stays on its branch; the page shows the new one.
+    const after = thread.messageEls();
+    for (const el of after.slice(after.indexOf(article) + 1)) el.remove();
+    submit({ type: 'edit', id: newId(), conversation_id: conversationId, message_id: article.dataset.id, content },
+      { conversationId, reload: true });
+  });
+}
+
+/** Extend an answer that was cut short; the new text streams onto its end. */
+export function continueAnswer(view) {
+  if (!canStart() || view.el !== thread.lastMessage()) return;
+  const conversationId = sidebar.currentId();
+  view.resume();
+  const message = { type: 'continue', id: newId(), conversation_id: conversationId };
+  submit(message, { conversationId, view, prefix: view.text, reload: true });
+}
+
+/** Show the previous (-1) or next (+1) version of a message, and the path below it. */
+export async function switchVersion(el, step) {
+  const conversationId = sidebar.currentId();
+  const ids = el.versions?.ids || [];
+  const target = ids[el.versions.index + step];
+  if (!conversationId || !target || inView().length) return;
+  let conversation;
+  try {
+    conversation = await api.setActive(conversationId, target);
+  } catch (err) {
+    composer.showError(`Could not switch versions: ${err.message}`);
+    return;
+  }
+  if (sidebar.currentId() !== conversationId) return;
+  const index = thread.messageEls().indexOf(el);
+  thread.replaceFrom(el, conversation.messages.slice(index));
+  refreshControls();
+  announce(`Version ${el.versions.index + step + 1} of ${ids.length}`);
+}
+
+/** Fetch the open conversation's ids and versions onto the messages shown (or redraw it). */
+async function syncIds() {
+  const id = sidebar.currentId();
+  if (!id) return false;
+  let conversation;
+  try { conversation = await api.getConversation(id); } catch { return false; }
+  if (sidebar.currentId() !== id || inView().length) return false;
+  if (!thread.applyIds(conversation.messages)) thread.showStored(conversation.messages, []);
+  refreshControls();
+  return true;
+}
+
+/** Answer the last user message again: a new version beside the last answer. */
 export function regenerate() {
   const conversationId = sidebar.currentId();
   const last = thread.lastMessage();
@@ -57,10 +133,13 @@ export function regenerate() {
 function submit(message, record) {
   const params = settings.params(socket.limits());
   if (params) message.params = params;
-  const view = new AssistantMessage();
-  view.setThinking();
-  if (record.oldView) record.oldView.replaceWith(view.el);
-  else thread.append(view.el);
+  let view = record.view;
+  if (!view) {
+    view = new AssistantMessage();
+    view.setThinking();
+    if (record.oldView) record.oldView.replaceWith(view.el);
+    else thread.append(view.el);
+  }
   const req = requests.add({ ...record, id: message.id, view });
   req.sent = socket.send(message);
   thread.followLatest();
@@ -77,8 +156,9 @@ export function stop() {
   return active.length > 0;
 }
 
-/** Show conversation ``id`` (null: a new chat) as the server has stored it. */
-export async function openConversation(id, { keepError = false } = {}) {
+/** Show conversation ``id`` (null: a new chat) as the server has stored it; with ``reveal``,
+ * scroll to that message, first switching to its branch when it is on another. */
+export async function openConversation(id, { keepError = false, reveal = null } = {}) {
   const token = ++viewToken;
   if (!keepError) composer.clearError();
   sidebar.setCurrent(id);
@@ -95,7 +175,18 @@ export async function openConversation(id, { keepError = false } = {}) {
     return;
   }
   if (token !== viewToken) return;
-  thread.showStored(conversation.messages, inView());
+  const live = inView();
+  for (const req of live) {
+    // A continue adopted after a reload: its text so far is the stored answer's beginning.
+    const last = conversation.messages[conversation.messages.length - 1];
+    if (req.prefixChars && !req.prefix && last?.role === 'assistant') req.prefix = last.content.slice(0, req.prefixChars);
+  }
+  if (reveal && !conversation.messages.some((m) => m.id === reveal) && !live.length) {
+    try { conversation = await api.setActive(id, reveal); } catch { /* show the active path */ }
+    if (token !== viewToken) return;
+  }
+  thread.showStored(conversation.messages, live);
+  if (reveal) requestAnimationFrame(() => thread.reveal(reveal));
   if (conversation.title) sidebar.setTitle(conversation.id, conversation.title);
   refreshControls();
 }
@@ -128,7 +219,8 @@ export function adoptInflight(conversationId) {
   if (!id) return;
   const view = new AssistantMessage();
   view.setThinking();
-  requests.add({ id, conversationId, view, started: true, sent: true });
+  const req = requests.add({ id, conversationId, view, started: true, sent: true });
+  req.prefixChars = requests.rememberedPrefix(conversationId);
 }
 
 // ---------------------------------------------------------------- frames from the server
@@ -136,12 +228,15 @@ export function adoptInflight(conversationId) {
 /** Undo the optimistic page of a request the server refused (no start, no done). */
 function rollback(req) {
   requests.finish(req);
-  if (req.oldView) {
+  if (req.reload) {
+    if (req.conversationId === sidebar.currentId()) openConversation(req.conversationId, { keepError: true });
+  } else if (req.oldView) {
     req.view.el.replaceWith(req.oldView);
   } else {
     req.view.el.remove();
     req.userEl?.remove();
     composer.restore(req.content);
+    attachments.restore(req.files);
   }
   thread.showEmptyIfNone();
 }
@@ -150,7 +245,7 @@ function rollback(req) {
 function settle(req) {
   requests.finish(req);
   thread.cancelRender(req.view);
-  req.view.setText(req.text, true);
+  req.view.setText(req.prefix + req.text, true);
 }
 
 function onReady() {
@@ -194,7 +289,7 @@ function onStart(msg) {
 
 function onDelta(msg) {
   const req = requests.get(msg.id);
-  if (req && requests.addDelta(req, msg.index, msg.text)) thread.scheduleRender(req.view, req.text);
+  if (req && requests.addDelta(req, msg.index, msg.text)) thread.scheduleRender(req.view, req.prefix + req.text);
 }
 
 function onDone(msg) {
@@ -202,12 +297,13 @@ function onDone(msg) {
   if (!req) return;
   settle(req);
   req.view.finish(msg);
-  if (!req.text && msg.reason === 'stop') req.view.body.textContent = '(empty answer)';
+  if (!req.prefix && !req.text && msg.reason === 'stop') req.view.body.textContent = '(empty answer)';
   thread.followStream();
   refreshControls();
   if (req.conversationId === sidebar.currentId()) {
     const reason = REASONS[msg.reason] ? ` (${REASONS[msg.reason]})` : '';
     announce(`Answer${reason}: ${req.text.slice(0, 2000)}`);
+    syncIds(); // the new messages' ids and versions, for Edit and the version switcher
   }
   sidebar.refreshSoon();
 }

@@ -44,4 +44,11 @@ export const els = {
   maxTokensHelp: $('max-tokens-help'),
   settingsReset: $('settings-reset'),
   tplConversation: $('tpl-conversation'),
+  search: $('search'),
+  searchResults: $('search-results'),
+  importButton: $('import'),
+  importFile: $('import-file'),
+  attach: $('attach'),
+  attachFile: $('attach-file'),
+  attachments: $('attachments'),
 };

@@ -1,7 +1,10 @@
 // The chat page's entry point: every event listener is wired here, then the page starts.
 import { els } from './dom.js';
+import * as attachments from './attachments.js';
 import * as chat from './chat.js';
 import * as composer from './composer.js';
+import { importFile } from './importer.js';
+import * as search from './search.js';
 import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
@@ -15,11 +18,20 @@ els.messages.addEventListener('keydown', thread.onKeydown);
 // Keep the latest line in view when the viewport or composer changes size.
 new ResizeObserver(thread.onResize).observe(els.messages);
 els.jump.addEventListener('click', thread.jump);
-// Copy buttons (code blocks and whole answers) and Regenerate, through one delegated listener.
+// Message actions (copy, regenerate, continue, edit, versions), through one delegated listener.
+const MESSAGE_ACTIONS = {
+  regenerate: () => chat.regenerate(),
+  continue: (msg) => chat.continueAnswer(msg.view),
+  edit: (msg) => chat.edit(msg),
+  'version-prev': (msg) => chat.switchVersion(msg, -1),
+  'version-next': (msg) => chat.switchVersion(msg, 1),
+};
 els.thread.addEventListener('click', (e) => {
   const button = e.target.closest('button');
-  if (button?.dataset.action === 'regenerate') chat.regenerate();
-  else if (button) thread.copy(button);
+  if (!button) return;
+  const action = MESSAGE_ACTIONS[button.dataset.action];
+  if (action) action(button.closest('.msg'));
+  else thread.copy(button);
 });
 
 // ---------------------------------------------------------------- the composer
@@ -44,11 +56,38 @@ els.stop.addEventListener('click', () => {
   els.prompt.focus();
 });
 
+// Attachments: the button, a drop on the composer or the thread, or files pasted into the box.
+els.attach.addEventListener('click', () => els.attachFile.click());
+els.attachFile.addEventListener('change', () => {
+  attachments.add([...els.attachFile.files]);
+  els.attachFile.value = '';
+});
+els.attachments.addEventListener('click', (e) => {
+  const index = e.target.closest('[data-remove]')?.dataset.remove;
+  if (index !== undefined) attachments.remove(Number(index));
+});
+els.prompt.addEventListener('paste', (e) => {
+  const files = [...(e.clipboardData?.files || [])];
+  if (!files.length) return;
+  e.preventDefault();
+  attachments.add(files);
+});
+const hasFiles = (e) => [...(e.dataTransfer?.types || [])].includes('Files');
+// A file dropped anywhere must not navigate away from the page.
+document.addEventListener('dragover', (e) => { if (hasFiles(e)) e.preventDefault(); });
+document.addEventListener('drop', (e) => {
+  if (!hasFiles(e)) return;
+  e.preventDefault();
+  if (els.sidebar.contains(e.target)) importFiles([...e.dataTransfer.files]);
+  else attachments.add([...e.dataTransfer.files]);
+});
+
 // Esc closes what is open, innermost first; with nothing open it stops the answer.
 document.addEventListener('keydown', (e) => {
   if (e.key !== 'Escape' || e.defaultPrevented || e.isComposing || composer.isComposing()) return;
   if (els.settings.open) return;
   if (els.exportMenu.open) { els.exportMenu.open = false; return; }
+  if (document.activeElement === els.search && els.search.value) { search.clear(); return; }
   if (sidebar.drawerOpen()) { sidebar.closeDrawer(); return; }
   if (chat.stop()) e.preventDefault();
 });
@@ -75,6 +114,27 @@ els.newChat.addEventListener('click', () => {
   chat.openConversation(null);
   sidebar.closeDrawer();
   els.prompt.focus();
+});
+els.search.addEventListener('input', search.onInput);
+els.searchResults.addEventListener('click', (e) => {
+  const hit = e.target.closest('.search-hit');
+  if (!hit) return;
+  chat.openConversation(hit.dataset.conversation, { reveal: hit.dataset.message });
+  sidebar.closeDrawer();
+});
+
+async function importFiles(files) {
+  let id = null;
+  for (const file of files) id = (await importFile(file)) || id;
+  if (!id) return;
+  await sidebar.refresh();
+  chat.openConversation(id);
+  sidebar.closeDrawer();
+}
+els.importButton.addEventListener('click', () => els.importFile.click());
+els.importFile.addEventListener('change', () => {
+  importFiles([...els.importFile.files]);
+  els.importFile.value = '';
 });
 els.sidebarToggle.addEventListener('click', sidebar.toggleDrawer);
 els.sidebarClose.addEventListener('click', sidebar.closeDrawer);

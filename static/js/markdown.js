@@ -95,24 +95,41 @@ export function renderMarkdownToHtml(text) {
   return div.innerHTML;
 }
 
-/** Keeps a container in sync with a growing Markdown text, one DOM node per top-level block. */
+/**
+ * Keeps a container in sync with a growing Markdown text, one DOM node per top-level block.
+ *
+ * While an answer streams, the blocks before the last one are finished: their source is
+ * never lexed again. Each update lexes only the text from the start of the last block on,
+ * so a frame costs the size of that block, not of the whole answer (which made streaming
+ * into a long answer quadratic). The final update lexes the whole text once, so anything
+ * that depends on the whole document (reference links) comes out right.
+ */
 export class MarkdownView {
   constructor(container) {
     this.el = container;
     this.blocks = [];
     this.text = null;
     this.final = false;
+    this.stableChars = 0; // source characters covered by finished blocks
+    this.stableBlocks = 0; // how many of this.blocks they are
   }
 
   update(text, final = false) {
     if (text === this.text && final === this.final) return;
+    const grows = !final && this.text !== null && !this.final && text.startsWith(this.text.slice(0, this.stableChars));
     this.text = text;
     this.final = final;
-    const lexed = markedFinal.lexer(text);
+    if (!grows) {
+      this.stableChars = 0;
+      this.stableBlocks = 0;
+    }
+    const tail = text.slice(this.stableChars);
+    const lexed = markedFinal.lexer(tail);
     const tokens = lexed.filter((t) => t.type !== 'space');
     const hasLinks = Object.keys(lexed.links || {}).length > 0;
-    tokens.forEach((token, i) => {
-      const live = !final && i === tokens.length - 1;
+    tokens.forEach((token, n) => {
+      const i = this.stableBlocks + n;
+      const live = !final && n === tokens.length - 1;
       const key = `${live ? 'L' : 'F'}${token.raw}`;
       let block = this.blocks[i];
       if (block && block.key === key && !live && !(final && hasLinks)) return;
@@ -128,7 +145,21 @@ export class MarkdownView {
       block.key = key;
       block.node.replaceChildren(fragment);
     });
-    for (const stale of this.blocks.splice(tokens.length)) stale.node.remove();
+    for (const stale of this.blocks.splice(this.stableBlocks + tokens.length)) stale.node.remove();
+    if (!final) this.advance(lexed, tail.length);
+  }
+
+  /** Mark every block but the last as finished, when the lexer's tokens cover the tail exactly. */
+  advance(lexed, tailLength) {
+    let lastBlock = -1;
+    lexed.forEach((t, i) => { if (t.type !== 'space') lastBlock = i; });
+    if (lastBlock <= 0) return;
+    const covered = lexed.reduce((sum, t) => sum + t.raw.length, 0);
+    if (covered !== tailLength) return; // the lexer rewrote the source (e.g. CR LF): no shortcut
+    for (const token of lexed.slice(0, lastBlock)) {
+      this.stableChars += token.raw.length;
+      if (token.type !== 'space') this.stableBlocks += 1;
+    }
   }
 }
 

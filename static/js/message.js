@@ -1,6 +1,6 @@
 // One message in the thread: the user's text, or an assistant answer with its status, stats and actions.
 import { MarkdownView } from './markdown.js';
-import { ICON_COPY, ICON_REGEN } from './icons.js';
+import { ICON_CONTINUE, ICON_COPY, ICON_EDIT, ICON_REGEN } from './icons.js';
 import { fmtDuration } from './util.js';
 
 /** Labels for `done` reasons worth showing; `stop` is the normal end and shows none. */
@@ -12,18 +12,109 @@ export const REASONS = {
   error: 'Generation failed',
 };
 const BAD_REASONS = ['error', 'timeout', 'shutdown'];
+/** Answers cut short, which `continue` can extend (and stored ones left `interrupted` by a crash). */
+const CONTINUABLE = ['length', 'cancelled', 'timeout', 'shutdown', 'interrupted'];
 
-/** A user message; its text is never interpreted as HTML. */
-export function userMessage(content) {
+/** Attached files as a row of chips; each opens to show its text (as text, never HTML). */
+export function fileChips(files) {
+  const row = document.createElement('div');
+  row.className = 'msg-files';
+  for (const file of files || []) {
+    const chip = document.createElement('details');
+    chip.className = 'file-chip';
+    chip.dataset.testid = 'attachment';
+    const name = document.createElement('summary');
+    name.textContent = file.name;
+    const text = document.createElement('pre');
+    text.textContent = file.text;
+    chip.append(name, text);
+    row.append(chip);
+  }
+  return row;
+}
+
+/** A user message with its files and an Edit action; its text is never interpreted as HTML. */
+export function userMessage(content, files = []) {
   const article = document.createElement('article');
   article.className = 'msg msg-user';
   article.dataset.testid = 'message-user';
   article.setAttribute('aria-label', 'You');
+  const main = document.createElement('div');
+  main.className = 'msg-main';
   const body = document.createElement('div');
   body.className = 'msg-body';
   body.textContent = content;
-  article.append(body);
+  const meta = document.createElement('div');
+  meta.className = 'msg-meta';
+  meta.innerHTML = `<span class="msg-actions"><button type="button" class="icon-btn" data-action="edit" data-testid="edit">${ICON_EDIT}<span>Edit</span></button></span>`;
+  main.append(body);
+  if (files.length) main.append(fileChips(files));
+  main.append(meta);
+  article.append(main);
+  article.content = content;
+  article.files = files;
   return article;
+}
+
+/** Record a message element's stored id and versions, and show "< 2/3 >" when there are several. */
+export function setIdentity(el, { id, versions }) {
+  el.dataset.id = id;
+  el.versions = versions;
+  el.querySelector('.versions')?.remove();
+  if (!versions || versions.count < 2) return;
+  const box = document.createElement('span');
+  box.className = 'versions';
+  box.dataset.testid = 'versions';
+  const button = (action, label, glyph, disabled) => {
+    const b = document.createElement('button');
+    b.type = 'button';
+    b.className = 'icon-btn small';
+    b.dataset.action = action;
+    b.setAttribute('aria-label', label);
+    b.textContent = glyph;
+    b.disabled = disabled;
+    return b;
+  };
+  const label = document.createElement('span');
+  label.className = 'versions-label';
+  label.textContent = `${versions.index + 1}/${versions.count}`;
+  box.append(button('version-prev', 'Previous version', '‹', versions.index === 0), label,
+    button('version-next', 'Next version', '›', versions.index === versions.count - 1));
+  el.querySelector('.msg-meta').prepend(box);
+}
+
+/** Turn a user message into a text box: Enter calls ``submit(text)``, Esc puts it back. */
+export function editInPlace(article, submit) {
+  if (article.querySelector('.msg-edit')) return;
+  const body = article.querySelector('.msg-body');
+  const box = document.createElement('textarea');
+  box.className = 'msg-edit';
+  box.dataset.testid = 'edit-box';
+  box.setAttribute('aria-label', 'Edit message (Enter sends, Esc cancels)');
+  box.value = article.content;
+  body.hidden = true;
+  body.after(box);
+  box.focus();
+  const close = () => { box.remove(); body.hidden = false; };
+  box.addEventListener('keydown', (e) => {
+    if (e.key === 'Escape') {
+      e.preventDefault();
+      e.stopPropagation();
+      close();
+    } else if (e.key === 'Enter' && !e.shiftKey && !e.isComposing && e.keyCode !== 229) {
+      e.preventDefault();
+      if (!box.value.trim()) return;
+      const text = box.value.trimEnd();
+      close();
+      submit(text);
+    }
+  });
+}
+
+/** Show new text in a user message (an edit was sent). */
+export function setUserText(article, content) {
+  article.content = content;
+  article.querySelector('.msg-body').textContent = content;
 }
 
 function span(className, text, testid) {
@@ -82,10 +173,11 @@ export class AssistantMessage {
     this.markdown.update(text, final);
   }
 
-  /** Mark the answer finished: reason, stats and the Copy/Regenerate actions. */
-  finish({ reason, timings, usage } = {}) {
+  /** Mark the answer finished: reason, stats and the Copy/Regenerate/Continue actions. */
+  finish({ reason, timings, usage, status } = {}) {
     this.settle('done');
     this.el.dataset.reason = reason || '';
+    this.done = { reason, timings, usage, status };
     this.meta.replaceChildren();
     if (REASONS[reason]) {
       const bad = BAD_REASONS.includes(reason) ? ' bad' : '';
@@ -97,7 +189,19 @@ export class AssistantMessage {
     actions.className = 'msg-actions';
     actions.innerHTML = `<button type="button" class="icon-btn" data-action="copy-message">${ICON_COPY}<span>Copy</span></button>`
       + `<button type="button" class="icon-btn" data-action="regenerate" data-testid="regenerate" hidden>${ICON_REGEN}<span>Regenerate</span></button>`;
+    if (CONTINUABLE.includes(status === 'interrupted' ? status : reason)) {
+      actions.insertAdjacentHTML('beforeend', `<button type="button" class="icon-btn" data-action="continue" data-testid="continue">${ICON_CONTINUE}<span>Continue</span></button>`);
+    }
     this.meta.prepend(actions);
+    if (this.el.versions) setIdentity(this.el, { id: this.el.dataset.id, versions: this.el.versions });
+  }
+
+  /** Stream more text onto this answer (continue): its text so far stays. */
+  resume() {
+    this.el.classList.add('streaming');
+    this.el.dataset.state = 'streaming';
+    this.el.setAttribute('aria-busy', 'true');
+    this.meta.replaceChildren();
   }
 
   /** Mark the answer failed with ``text``, keeping what had arrived. */

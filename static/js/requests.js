@@ -1,4 +1,4 @@
-// Requests in flight: one record per chat or regenerate id, its deltas in order, and how it completes.
+// Requests in flight: one record per chat, edit, regenerate or continue id, its deltas in order, and how it completes.
 import { storage } from './util.js';
 
 // The answer being streamed when the page was left, so a reload can resume it.
@@ -7,12 +7,17 @@ const KEY_INFLIGHT = 'chat.inflight';
 const requests = new Map();
 
 /**
- * Track a request. ``view`` is its AssistantMessage; ``userEl`` the user message it added (chat);
- * ``oldView`` the answer it replaces (regenerate); ``started``/``sent`` for one adopted after a reload.
+ * Track a request. ``view`` is its AssistantMessage; ``userEl`` the user message it added (chat)
+ * with ``files``; ``oldView`` the answer it replaces (regenerate); ``prefix`` the text a continued
+ * answer had; ``reload`` to undo a refusal by showing the stored conversation again (edit,
+ * continue); ``started``/``sent`` for one adopted after a reload.
  */
-export function add({ id, conversationId, view, content = '', userEl = null, oldView = null, started = false, sent = false }) {
+export function add({
+  id, conversationId, view, content = '', files = [], userEl = null, oldView = null, prefix = '',
+  reload = false, started = false, sent = false,
+}) {
   const req = {
-    id, conversationId, view, content, userEl, oldView, started, sent,
+    id, conversationId, view, content, files, userEl, oldView, prefix, reload, started, sent,
     text: '', nextIndex: 0, pending: new Map(), done: false, resuming: false, cancelRequested: false,
   };
   requests.set(id, req);
@@ -51,8 +56,14 @@ export function addDelta(req, index, text) {
 
 /** Remember a started request, so a reload can pick its stream up. */
 export function remember(req) {
-  storage.set(KEY_INFLIGHT, { id: req.id, conversationId: req.conversationId });
+  storage.set(KEY_INFLIGHT, { id: req.id, conversationId: req.conversationId, prefixChars: req.prefix.length });
 }
+
+/** How long the continued answer's text was before the remembered request (0: not a continue). */
+export const rememberedPrefix = (conversationId) => {
+  const inflight = storage.get(KEY_INFLIGHT, null);
+  return inflight?.conversationId === conversationId && Number.isInteger(inflight.prefixChars) ? inflight.prefixChars : 0;
+};
 
 /** The request id streaming in ``conversationId`` when the page was left, or null. */
 export function remembered(conversationId) {

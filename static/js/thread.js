@@ -1,7 +1,7 @@
 // The message list: adding and clearing messages, streaming renders batched per frame,
 // following the latest line while the reader lets it, and the copy buttons.
 import { els } from './dom.js';
-import { AssistantMessage, userMessage } from './message.js';
+import { AssistantMessage, setIdentity, userMessage } from './message.js';
 import { codeTextFor } from './markdown.js';
 import { ICON_CHECK } from './icons.js';
 import { announce } from './util.js';
@@ -20,15 +20,67 @@ export function append(node) {
   els.thread.append(node);
 }
 
-/** Add a user message; returns its element. */
-export function appendUser(content) {
-  const el = userMessage(content);
+/** Add a user message (with its attached files); returns its element. */
+export function appendUser(content, files = []) {
+  const el = userMessage(content, files);
   append(el);
   return el;
 }
 
+/** The message elements, in order. */
+export const messageEls = () => [...els.thread.querySelectorAll('.msg')];
+
 /** The last message element, or undefined. */
-export const lastMessage = () => [...els.thread.querySelectorAll('.msg')].pop();
+export const lastMessage = () => messageEls().pop();
+
+/** The element of a stored message, by id. */
+export const messageEl = (id) => messageEls().find((el) => el.dataset.id === id);
+
+/** A stored message's element: a user message, or a finished answer. */
+function storedEl(m) {
+  let el;
+  if (m.role === 'user') {
+    el = userMessage(m.content, m.attachments || []);
+  } else {
+    const view = new AssistantMessage();
+    el = view.el;
+    el.versions = m.versions;
+    el.dataset.id = m.id;
+    view.setText(m.content, true);
+    view.finish(m);
+  }
+  setIdentity(el, m);
+  return el;
+}
+
+/** Put the stored ids and versions on the messages shown; false when they do not line up. */
+export function applyIds(messages) {
+  const shown = messageEls();
+  if (shown.length !== messages.length || shown.some((el, i) => !el.classList.contains(`msg-${messages[i].role}`))) return false;
+  shown.forEach((el, i) => setIdentity(el, messages[i]));
+  return true;
+}
+
+/** Replace ``el`` and every message after it with ``messages`` (the new path below a version switch). */
+export function replaceFrom(el, messages) {
+  const shown = messageEls();
+  for (const old of shown.slice(shown.indexOf(el))) old.remove();
+  const fragment = document.createDocumentFragment();
+  for (const m of messages) fragment.append(storedEl(m));
+  els.thread.append(fragment);
+  updateJump();
+}
+
+/** Scroll a message into view and flash it (a search result was opened). */
+export function reveal(id) {
+  const el = messageEl(id);
+  if (!el) return false;
+  follow = false;
+  el.scrollIntoView({ block: 'center' });
+  el.classList.add('found');
+  setTimeout(() => el.classList.remove('found'), 2000);
+  return true;
+}
 
 /** Empty the thread; the welcome text shows when ``showEmpty``. */
 export function reset(showEmpty) {
@@ -48,16 +100,9 @@ export function showStored(messages, live) {
   const shown = messages.filter((m) => m.role === 'user' || m.role === 'assistant');
   // The live answer is drawn from the stream; drop the partial copy the store holds.
   if (live.length) while (shown.length && shown[shown.length - 1].role === 'assistant') shown.pop();
-  for (const m of shown) {
-    if (m.role === 'user') {
-      appendUser(m.content);
-    } else {
-      const view = new AssistantMessage();
-      append(view.el);
-      view.setText(m.content, true);
-      view.finish(m);
-    }
-  }
+  const fragment = document.createDocumentFragment();
+  for (const m of shown) fragment.append(storedEl(m));
+  els.thread.append(fragment);
   for (const req of live) {
     if (req.userEl && !shown.length) els.thread.append(req.userEl);
     els.thread.append(req.view.el);
@@ -66,15 +111,19 @@ export function showStored(messages, live) {
   requestAnimationFrame(() => { follow = true; scrollToBottom(); updateJump(); });
 }
 
-/** Regenerate shows on the last answer only, and never while ``hidden``. */
+/** Regenerate and Continue show on the last answer only, Edit on every user message; none
+ * while ``hidden`` (an answer is streaming, or nothing is stored yet). */
 export function updateRegenerate(hidden) {
   const last = lastMessage();
-  for (const button of els.thread.querySelectorAll('[data-action="regenerate"]')) {
+  for (const button of els.thread.querySelectorAll('[data-action="regenerate"], [data-action="continue"]')) {
     button.hidden = hidden || button.closest('.msg') !== last;
   }
+  for (const button of els.thread.querySelectorAll('[data-action="edit"]')) button.hidden = hidden;
 }
 
 // ---------------------------------------------------------------- streaming, one render per frame
+// Each frame's render is measured (performance.measure 'chat-render') for a PerformanceObserver
+// (DevTools, the tests); the timeline buffer is cleared at once so a long session keeps none.
 
 /** Draw ``text`` into ``view`` at the next animation frame. */
 export function scheduleRender(view, text) {
@@ -92,9 +141,12 @@ export function cancelRender(view) {
 
 function renderFrame() {
   frameRequested = false;
+  const start = performance.now();
   for (const [view, text] of dirty) view.setText(text, false);
   dirty.clear();
   followStream();
+  performance.measure('chat-render', { start });
+  performance.clearMeasures('chat-render');
 }
 
 // ---------------------------------------------------------------- following the latest line

@@ -1,0 +1,90 @@
+// Search in the sidebar: results as you type, the matched words marked from the server's
+// offsets with DOM text nodes and <mark> elements (never by writing the text as HTML).
+import { els } from './dom.js';
+import * as api from './api.js';
+
+const DEBOUNCE_MS = 150;
+let timer = 0;
+let latest = 0;
+
+/** The search box changed: search a moment later, or go back to the conversation list. */
+export function onInput() {
+  clearTimeout(timer);
+  const q = els.search.value.trim();
+  if (!q) {
+    latest += 1;
+    show(null);
+    return;
+  }
+  timer = setTimeout(() => run(q), DEBOUNCE_MS);
+}
+
+/** Empty the box and show the conversation list again. */
+export function clear() {
+  els.search.value = '';
+  onInput();
+}
+
+async function run(q) {
+  const token = ++latest;
+  let results;
+  try {
+    ({ results } = await api.search(q));
+  } catch (err) {
+    if (token === latest) show([], `Search failed: ${err.message}`);
+    return;
+  }
+  if (token === latest) show(results);
+}
+
+/** ``snippet`` with the [start, end) character ranges in ``spans`` wrapped in <mark>. */
+export function highlighted(snippet, spans) {
+  const fragment = document.createDocumentFragment();
+  let at = 0;
+  for (const [start, end] of spans) {
+    if (start < at || end <= start || end > snippet.length) continue;
+    fragment.append(document.createTextNode(snippet.slice(at, start)));
+    const mark = document.createElement('mark');
+    mark.textContent = snippet.slice(start, end);
+    fragment.append(mark);
+    at = end;
+  }
+  fragment.append(document.createTextNode(snippet.slice(at)));
+  return fragment;
+}
+
+function hit(result) {
+  const li = document.createElement('li');
+  const button = document.createElement('button');
+  button.type = 'button';
+  button.className = 'search-hit';
+  button.dataset.testid = 'search-hit';
+  button.dataset.conversation = result.conversation_id;
+  button.dataset.message = result.message_id;
+  const title = document.createElement('span');
+  title.className = 'hit-title';
+  title.textContent = result.title;
+  const snippet = document.createElement('span');
+  snippet.className = 'hit-snippet';
+  snippet.append(highlighted(result.snippet, result.highlights));
+  button.append(title, snippet);
+  li.append(button);
+  return li;
+}
+
+/** Results (null: none, show the conversation list), or a note instead of them. */
+function show(results, note = '') {
+  const searching = results !== null;
+  els.searchResults.hidden = !searching;
+  els.list.hidden = searching;
+  els.listEmpty.hidden = searching || els.list.children.length > 0;
+  if (!searching) return;
+  const items = results.map(hit);
+  if (!items.length) {
+    const empty = document.createElement('li');
+    empty.className = 'conversations-empty';
+    empty.textContent = note || 'No matches.';
+    items.push(empty);
+  }
+  els.searchResults.replaceChildren(...items);
+}
