@@ -162,3 +162,19 @@ def test_a_failing_step_ends_the_batch_with_error_and_the_engine_goes_on(tiny_mo
         assert ok[-1]["reason"] == "length" and ok[-1]["usage"]["completion_tokens"] == 20
     finally:
         eng.shutdown()
+
+
+def test_continue_leaves_the_answer_open_and_reuses_the_prefix(engine):
+    from chat.engine import prompt
+    history = ask("a question to continue")
+    first, _ = collect(engine.submit(history, GenParams(temperature=0, max_new_tokens=8), key="conv-c"))
+    tokenizer = engine.loaded.tokenizer
+    open_turn = tokenizer.decode(prompt.render(tokenizer, history + [
+        {"role": "assistant", "content": first, "prefix": True}]))
+    assert open_turn.endswith(first) and open_turn == tokenizer.decode(prompt.render(tokenizer, history)) + first
+    more, events = collect(engine.submit(history + [{"role": "assistant", "content": first, "prefix": True}],
+                                         GenParams(temperature=0, max_new_tokens=8), key="conv-c"))
+    assert events[-1]["reused_tokens"] > 0
+    assert events[-1]["usage"]["completion_tokens"] <= 8  # done counts only the new tokens
+    whole, _ = collect(engine.submit(history, GenParams(temperature=0, max_new_tokens=16)))
+    assert first + more == whole  # greedy: continuing equals answering at once

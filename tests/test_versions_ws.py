@@ -81,6 +81,15 @@ def test_edit_and_regenerate_errors(server):
                                {"type": "regenerate", "conversation_id": conv}]):
         assert error_of(ask(other, f"o{n}", **frame)) == "not_found"
     assert [m["id"] for m in wait_settled(server, cookie, conv)["messages"]] == [u1, a1]
+    # while the conversation is answering: a bad target is still bad_message (it outranks busy)
+    client.send({"type": "chat", "id": "long", "conversation_id": conv, "content": "go",
+                 "params": {"max_new_tokens": 2000}})
+    client.until(lambda f: f.get("id") == "long" and f["type"] == "delta")
+    assert error_of(ask(client, "b1", type="edit", conversation_id=conv, message_id=a1, content="x")) == "bad_message"
+    assert error_of(ask(client, "b2", type="edit", conversation_id=conv, message_id=u1, content="x")) == "busy"
+    assert error_of(ask(client, "b3", type="continue", conversation_id=conv)) == "busy"
+    client.send({"type": "cancel", "id": "long"})
+    client.until(lambda f: f.get("id") == "long" and f["type"] == "done")
     client.close()
     other.close()
 

@@ -7,7 +7,6 @@ import re
 import socket
 import sqlite3
 import time
-import unicodedata
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,12 +53,6 @@ def _title_from(content: str) -> str:
     cut = text[:TITLE_CHARS - 1]
     space = cut.rfind(" ")
     return (cut[:space] if space >= TITLE_CHARS // 2 else cut).rstrip() + "…"
-
-
-def _slug(title: str) -> str:
-    """An ASCII file-name stem for a title."""
-    ascii_title = unicodedata.normalize("NFKD", title).encode("ascii", "ignore").decode()
-    return re.sub(r"[^a-z0-9]+", "-", ascii_title.lower()).strip("-")[:50].strip("-") or "conversation"
 
 
 _open_stores: set[str] = set()
@@ -310,7 +303,8 @@ class Store:
         last = self._message(rows[-1]) if rows else None
         if last is None or last["role"] != "assistant":
             raise ProtocolError("bad_message", "the conversation does not end with an answer to continue")
-        if last["status"] != "interrupted" and last["reason"] not in CONTINUABLE:
+        # A streaming answer is left to the caller's busy check: it may well end cut short.
+        if last["status"] not in ("interrupted", "streaming") and last["reason"] not in CONTINUABLE:
             raise ProtocolError("bad_message", f"the last answer ended with {last['reason']!r}; only an answer "
                                                "cut short can be continued")
         return last
@@ -399,7 +393,7 @@ class Store:
         conv = self.get_conversation(client_id, conv_id)
         if conv is None:
             return None
-        filename = f"{_slug(conv['title'])}-{conv['id'][:8]}.{fmt}"
+        filename = transfer.filename(conv, fmt)
         if fmt == "json":
             return json.dumps(conv, ensure_ascii=False, indent=2) + "\n", "application/json", filename
         return transfer.markdown(conv), "text/markdown", filename

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import re
+import unicodedata
 from datetime import datetime, timezone
 
 from .. import attachments as files
@@ -16,6 +18,13 @@ REASONS = ("stop", "length", "cancelled", "timeout", "shutdown", "error")
 def _iso(ts: float) -> str:
     """A UNIX time as a readable UTC date."""
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def filename(conv: dict, fmt: str) -> str:
+    """The download name: an ASCII stem from the title, the id's start, the format."""
+    ascii_title = unicodedata.normalize("NFKD", conv["title"]).encode("ascii", "ignore").decode()
+    stem = re.sub(r"[^a-z0-9]+", "-", ascii_title.lower()).strip("-")[:50].strip("-") or "conversation"
+    return f"{stem}-{conv['id'][:8]}.{fmt}"
 
 
 def markdown(conv: dict) -> str:

@@ -379,8 +379,7 @@ class Session:
 
     def on_edit(self, req) -> None:
         store = self.state.store
-        self._check_conversation(req)
-        edited = self._store_call(req, store.user_message, self.client, req.conversation_id, req.message_id)
+        edited = self._check_conversation(req, store.user_message, req.message_id)
         # The new version sits beside the old one: the model sees the path above it, and the
         # files of the version it replaces.
         messages = self._with_system(store.history(req.conversation_id, upto=edited["parent_id"] or ""))
@@ -396,16 +395,14 @@ class Session:
 
     def on_regenerate(self, req) -> None:
         store = self.state.store
-        self._check_conversation(req)
-        question = self._store_call(req, store.question_for, self.client, req.conversation_id, req.message_id)
+        question = self._check_conversation(req, store.question_for, req.message_id)
         history = self._with_system(store.history(req.conversation_id, upto=question["id"]))
         gen = self._submit(req, history, req.conversation_id)
         self._start_run(req, gen, parent_id=question["id"])
 
     def on_continue(self, req) -> None:
         store = self.state.store
-        self._check_conversation(req)
-        answer = self._store_call(req, store.continuable, self.client, req.conversation_id)
+        answer = self._check_conversation(req, store.continuable)
         history = self._with_system(store.history(req.conversation_id))
         if answer["content"]:  # an empty answer is simply answered afresh
             history[-1] = {**history[-1], "prefix": True}
@@ -443,12 +440,16 @@ class Session:
 
     # ---- helpers ----
 
-    def _check_conversation(self, req) -> None:
-        """A request on an existing conversation: new id, this client's, not already answering."""
+    def _check_conversation(self, req, target=None, *args):
+        """A request on an existing conversation: a new id, this client's conversation, then
+        ``target(client, conversation, *args)`` (a store lookup whose bad_message outranks
+        busy), then not already answering. Returns the target's result."""
         self._check_new(req)
         if not self.state.store.owns(self.client, req.conversation_id):
             raise ProtocolError("not_found", "no such conversation", req.id)
+        found = self._store_call(req, target, self.client, req.conversation_id, *args) if target else None
         self._check_busy(req)
+        return found
 
     @staticmethod
     def _store_call(req, method, *args, **kwargs):
