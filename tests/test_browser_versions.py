@@ -104,6 +104,19 @@ def test_search_as_you_type_and_open(chat):
     assert user_texts(c) == ["Where do zebras <b>sleep</b>?"]
     c.page.fill("[data-testid=search]", "")
     c.wait_until("() => !document.getElementById('conversation-list').hidden")
+    # a match on another branch: opening it switches to that branch
+    c.wait_until("() => document.querySelector('[data-testid=message-user][data-id]')")
+    c.page.hover("[data-testid=message-user]")
+    c.page.click("[data-testid=edit]")
+    c.page.fill("[data-testid=edit-box]", "Where do giraffes sleep?")
+    c.page.keyboard.press("Enter")
+    c.wait_until("() => document.querySelectorAll('[data-testid=versions]').length === 1")
+    c.page.fill("[data-testid=search]", "zebras")
+    c.wait_until("() => document.querySelectorAll('[data-testid=search-hit]').length === 1")
+    c.page.click("[data-testid=search-hit]")
+    c.wait_until("() => document.querySelector('[data-testid=versions] .versions-label')?.textContent === '1/2'")
+    assert user_texts(c) == ["Where do zebras <b>sleep</b>?"]
+    c.page.fill("[data-testid=search]", "")
     c.page.fill("[data-testid=search]", "nothingmatchesthis")
     c.wait_until("() => document.querySelector('[data-testid=search-results]').textContent.includes('No matches')")
 
@@ -137,6 +150,12 @@ def test_attach_files_by_button_and_drop_and_refuse_binary(chat):
     c.js("""() => { const dt = new DataTransfer();
         dt.items.add(new File(['col1,col2\\n1,2\\n'], 'table.csv', {type: 'text/csv'}));
         document.getElementById('prompt').dispatchEvent(new DragEvent('drop', {dataTransfer: dt, bubbles: true, cancelable: true})); }""")
+    c.wait_until("() => document.querySelectorAll('[data-testid=pending-attachment]').length === 2")
+    c.js("""() => { const dt = new DataTransfer();
+        dt.items.add(new File(['pasted text'], 'clip.txt', {type: 'text/plain'}));
+        document.getElementById('prompt').dispatchEvent(new ClipboardEvent('paste', {clipboardData: dt, bubbles: true, cancelable: true})); }""")
+    c.wait_until("() => document.querySelectorAll('[data-testid=pending-attachment]').length === 3")
+    c.page.click("[data-testid=pending-attachment] >> nth=2 >> .chip-remove")
     c.wait_until("() => document.querySelectorAll('[data-testid=pending-attachment]').length === 2")
     c.page.set_input_files("[data-testid=attach-file]", files=[
         {"name": "photo.txt", "mimeType": "text/plain", "buffer": b"\x89PNG\r\n\x1a\n\x00\x00\x00"}])
@@ -175,8 +194,16 @@ def _long_conversation(messages: int = 300, answer_words: int = 2990) -> dict:
 
 def test_streaming_into_a_long_answer_in_a_300_message_conversation(chat):
     c = chat(settings={"max_new_tokens": 80, "temperature": 0.8, "seed": 1})
+    c.js("() => { window.__importAt = performance.now(); }")
     import_json(c, _long_conversation(), "long.json")
     c.wait_until("() => document.querySelectorAll('.msg').length === 300", 60)
+    opened_ms = c.js("() => new Promise((done) => requestAnimationFrame(() => done(performance.now() - window.__importAt)))")
+    # scrolling the whole thread up, a step per frame
+    scroll = c.js("""() => new Promise((done) => {
+        const box = document.getElementById('messages'); const frames = []; let last = performance.now();
+        const step = (now) => { frames.push(now - last); last = now; box.scrollTop -= 600;
+          if (box.scrollTop > 0) requestAnimationFrame(step); else { box.scrollTop = box.scrollHeight; done(frames); } };
+        requestAnimationFrame(step); })""")
     c.wait_until("() => document.querySelector('[data-testid=continue]') && !document.querySelector('[data-testid=continue]').hidden")
     c.js("""() => {
         window.__frames = []; window.__renders = []; window.__blocksBefore = [...document.querySelectorAll('.msg')].pop()
@@ -215,7 +242,9 @@ def test_streaming_into_a_long_answer_in_a_300_message_conversation(chat):
               "render_ms_median": statistics.median(renders), "render_ms_max": max(renders),
               "update_ms_median": statistics.median(incremental),
               "update_ms_median_relexing_all": statistics.median(full_relex),
-              "answer_chars": len(c.answer()), "messages": 300}
+              "answer_chars": len(c.answer()), "messages": 300,
+              "import_and_open_ms": opened_ms, "scroll_frames": len(scroll),
+              "scroll_frame_ms_median": statistics.median(scroll), "scroll_frame_ms_max": max(scroll)}
     ARTIFACTS.mkdir(exist_ok=True)
     (ARTIFACTS / "long-stream-frames.json").write_text(json.dumps(report, indent=2))
     print("long conversation streaming:", json.dumps(report))
