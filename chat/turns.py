@@ -154,7 +154,7 @@ class TurnService:
         extra = {}
         if text is not None:
             extra["chars"] = len(text)
-        if self.settings.log_content:
+        if self.settings.log_content and text is not None:
             extra.update(prompt=prompt, text=text)
         log.info("generation %s", json.dumps({
             "transport": transport, "conversation": conversation, "id": id, "reason": end.reason,

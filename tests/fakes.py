@@ -53,7 +53,6 @@ class FakeEngine(Engine):
                     raise Overloaded("the server is at capacity; try again shortly")
                 self._waiting.append(gen)
             self._active += 1
-        gen.on_cancel = lambda _g: None
         self.history.append(gen)
         start_real_thread(self._run, gen)
         return gen

@@ -249,22 +249,16 @@ def _failure(end: Done | Refused) -> ChatError:
     return ChatError(end.message or "the engine failed while generating")
 
 
-def _consume(gen, keepalive: float | None = None):
-    """(None | Delta | the last event) as the engine makes them; the one loop every v1 answer uses."""
-    for event in gen.events(keepalive):
-        if event is None or isinstance(event, (Delta, Done, Refused)):
-            yield event
-
-
 def _complete(gen, meta: dict, turns):
     """Wait for the whole answer; one ``chat.completion`` object."""
     texts, end = [], None
     try:
-        for event in _consume(gen):
-            if isinstance(event, Delta):
-                texts.append(event.text)
-            else:
-                end = event
+        for event in gen.events():
+            match event:
+                case Delta(text=text):
+                    texts.append(text)
+                case Done() | Refused():
+                    end = event
     finally:
         gen.cancel()  # a no-op once done; frees the engine if this greenlet is killed
         gen.close()
@@ -293,14 +287,14 @@ def _stream(gen, meta: dict, include_usage: bool, turns):
     end = None
     try:
         yield chunk({"role": "assistant", "content": ""})
-        for event in _consume(gen, KEEPALIVE_S):
-            if event is None:
-                yield ": keep-alive\n\n"
-            elif isinstance(event, Delta):
-                if event.text:
-                    yield chunk({"content": event.text})
-            else:
-                end = event
+        for event in gen.events(KEEPALIVE_S):
+            match event:
+                case None:
+                    yield ": keep-alive\n\n"
+                case Delta(text=text) if text:
+                    yield chunk({"content": text})
+                case Done() | Refused():
+                    end = event
         turns.record(end, "v1", meta["id"])
         if isinstance(end, Done) and end.reason in _FINISH:
             yield chunk({}, _FINISH[end.reason])

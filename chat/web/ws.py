@@ -106,11 +106,11 @@ class Session:
         try:
             req = parse(raw, self.settings.max_content_chars, self.settings.max_new_tokens)
             return getattr(self, "on_" + req.type)(req) is not False
-        except ChatError as exc:  # the one place errors become frames
+        except Exception as exc:  # the one place errors become frames
+            if not isinstance(exc, ChatError):
+                log.exception("message handling failed")
+                exc = ChatError("internal server error")
             frame = error_frame(exc, req.id if req is not None else None)
-        except Exception:
-            log.exception("message handling failed")
-            frame = error_frame(ChatError("internal server error"))
         self.state.metrics.errors.labels(frame["code"]).inc()
         self.send(frame)
         return True
