@@ -16,7 +16,8 @@ def server(app_server):
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
 
 
-def test_resume_after_forced_drops_loses_and_repeats_nothing(server):
+def resume_after_forced_drops(server) -> None:
+    """Drop the socket four times mid-answer; resuming loses and repeats nothing (shared with test_e2e.py)."""
     cookie = cookie_for(server)
     client = WS(server.ws_url, cookie=cookie)
     client.send({"type": "chat", "id": "res", "content": "go on", "params": {**LONG, "max_new_tokens": 400}})
@@ -50,6 +51,10 @@ def test_resume_after_forced_drops_loses_and_repeats_nothing(server):
     assert frame["reason"] == "length" and sorted(got) == list(range(len(got)))
     stored = wait_settled(server, cookie, conv)["messages"][-1]
     assert stored["content"] == "".join(got[i] for i in range(len(got)))
+
+
+def test_resume_after_forced_drops_loses_and_repeats_nothing(server):
+    resume_after_forced_drops(server)
 
 
 def test_finished_answer_is_resumable_within_grace(server):

@@ -5,35 +5,23 @@ fitted to the real context, and conversations survive drops, restarts and signal
 """
 from __future__ import annotations
 
-import json
 import signal
 import time
 
-from conftest import WS, conv_of, conversation, cookie_for, http_get, start_of, text_of, wait_settled
+from conftest import WS, conv_of, conversation, cookie_for, http_get, text_of
 
-GREEDY = {"temperature": 0, "max_new_tokens": 40}
+from test_conversations_ws import resume_after_forced_drops
+from test_protocol import chat_streams_and_stores_the_answer
+
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
 
 
 def test_smoke_chat_streams_and_stores_the_answer(server):
-    cookie = cookie_for(server)
-    client = WS(server.ws_url, cookie=cookie)
-    frames = client.chat("Hello there", params=GREEDY)
-    kinds = [f["type"] for f in frames if f["type"] != "queued"]
-    assert kinds[0] == "start" and kinds[-1] == "done" and kinds.count("done") == 1
-    start, done = start_of(frames), frames[-1]
-    assert done["reason"] == "length"
-    assert done["usage"]["completion_tokens"] == 40 and done["usage"]["prompt_tokens"] > 0
-    assert set(done["timings"]) == {"ttft_ms", "total_ms", "tokens_per_s"}
-    answer = text_of(frames)
-    assert answer
-    status, _, body = http_get(f"{server.url}/api/conversations/{start['conversation_id']}",
-                               headers={"Cookie": cookie})
-    messages = json.loads(body)["messages"]
-    assert [m["role"] for m in messages] == ["user", "assistant"]
-    assert messages[0]["content"] == "Hello there"
-    assert messages[1]["content"] == answer and messages[1]["id"] == start["message_id"]
-    client.close()
+    chat_streams_and_stores_the_answer(server)
+
+
+def test_resume_after_forced_drops_on_the_real_stack(server):
+    resume_after_forced_drops(server)
 
 
 def test_message_too_long_for_the_context_is_refused(server_factory):
@@ -89,42 +77,6 @@ def test_deltas_arrive_spread_over_time(server):
     assert deltas[0] - arrivals[0][0] < 0.5 * total
     gaps = sorted(b - a for a, b in zip(deltas, deltas[1:]))
     assert sum(1 for g in gaps if g > 0) > len(gaps) // 2
-
-
-def test_resume_after_forced_drops_loses_and_repeats_nothing(server):
-    cookie = cookie_for(server)
-    client = WS(server.ws_url, cookie=cookie)
-    client.send({"type": "chat", "id": "res", "content": "go on", "params": {**LONG, "max_new_tokens": 400}})
-    got = {}
-    conv = None
-    for drop in range(4):
-        while True:
-            frame = client.recv()
-            if frame["type"] == "start":
-                conv = frame["conversation_id"]
-            if frame["type"] == "delta":
-                assert frame["index"] not in got, "delta repeated"
-                got[frame["index"]] = frame["text"]
-                if len(got) >= 20 * (drop + 1):
-                    break
-            if frame["type"] == "done":
-                break
-        if frame["type"] == "done":
-            break
-        client.conn.sock.close()  # no close frame: like a network loss
-        client = WS(server.ws_url, cookie=cookie)
-        client.send({"type": "resume", "id": "res", "from": len(got)})
-    if frame["type"] != "done":
-        frames = client.until(lambda f: f["type"] == "done")
-        for f in frames:
-            if f["type"] == "delta":
-                assert f["index"] not in got, "delta repeated"
-                got[f["index"]] = f["text"]
-        frame = frames[-1]
-    client.close()
-    assert frame["reason"] == "length" and sorted(got) == list(range(len(got)))
-    stored = wait_settled(server, cookie, conv)["messages"][-1]
-    assert stored["content"] == "".join(got[i] for i in range(len(got)))
 
 
 def test_conversations_survive_restart_and_a_kill_mid_answer(server_factory):

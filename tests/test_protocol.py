@@ -28,7 +28,8 @@ def test_ready_frame(ws):
                                     "max_active_per_connection"}
 
 
-def test_chat_streams_and_stores_the_answer(server):
+def chat_streams_and_stores_the_answer(server) -> None:
+    """start, deltas, one done; the stored answer is the deltas joined (shared with test_e2e.py)."""
     cookie = cookie_for(server)
     client = WS(server.ws_url, cookie=cookie)
     frames = client.chat("Hello there", params=GREEDY)
@@ -47,6 +48,10 @@ def test_chat_streams_and_stores_the_answer(server):
     assert messages[0]["content"] == "Hello there"
     assert messages[1]["content"] == answer and messages[1]["id"] == start["message_id"]
     client.close()
+
+
+def test_chat_streams_and_stores_the_answer(server):
+    chat_streams_and_stores_the_answer(server)
 
 
 def test_greedy_answer_is_deterministic_and_multi_turn(ws):
