@@ -38,9 +38,8 @@ def handshake():
             raise RequestError("unauthorized", "an API key is required", 401)
         if state.connections.full(guard.remote_ip(settings)):
             raise ProtocolError("rate_limited", "too many connections from this address")
-    except ChatError as exc:
-        if exc.code != "unauthorized":
-            state.metrics.errors.labels(exc.code).inc()
+    except ChatError as exc:  # counted here, answered as JSON by the app's error handler
+        state.metrics.errors.labels(exc.code).inc()
         raise
 
 
