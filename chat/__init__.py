@@ -12,12 +12,19 @@ __version__ = "0.1.0"
 
 
 class AppState:
-    """What the blueprints share: settings, the engine, the store, the live sessions."""
+    """What the blueprints share, all declared here: settings, engine, store, the turn service, limits."""
 
-    def __init__(self, settings, engine, store):
+    def __init__(self, settings: Settings, engine, store):
+        from .turns import TurnService
+        from .web.limits import ConnectionCounts, RateLimiter
         self.settings = settings
         self.engine = engine
         self.store = store
+        self.metrics = Metrics(engine)
+        self.rate = RateLimiter(settings.rate_limit_per_min)
+        self.connections = ConnectionCounts(settings.max_connections_per_ip)
+        self.turns = TurnService(settings, engine, store, self.metrics, self.rate)
+        self.sessions: set = set()  # open WebSocket sessions, closed at shutdown
 
 
 def create_app(settings: Settings | None = None, engine=None, store=None) -> Flask:
@@ -36,9 +43,7 @@ def create_app(settings: Settings | None = None, engine=None, store=None) -> Fla
     if engine is None:
         from .engine import make_engine
         engine = make_engine(settings)
-    state = AppState(settings, engine, store)
-    state.metrics = Metrics(engine)
-    app.extensions["chat"] = state
+    app.extensions["chat"] = AppState(settings, engine, store)
 
     from . import web
     web.init_app(app)

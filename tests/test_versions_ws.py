@@ -1,14 +1,33 @@
-"""Versions over the socket: edit, regenerate and continue keep every branch; attachments; restarts."""
+"""Versions over the socket: edit, regenerate and continue keep every branch; attachments; restarts.
+
+In-process with the fake engine (what the model is sent is checked there), except the restart,
+which runs the real gunicorn server with the tiny model.
+"""
 from __future__ import annotations
 
 import json
 import urllib.error
 import urllib.request
 
-from conftest import WS, conv_of, start_of, text_of
-from test_conversations_ws import conversation, new_cookie, wait_settled
+import pytest
+
+from conftest import WS, conv_of, conversation, cookie_for, start_of, text_of, wait_settled
 
 SHORT = {"temperature": 0, "max_new_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def server(app_server):
+    return app_server
+
+
+def new_cookie(server) -> str:
+    return cookie_for(server)
+
+
+def sent_to_model(server) -> list:
+    """The messages of the engine's latest generation."""
+    return server.state.engine.history[-1].messages
 
 
 def http_post(server, path, body, cookie):
@@ -46,6 +65,7 @@ def test_edit_and_regenerate_keep_every_version(server):
     assert [m["content"] for m in path[:3]] == ["first question", text_of(first), "second, edited"]
     assert path[2]["versions"]["ids"][0] == u2 and path[2]["versions"]["count"] == 2
     assert path[3]["id"] == start_of(edited)["message_id"] and path[3]["content"] == text_of(edited)
+    assert [m["content"] for m in sent_to_model(server)[1:]] == ["first question", text_of(first), "second, edited"]
     # regenerate an earlier answer: a new version beside it, the path below is on the old branch
     again = ask(client, "e4", type="regenerate", conversation_id=conv, message_id=a1,
                 params={"temperature": 1.0, "seed": 3, "max_new_tokens": 8})
@@ -104,6 +124,8 @@ def test_continue_extends_the_answer_in_place(server):
     assert start_of(more)["message_id"] == start_of(first)["message_id"]
     assert [f["index"] for f in more if f["type"] == "delta"][0] == 0
     assert more[-1]["type"] == "done" and more[-1]["usage"]["completion_tokens"] <= SHORT["max_new_tokens"]
+    sent = sent_to_model(server)[-1]
+    assert sent == {"role": "assistant", "content": text_of(first), "prefix": True}  # the turn left open
     messages = wait_settled(server, cookie, conv)["messages"]
     assert len(messages) == 2
     assert messages[1]["content"] == text_of(first) + text_of(more)
@@ -128,6 +150,8 @@ def test_attachments_are_stored_and_limited(server):
     conv = conv_of(frames)
     user = wait_settled(server, cookie, conv)["messages"][0]
     assert (user["content"], user["attachments"]) == ("read these", files)
+    assert sent_to_model(server)[-1]["content"] == ("read these\n\nnotes.txt:\n```\nalpha\nbeta\n```"
+                                                    "\n\nb.py:\n```\nprint(1)\n```")
     limit = client.ready["limits"]["max_content_chars"]
     over = [{"name": "big.txt", "text": "x" * limit}]
     assert error_of(client.chat("and this", rid="f2", attachments=over)) == "too_large"

@@ -1,5 +1,5 @@
 """Conversations in one SQLite file; this package is the only code that touches sqlite3."""
-from .conversations import PLACEHOLDER_TITLE, Store
+from .conversations import PLACEHOLDER_TITLE, Store, new_id
 from .schema import MIGRATIONS
 
-__all__ = ["MIGRATIONS", "PLACEHOLDER_TITLE", "Store"]
+__all__ = ["MIGRATIONS", "PLACEHOLDER_TITLE", "Store", "new_id"]

@@ -12,17 +12,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .. import attachments as files
+from ..concurrency import real_lock
 from ..errors import ProtocolError
 from . import search as fts, transfer, tree
 from .schema import migrate
-
-try:
-    from gevent.monkey import get_original
-    # A real lock, even after monkey-patching: no statement yields to the hub while it is
-    # held, and real engine threads must be able to wait on it without a hub of their own.
-    _allocate_lock = get_original("_thread", "allocate_lock")
-except ImportError:  # the store works without gevent
-    from _thread import allocate_lock as _allocate_lock
 
 PLACEHOLDER_TITLE = "New chat"
 TITLE_CHARS = 60
@@ -35,8 +28,8 @@ _ID = re.compile(r"[0-9a-f]{32}")
 _CONV = "id, title, system, created_at, updated_at"
 
 
-def _new_id() -> str:
-    """A random, URL-safe id."""
+def new_id() -> str:
+    """A random, URL-safe id of the shape this store hands out."""
     return uuid.uuid4().hex
 
 
@@ -86,8 +79,10 @@ class Store:
         path = str(path)
         if path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._lock = _allocate_lock()
-        self._token = _new_id()
+        # A real lock, even after monkey-patching: no statement yields to the hub while it is
+        # held, and real engine threads must be able to wait on it without a hub of their own.
+        self._lock = real_lock()
+        self._token = new_id()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
@@ -156,10 +151,10 @@ class Store:
         return len(stale)
 
     def create_conversation(self, client_id: str, system: str | None = None,
-                            title: str | None = None) -> dict:
-        """Start an empty conversation for ``client_id``."""
+                            title: str | None = None, id: str | None = None) -> dict:
+        """Start an empty conversation for ``client_id`` (under ``id`` when the caller chose it)."""
         now = time.time()
-        conv = {"id": _new_id(), "title": title or PLACEHOLDER_TITLE, "system": system or None,
+        conv = {"id": id or new_id(), "title": title or PLACEHOLDER_TITLE, "system": system or None,
                 "created_at": now, "updated_at": now}
         with self._lock:
             self._db.execute(
@@ -214,7 +209,7 @@ class Store:
 
     def _insert(self, conv_id: str, parent_id: str | None, fields: dict) -> str:
         """Insert one message under ``parent_id`` and make it the active leaf; return its id."""
-        message_id = _new_id()
+        message_id = new_id()
         self._db.execute(
             "INSERT INTO messages (id, conversation_id, parent_id, role, content, attachments, status, reason,"
             " usage, timings, owner, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -373,7 +368,7 @@ class Store:
         """Create a conversation of ``client_id`` from an export or a ``messages`` list; its id."""
         data = transfer.parse_import(body, max_content_chars, max_messages)
         first = next((m["content"] for m in data["messages"] if m["role"] == "user"), "")
-        conv_id, now = _new_id(), time.time()
+        conv_id, now = new_id(), time.time()
         created = data["created_at"] or now
         with self._lock, self._transaction():
             self._db.execute(

@@ -1,0 +1,219 @@
+"""The turn service both transports use: history → prompt → params → submit → store → the run.
+
+The WebSocket and ``/v1`` adapters parse a request, call this service, and
+serialize what comes back; every rule about a turn is written here once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from . import attachments as files
+from .concurrency import spawn
+from .engine import GenParams, Generation
+from .engine.events import Done, Refused
+from .errors import ProtocolError
+from .runs import Run, Runs, Subscriber
+from .store import new_id
+
+log = logging.getLogger(__name__)
+
+
+class TurnService:
+    """Turns for every client of one process: checks, the engine, the store, the runs."""
+
+    def __init__(self, settings, engine, store, metrics, rate):
+        self.settings, self.engine, self.store = settings, engine, store
+        self.metrics, self.rate = metrics, rate
+        self.runs = Runs()
+
+    # ---- building a turn
+
+    def params(self, given: dict) -> GenParams:
+        """Sampling parameters: the request's (GenParams names), else the server's; max tokens capped."""
+        s = self.settings
+        return GenParams(temperature=given.get("temperature", s.temperature),
+                         top_p=given.get("top_p", s.top_p),
+                         max_new_tokens=min(given.get("max_new_tokens", s.max_new_tokens), s.max_new_tokens),
+                         seed=given.get("seed"), stop=tuple(given.get("stop", ())))
+
+    def prompt(self, messages: list, system: str | None = None) -> list:
+        """The messages the model sees: a system prompt first when they bring none."""
+        system = system or self.settings.system_prompt
+        if system and not any(m["role"] == "system" for m in messages):
+            return [{"role": "system", "content": system}, *messages]
+        return messages
+
+    # ---- WebSocket turns: stored, resumable
+
+    def chat(self, client: str, req, active: int, subscriber: Subscriber) -> Run:
+        """Append ``req.content`` (and its attachments) to the conversation's active path (a new
+        conversation without ``conversation_id``) and answer."""
+        self._check_new(client, req)
+        if req.conversation_id is not None:
+            self._check_owner(client, req)
+        self._check_busy(req, active)
+        new = req.conversation_id is None
+        conv_id = new_id() if new else req.conversation_id
+        history = [] if new else self.store.history(conv_id)
+        asked = {"role": "user", "content": files.with_attachments(req.content, req.attachments)}
+        messages = self.prompt(history + [asked], req.system if new else None)
+
+        def write() -> None:
+            if new:
+                self.store.create_conversation(client, system=req.system or self.settings.system_prompt,
+                                               id=conv_id)
+            self.store.add_user_message(client, conv_id, req.content, req.attachments)
+        return self._start(client, req, conv_id, messages, write, subscriber)
+
+    def edit(self, client: str, req, active: int, subscriber: Subscriber) -> Run:
+        """A new version of a user message on the active path (same parent, same files), answered;
+        what followed the old version stays on its branch."""
+        edited = self._target(client, req, active, self.store.user_message, req.message_id)
+        # The path above the edited message ("" when it is the first: no messages at all).
+        history = self.store.history(req.conversation_id, upto=edited["parent_id"] or "")
+        asked = {"role": "user", "content": files.with_attachments(req.content, edited["attachments"])}
+
+        def write() -> None:
+            self.store.add_user_message(client, req.conversation_id, req.content, edited["attachments"],
+                                        replaces=req.message_id)
+        return self._start(client, req, req.conversation_id, self.prompt(history + [asked]), write, subscriber)
+
+    def regenerate(self, client: str, req, active: int, subscriber: Subscriber) -> Run:
+        """Answer a user message again (that of ``message_id``, else the last): a new version
+        beside the old answer, which is kept."""
+        question = self._target(client, req, active, self.store.question_for, req.message_id)
+        history = self.store.history(req.conversation_id, upto=question["id"])
+        return self._start(client, req, req.conversation_id, self.prompt(history), None, subscriber,
+                           parent_id=question["id"])
+
+    def continue_(self, client: str, req, active: int, subscriber: Subscriber) -> Run:
+        """Extend the last answer, cut short, in place: the model sees its turn left open and
+        the deltas append to its text."""
+        answer = self._target(client, req, active, self.store.continuable)
+        history = self.store.history(req.conversation_id)
+        if answer["content"]:  # an empty answer is simply answered afresh
+            history[-1] = {**history[-1], "prefix": True}
+
+        def write() -> None:
+            self.store.reopen_assistant(answer["id"])
+        return self._start(client, req, req.conversation_id, self.prompt(history), write, subscriber,
+                           extend=answer)
+
+    def cancel(self, client: str, rid: str) -> None:
+        """End request ``rid`` with ``done`` ``cancelled`` (a no-op once it finished)."""
+        self.run_of(client, rid, "no request {!r} on this client").gen.cancel("cancelled")
+
+    def resume(self, client: str, rid: str, start: int, subscriber: Subscriber) -> Run:
+        """Attach ``subscriber`` to request ``rid``: replay from delta ``start``, then live."""
+        run = self.run_of(client, rid, "no request {!r} to resume")
+        subscriber.adopt(run)
+        run.attach(subscriber, start)
+        if run.finished:
+            subscriber.forget(run)
+        return run
+
+    def run_of(self, client: str, rid: str, missing: str) -> Run:
+        run = self.runs.get(client, rid)
+        if run is None:
+            raise ProtocolError("unknown_id", missing.format(rid), rid)
+        return run
+
+    def _check_new(self, client: str, req) -> None:
+        if self.runs.active(client, req.id):
+            raise ProtocolError("duplicate_id", f"request {req.id!r} is already active", req.id)
+
+    def _check_owner(self, client: str, req) -> None:
+        if not self.store.owns(client, req.conversation_id):
+            raise ProtocolError("not_found", "no such conversation", req.id)
+
+    def _target(self, client: str, req, active: int, lookup, *args):
+        """Checks for a request on a stored message: a new id, this client's conversation, then
+        ``lookup`` (whose bad_message outranks busy), then not busy. Returns what it found."""
+        self._check_new(client, req)
+        self._check_owner(client, req)
+        try:
+            found = lookup(client, req.conversation_id, *args)
+        except ProtocolError as exc:
+            exc.id = req.id
+            raise
+        self._check_busy(req, active)
+        return found
+
+    def _check_busy(self, req, active: int) -> None:
+        if req.conversation_id is not None and self.runs.busy(req.conversation_id):
+            raise ProtocolError("busy", "this conversation is already answering", req.id)
+        limit = self.settings.max_active_per_connection
+        if active >= limit:
+            raise ProtocolError("busy", f"at most {limit} answers at once per connection", req.id)
+
+    def _check_rate(self, key: str, rid: str | None = None) -> None:
+        """Last of the checks: a refused request must not spend a token."""
+        if not self.rate.allow(key):
+            raise ProtocolError("rate_limited", "too many requests; slow down", rid)
+
+    def _start(self, client: str, req, conv_id: str, messages: list, write, subscriber,
+               parent_id: str | None = None, extend: dict | None = None) -> Run:
+        """Submit, then store; a store failure cancels the generation instead of orphaning it.
+        The answer is a new message under ``parent_id`` (default: the active leaf), or with
+        ``extend`` that stored answer, whose text the deltas continue."""
+        self._check_rate(client, req.id)
+        gen = self.engine.submit(messages, self.params(req.params), key=conv_id)
+        try:
+            if write is not None:
+                write()
+            message_id = extend["id"] if extend else self.store.start_assistant(conv_id, parent_id)
+        except BaseException:
+            gen.cancel("error")
+            gen.close()
+            raise
+        run = Run(self, client, req.id, conv_id, message_id, gen, subscriber,
+                  prefix=extend["content"] if extend else "")
+        self.runs.add(run)
+        subscriber.adopt(run)
+        spawn(run.pump)
+        return run
+
+    # ---- /v1 turns: stateless
+
+    def answer(self, rate_key: str, messages: list, given: dict) -> Generation:
+        """Submit a whole conversation the caller brings; nothing is stored."""
+        self._check_rate(rate_key)
+        return self.engine.submit(self.prompt(messages), self.params(given))
+
+    # ---- the end of every turn
+
+    def record(self, end: Done | Refused, transport: str, id: str, conversation: str | None = None,
+               prompt: str | None = None, text: str | None = None) -> None:
+        """Count the outcome in the metrics and write the one log line of a generation."""
+        if isinstance(end, Refused):
+            self.metrics.errors.labels(end.code).inc()
+            end = Done(f"refused:{end.code}", message=end.message)
+        else:
+            self.metrics.finished(end)
+        usage, timings = end.usage, end.timings
+        extra = {}
+        if text is not None:
+            extra["chars"] = len(text)
+        if self.settings.log_content and text is not None:
+            extra.update(prompt=prompt, text=text)
+        log.info("generation %s", json.dumps({
+            "transport": transport, "conversation": conversation, "id": id, "reason": end.reason,
+            "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
+            "ttft_ms": timings.get("ttft_ms"), "tokens_per_s": timings.get("tokens_per_s"),
+            "reused_tokens": end.reused_tokens, **extra}))
+        if end.reason == "error" and end.message:
+            log.error("generation %s failed: %s", id, end.message)
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop taking turns, let answers finish within ``timeout``, end the rest with ``shutdown``."""
+        log.info("shutting down: letting %d answers finish", len(self.runs.all_active()))
+        self.engine.drain()
+        deadline = time.monotonic() + max(0.0, timeout)
+        while self.runs.all_active() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.engine.shutdown("shutdown")
+        deadline = time.monotonic() + 5
+        while self.runs.all_active() and time.monotonic() < deadline:
+            time.sleep(0.05)
