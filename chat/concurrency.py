@@ -127,3 +127,15 @@ class Channel:
             self._closed = True
             self._watcher.stop()
             self._watcher.close()
+
+
+def run_in_thread(fn, *args):
+    """``fn(*args)`` on a real OS thread; under gevent only the calling greenlet waits for it.
+
+    For CPU work (tokenizing a long history) that would otherwise hold up every
+    connection of the worker; without gevent it simply runs here.
+    """
+    if gevent_active():
+        import gevent
+        return gevent.get_hub().threadpool.apply(fn, args)
+    return fn(*args)

@@ -69,8 +69,14 @@ class Settings:
     temperature: float = _setting("CHAT_TEMPERATURE", 0.7, float, low=0.0, high=2.0)
     top_p: float = _setting("CHAT_TOP_P", 0.9, float, low=0.0001, high=1.0)
     max_content_chars: int = _setting("CHAT_MAX_CONTENT_CHARS", 16000, int, low=1, high=10_000_000)
+    max_messages: int = _setting("CHAT_MAX_MESSAGES", 256, int, low=2, high=100_000,
+                                 doc="most messages in a /v1 request, and read from a stored conversation")
+    max_request_chars: int = _setting("CHAT_MAX_REQUEST_CHARS", 262_144, int, low=1, high=100_000_000,
+                                      doc="most characters of all messages of a /v1 request together")
 
     max_batch: int = _setting("CHAT_MAX_BATCH", 8, int, low=1, high=256)
+    prefill_chunk: int = _setting("CHAT_PREFILL_CHUNK", 128, int, low=1, high=1_000_000,
+                                  doc="prompt tokens prefilled between two decode steps while others stream")
     max_queue: int = _setting("CHAT_MAX_QUEUE", 64, int, low=0, high=100_000)
     kv_cache_mb: int = _setting("CHAT_KV_CACHE_MB", 512, int, low=0, high=1_000_000)
     max_active_per_connection: int = _setting("CHAT_MAX_ACTIVE_PER_CONNECTION", 4, int, low=1, high=1000)

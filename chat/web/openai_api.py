@@ -168,10 +168,20 @@ def _content(value, name: str) -> str:
     raise _bad(name, "must be a string or a list of text parts")
 
 
+def _top_k(value, name, settings):
+    return max(0, _integer(-1)(value, name, settings))  # -1, other servers' "off", means off here too
+
+
+def _too_large(name: str, message: str) -> ApiError:
+    return ApiError("too_large", f"'{name}' {message}", name, status=413)
+
+
 def _messages(value, name, settings):
     if not isinstance(value, list) or not value:
         raise _bad(name, "must be a non-empty list")
-    out = []
+    if len(value) > settings.max_messages:
+        raise _too_large(name, f"holds more than {settings.max_messages} messages")
+    out, chars = [], 0
     for i, message in enumerate(value):
         where = f"{name}[{i}]"
         if not isinstance(message, dict):
@@ -181,8 +191,10 @@ def _messages(value, name, settings):
             raise _bad(f"{where}.role", f"must be one of {', '.join(_ROLES)}, not {role!r}")
         text = _content(message.get("content"), f"{where}.content")
         if len(text) > settings.max_content_chars:
-            raise ApiError("too_large", f"'{where}.content' is longer than {settings.max_content_chars} "
-                           "characters", f"{where}.content", status=413)
+            raise _too_large(f"{where}.content", f"is longer than {settings.max_content_chars} characters")
+        chars += len(text)
+        if chars > settings.max_request_chars:
+            raise _too_large(name, f"hold more than {settings.max_request_chars} characters in all")
         out.append({"role": _ROLES[role], "content": text})
     return out
 
@@ -200,6 +212,8 @@ FIELDS = {
     "model": _string,
     "temperature": _number(0.0, 2.0),
     "top_p": _number(0.0, 1.0, low_open=True),
+    "top_k": _top_k,
+    "min_p": _number(0.0, 1.0),
     "max_tokens": _integer(1),
     "max_completion_tokens": _integer(1),
     "seed": _integer(*SEED_RANGE),
@@ -232,6 +246,7 @@ def gen_params(values: dict, settings) -> GenParams:
     wanted = values.get("max_completion_tokens", values.get("max_tokens", settings.max_new_tokens))
     return GenParams(temperature=values.get("temperature", settings.temperature),
                      top_p=values.get("top_p", settings.top_p),
+                     top_k=values.get("top_k", 0), min_p=values.get("min_p", 0.0),
                      max_new_tokens=min(wanted, settings.max_new_tokens),
                      seed=values.get("seed"), stop=values.get("stop", ()))
 

@@ -364,7 +364,7 @@ class Session:
             if not store.owns(self.client, req.conversation_id):
                 raise ProtocolError("not_found", "no such conversation", req.id)
             self._check_busy(req)
-            messages = store.history(req.conversation_id)
+            messages = store.history(req.conversation_id, limit=self.settings.max_messages)
         else:
             self._check_busy(req)
             messages = [{"role": "system", "content": req.system or self.settings.system_prompt}]
@@ -385,7 +385,7 @@ class Session:
         if not store.owns(self.client, req.conversation_id):
             raise ProtocolError("not_found", "no such conversation", req.id)
         self._check_busy(req)
-        history = store.history(req.conversation_id)
+        history = store.history(req.conversation_id, limit=self.settings.max_messages)
         if history and history[-1]["role"] == "assistant":
             history = history[:-1]
         if not history or history[-1]["role"] != "user":
@@ -444,6 +444,7 @@ class Session:
         p = req.params
         params = GenParams(temperature=p.get("temperature", self.settings.temperature),
                            top_p=p.get("top_p", self.settings.top_p),
+                           top_k=p.get("top_k", 0), min_p=p.get("min_p", 0.0),
                            max_new_tokens=p.get("max_new_tokens", self.settings.max_new_tokens),
                            seed=p.get("seed"))
         try:
