@@ -17,7 +17,6 @@ import collections
 import ctypes
 import gc
 import logging
-import random
 import time
 
 import torch
@@ -27,10 +26,10 @@ from ..errors import ProtocolError
 from . import model as model_loader
 from . import prompt
 from .base import Engine, GenParams, Generation
-from .decoding import IncrementalDecoder, StopMatcher
 from .kv import KVBuffer, PrefixCache
 from .prefill import PrefillJob
 from .sampling import sample
+from .slot import Slot
 
 log = logging.getLogger(__name__)
 
@@ -41,28 +40,6 @@ def _release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-class Slot:
-    """One request being prefilled or decoded."""
-
-    def __init__(self, gen: Generation, ids: list[int], tokenizer, settings):
-        self.gen = gen
-        self.params = gen.params
-        self.prompt_ids = ids
-        self.out_ids: list[int] = []
-        self.pos = len(ids)  # position id of the next token fed to the model
-        self.last = None  # last sampled token, fed at the next step
-        self.decoder = IncrementalDecoder(tokenizer)
-        self.stopper = StopMatcher(self.params.stop)
-        self.generator = torch.Generator()
-        seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
-        self.generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-        self.started = time.monotonic()
-        self.deadline = self.started + settings.generation_timeout_s
-        self.first_delta_at = None
-        self.reused = 0
-        self.hit_stop = False
 
 
 class LocalEngine(Engine):
@@ -238,9 +215,15 @@ class LocalEngine(Engine):
             except IndexError:
                 break
         if any(g.cancel_reason for g in self.waiting):
-            for gen in [g for g in self.waiting if g.cancel_reason]:
-                self._done(gen, gen.cancel_reason, 0, 0, None)
-            self.waiting = collections.deque(g for g in self.waiting if not g.cancel_reason)
+            # One pass: a cancel landing between two scans would lose the generation.
+            kept = collections.deque()
+            for gen in self.waiting:
+                reason = gen.cancel_reason
+                if reason:
+                    self._done(gen, reason, 0, 0, None)
+                else:
+                    kept.append(gen)
+            self.waiting = kept
 
     def _admit(self) -> None:
         """Start prefilling waiters while the batch has room; tell the rest their position."""
@@ -343,30 +326,17 @@ class LocalEngine(Engine):
 
     def _accept(self, slot: Slot, token: int) -> None:
         """Take a row's next token and emit its text; finish the row if it ended."""
-        reason = None
-        if token in self.loaded.eos_ids:
-            reason = "stop"
-        else:
-            slot.out_ids.append(token)
-            slot.last = token
+        text, reason = slot.take(token, self.loaded.eos_ids)
+        if token not in self.loaded.eos_ids:
             self.tokens_generated += 1
-            text, hit = slot.stopper.push(slot.decoder.push(token))
-            self._delta(slot, text)
-            if hit:
-                slot.hit_stop = True
-                reason = "stop"
-            elif len(slot.out_ids) >= min(slot.params.max_new_tokens, self.settings.max_new_tokens):
-                reason = "length"
-            elif slot.pos + 1 >= self.settings.context_tokens:
-                reason = "length"
+        self._delta(slot, text)
         if reason:
             self._finish(slot, reason)
 
     def _finish(self, slot: Slot, reason: str) -> None:
         """End a row: flush its text, keep its KV for the next turn, emit ``done``."""
-        if reason != "error" and not slot.hit_stop:
-            text, hit = slot.stopper.push(slot.decoder.flush())
-            self._delta(slot, text if hit else text + slot.stopper.flush())
+        if reason != "error":
+            self._delta(slot, slot.flush())
         if slot in self.rows:
             r = self.rows.index(slot)
             if slot.gen.key and reason != "error":
