@@ -37,6 +37,17 @@ def http_get(port: int, path: str, timeout: float = 10) -> tuple[int, bytes]:
         conn.close()
 
 
+def http_post_json(port: int, path: str, body: bytes, timeout: float = 120) -> tuple[int, bytes]:
+    """(status, body) of one JSON POST on a fresh connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
 class BenchServer:
     """gunicorn started with extra env on a free port; logs to ``workdir/server.log``."""
 
@@ -128,8 +139,11 @@ class Client:
         self.conn.send(json.dumps(frame))
 
     def request(self, rid: str, content: str, params: dict, conversation_id: str | None = None,
-                cancel_after: int | None = None) -> dict:
-        """Send one chat, read to its ``done``; optionally cancel after that many deltas."""
+                cancel_after: int | None = None, on_delta=None) -> dict:
+        """Send one chat, read to its ``done``; optionally cancel after that many deltas.
+
+        ``on_delta(n)`` is called after the n-th delta; every delta's arrival time is kept.
+        """
         frame = {"type": "chat", "id": rid, "content": content, "params": params}
         if conversation_id:
             frame["conversation_id"] = conversation_id
@@ -138,6 +152,7 @@ class Client:
         first = cancel_sent = None
         deltas = after_cancel = 0
         conv = conversation_id
+        times = []
         while True:
             msg = json.loads(self.conn.recv())
             now = time.perf_counter()
@@ -148,7 +163,10 @@ class Client:
                 conv = msg["conversation_id"]
             elif kind == "delta":
                 deltas += 1
+                times.append(now)
                 first = first or now
+                if on_delta is not None:
+                    on_delta(deltas)
                 if cancel_sent is not None:
                     after_cancel += 1
                 elif cancel_after and deltas >= cancel_after:
@@ -164,7 +182,7 @@ class Client:
                         "tok_s": (tokens - 1) / (now - first) if first and tokens > 1 and now > first else 0.0,
                         "server_ttft_ms": msg["timings"].get("ttft_ms"),
                         "cancel_to_done_s": now - cancel_sent if cancel_sent else None,
-                        "deltas_after_cancel": after_cancel}
+                        "deltas_after_cancel": after_cancel, "delta_times": times}
 
     def close(self) -> None:
         try:

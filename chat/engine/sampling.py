@@ -5,20 +5,21 @@ Order of the filters: temperature, then top-k, then top-p over what top-k kept
 narrowed to the ``narrow`` most likely tokens before anything is sorted; that is
 exact, not an approximation: probabilities are normalized over the whole
 vocabulary first, and a row whose nucleus does not fit in the candidates is
-redone with a full sort. Each row draws one uniform number from its own
+redone with 16 times as many, then with the whole vocabulary. Each row draws one uniform number from its own
 generator, so a seeded answer does not depend on who else is in the batch.
 """
 from __future__ import annotations
 
 import torch
 
-NARROW = 256
+NARROW = 64  # topk of 64 of 49,152 logits x 8 rows: ~1.3 ms here; of 256: ~6 ms
 
 
 def sample(logits, params: list, generators: list, narrow: int = NARROW) -> list[int]:
     """Next token of every row: ``logits`` (rows, vocab), one GenParams and torch.Generator per row."""
-    tokens = logits.argmax(dim=-1).tolist()  # greedy rows stay argmax
     hot = [i for i, p in enumerate(params) if p.temperature > 0]
+    # Greedy rows stay argmax.
+    tokens = logits.argmax(dim=-1).tolist() if len(hot) < len(params) else [0] * len(params)
     if not hot:
         return tokens
     # Exactly one draw per sampled row and step, from the row's own generator.
@@ -89,8 +90,8 @@ def _sample_truncated(logits, params, draws, rows, narrow) -> list[int]:
     chosen = _pick(probs * keep, _uniforms(draws, rows, x.device))
     tokens = candidates.gather(1, chosen).squeeze(1).tolist()
     unsettled = [j for j, ok in enumerate(settled.squeeze(1).tolist()) if not ok]
-    if unsettled and width < vocab:
-        again = _sample_truncated(logits, params, draws, [rows[j] for j in unsettled], vocab)
+    if unsettled and width < vocab:  # wider, then the whole vocabulary (a full sort is ~15 ms a row)
+        again = _sample_truncated(logits, params, draws, [rows[j] for j in unsettled], width * 16)
         for j, token in zip(unsettled, again):
             tokens[j] = token
     return tokens
