@@ -74,7 +74,8 @@ class Settings:
     max_request_chars: int = _setting("CHAT_MAX_REQUEST_CHARS", 262_144, int, low=1, high=100_000_000,
                                       doc="most characters of all messages of a /v1 request together")
 
-    max_batch: int = _setting("CHAT_MAX_BATCH", 8, int, low=1, high=256)
+    max_batch: int = _setting("CHAT_MAX_BATCH", 16, int, low=1, high=256,
+                              doc="generations decoded together (16: measured to serve the most users readably)")
     prefill_chunk: int = _setting("CHAT_PREFILL_CHUNK", 128, int, low=1, high=1_000_000,
                                   doc="prompt tokens prefilled between two decode steps while others stream")
     max_queue: int = _setting("CHAT_MAX_QUEUE", 64, int, low=0, high=100_000)

@@ -2,7 +2,8 @@
 
 Rows join and leave the batch buffer in place: a join writes one row, a leave
 moves the last row into the gap, so neither copies the other rows' KV (a full
-rebuild measured 0.1-4 s per join or leave at 8-16 rows of 200-2000 tokens).
+rebuild took 0.1-4 s per join or leave at 8-16 rows of 200-2000 tokens, measured on a
+busy 2-core box).
 """
 from __future__ import annotations
 

@@ -253,6 +253,11 @@ class LocalEngine(Engine):
                 self._emit_queued(gen, position)
 
     def _add_job(self, slots: list, reused) -> None:
+        last = self.jobs[-1] if self.jobs else None
+        if reused is None and last is not None and last.fresh and last.done == 0:
+            # Fresh prompts still waiting for their first chunk: fewer, wider forwards.
+            self.jobs.pop()
+            slots = last.slots + slots
         job = PrefillJob([s.prompt_ids for s in slots], self.dims, reused)
         job.slots = slots
         self.jobs.append(job)
@@ -260,7 +265,10 @@ class LocalEngine(Engine):
 
     def _prefill(self) -> None:
         """Spend this iteration's prompt budget, oldest job first; finished jobs join the batch."""
-        budget = self.settings.prefill_chunk
+        # A chunk per decode step bounds the running rows' stall; when more users wait for their
+        # first token than are decoding, they get proportionally more (the stall then hurts fewer).
+        starting = sum(len(j.slots) for j in self.jobs)
+        budget = self.settings.prefill_chunk * max(1, starting // max(1, len(self.rows)))
         while self.jobs and budget > 0:
             job = self.jobs[0]
             if all(s.gen.cancel_reason for s in job.slots):
