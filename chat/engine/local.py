@@ -76,9 +76,8 @@ class LocalEngine(Engine):
         if self.error:
             raise ProtocolError("internal", "the model failed to load")
         # Only len() of the engine's structures: atomic, unlike iterating them.
-        active = len(self.rows) + self.prefilling
-        waiting = len(self.waiting) + len(self.inbox) + max(0, active - self.settings.max_batch)
-        if active >= self.settings.max_batch and waiting >= self.settings.max_queue:
+        full = len(self.rows) + self.prefilling >= self.settings.max_batch
+        if full and len(self.waiting) + len(self.inbox) >= self.settings.max_queue:
             raise ProtocolError("overloaded", "the server is at capacity; try again shortly")
         gen = Generation(messages=messages, params=params, key=key)
         if self.ready:
