@@ -3,9 +3,9 @@
 One real OS thread loads the model, warms it up and then runs a continuous
 batching loop. Requests reach it through an inbox (a deque producers only
 append to); everything else is the engine thread's own. Each iteration spends
-at most ``CHAT_PREFILL_CHUNK`` prompt tokens on newcomers (all at once when
-nobody is decoding), then runs one decode step for the batch, so a long prompt
-never stalls running streams for more than a chunk. Rows join and leave the
+at most ``CHAT_PREFILL_CHUNK`` prompt tokens on newcomers (fewer where a chunk
+would cost more than two decode steps; all at once when nobody is decoding),
+then runs one decode step, so a long prompt never stalls running streams. Rows join and leave the
 shared KV buffer in place; each row keeps its own sampling parameters and
 random generator, so a seeded answer does not depend on who else is in the
 batch. Finished conversations leave their KV in a bounded LRU so the next
@@ -130,7 +130,7 @@ class LocalEngine(Engine):
                 self._end_running("error")
         self._end_running(self.stopping)
         for gen in self.waiting:
-            self._done(gen, self.stopping, 0, 0, None)
+            self._done(gen, self.stopping)
         self.waiting.clear()
         self.closed = True
         self._fail_inbox(self.stopping)
@@ -220,7 +220,7 @@ class LocalEngine(Engine):
             for gen in self.waiting:
                 reason = gen.cancel_reason
                 if reason:
-                    self._done(gen, reason, 0, 0, None)
+                    self._done(gen, reason)
                 else:
                     kept.append(gen)
             self.waiting = kept
@@ -276,7 +276,7 @@ class LocalEngine(Engine):
                 self.jobs.popleft()
                 self._count()
                 for slot in job.slots:
-                    self._done(slot.gen, slot.gen.cancel_reason, len(slot.prompt_ids), 0, slot)
+                    self._done(slot.gen, slot.gen.cancel_reason, slot)
                 continue
             # Nobody decoding means nobody to stall: the whole prompt at once.
             columns = max(1, budget // job.rows) if self.rows else job.remaining
@@ -296,7 +296,7 @@ class LocalEngine(Engine):
         kept = []
         for r, slot in enumerate(job.slots):
             if slot.gen.cancel_reason:
-                self._done(slot.gen, slot.gen.cancel_reason, len(slot.prompt_ids), 0, slot)
+                self._done(slot.gen, slot.gen.cancel_reason, slot)
             else:
                 kept.append(r)
         if not kept:
@@ -358,7 +358,7 @@ class LocalEngine(Engine):
                 fed = slot.prompt_ids + slot.out_ids
                 self.prefix.put(slot.gen.key, fed[:keys[0].shape[2]], keys, values)
             self._remove_row(r)
-        self._done(slot.gen, reason, len(slot.prompt_ids), len(slot.out_ids), slot)
+        self._done(slot.gen, reason, slot)
 
     def _remove_row(self, r: int) -> None:
         """The last row takes row ``r``'s place, in the list as in the buffer."""
@@ -374,12 +374,12 @@ class LocalEngine(Engine):
         if reason == "error":
             rows, self.rows, self.kv = self.rows, [], None
             for slot in rows:
-                self._done(slot.gen, reason, len(slot.prompt_ids), len(slot.out_ids), slot)
+                self._done(slot.gen, reason, slot)
         while self.rows:
             self._finish(self.rows[-1], reason)
         for job in jobs:
             for slot in job.slots:
-                self._done(slot.gen, reason, len(slot.prompt_ids), 0, slot)
+                self._done(slot.gen, reason, slot)
         self._count()
 
     def _fail_inbox(self, reason: str) -> None:
@@ -388,7 +388,7 @@ class LocalEngine(Engine):
                 gen = self.inbox.popleft()
             except IndexError:
                 return
-            self._done(gen, reason, 0, 0, None)
+            self._done(gen, reason)
 
     # ---- events: every emit goes through these ----
 
@@ -409,7 +409,8 @@ class LocalEngine(Engine):
             slot.first_delta_at = time.monotonic()
         slot.gen.emit({"type": "delta", "text": text})
 
-    def _done(self, gen: Generation, reason: str, prompt_tokens: int, completion_tokens: int, slot) -> None:
+    def _done(self, gen: Generation, reason: str, slot: Slot | None = None) -> None:
+        prompt_tokens, completion_tokens = (len(slot.prompt_ids), len(slot.out_ids)) if slot else (0, 0)
         now = time.monotonic()
         total = now - gen.submitted_at
         first = slot.first_delta_at if slot else None
