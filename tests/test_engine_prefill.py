@@ -76,22 +76,3 @@ def test_decode_steps_run_between_chunks_of_a_long_prompt(chunked):
         else:
             fed += n
     assert max(between) <= 7
-
-
-def test_chunk_budget_follows_what_a_chunk_costs_against_a_decode_step():
-    from chat.engine.prefill import ChunkBudget
-
-    budget = ChunkBudget(128)
-    budget.prefilled(128, 1.0)  # no decode step measured yet: nothing to compare with
-    assert budget.budget() == 128
-    budget.decoded(0.05)
-    budget.prefilled(128, 0.4)  # 8 decode steps' worth: halve (at most) per chunk
-    assert budget.budget() == 64
-    budget.prefilled(10, 5.0)  # a short tail chunk says nothing
-    assert budget.budget() == 64
-    for _ in range(10):
-        budget.prefilled(budget.budget(), 1.0)
-    assert budget.budget() == 16  # never below the floor
-    for _ in range(10):
-        budget.prefilled(budget.budget(), 0.01)
-    assert budget.budget() == 128  # never above CHAT_PREFILL_CHUNK

@@ -27,7 +27,7 @@ from . import model as model_loader
 from . import prompt
 from .base import Engine, GenParams, Generation
 from .kv import KVBuffer, PrefixCache
-from .prefill import ChunkBudget, PrefillJob
+from .prefill import PrefillJob
 from .sampling import sample
 from .slot import Slot
 
@@ -57,7 +57,6 @@ class LocalEngine(Engine):
         self.rows: list[Slot] = []  # decoding; row i is row i of self.kv
         self.kv: KVBuffer | None = None
         self.prefix = PrefixCache(settings.kv_cache_mb * 1024 * 1024)
-        self.chunk = ChunkBudget(settings.prefill_chunk)
         self.wake = Wakeup()
         self.accepting = True
         self.stopping = None  # reason, once shutdown was asked
@@ -268,8 +267,7 @@ class LocalEngine(Engine):
         # A chunk per decode step bounds the running rows' stall; when more users wait for their
         # first token than are decoding, they get proportionally more (the stall then hurts fewer).
         starting = sum(len(j.slots) for j in self.jobs)
-        share = max(1, starting // max(1, len(self.rows)))
-        budget = self.chunk.budget() * share
+        budget = self.settings.prefill_chunk * max(1, starting // max(1, len(self.rows)))
         while self.jobs and budget > 0:
             job = self.jobs[0]
             if all(s.gen.cancel_reason for s in job.slots):
@@ -280,12 +278,9 @@ class LocalEngine(Engine):
                 continue
             # Nobody decoding means nobody to stall: the whole prompt at once.
             columns = max(1, budget // job.rows) if self.rows else job.remaining
-            started = time.perf_counter()
             logits = job.step(self._forward, columns)
             if self.rows:
                 budget -= columns * job.rows
-                if share == 1:
-                    self.chunk.prefilled(columns * job.rows, time.perf_counter() - started)
             if logits is not None:
                 self.jobs.popleft()
                 self._join(job, logits)
@@ -325,12 +320,10 @@ class LocalEngine(Engine):
                 self._finish(slot, "timeout")
         if not self.rows:
             return
-        started = time.perf_counter()
         logits = self._decode(self.kv, [s.last for s in self.rows], [s.pos for s in self.rows])
         for slot in self.rows:
             slot.pos += 1
         self._accept_all(list(self.rows), logits)
-        self.chunk.decoded(time.perf_counter() - started)
 
     def _accept_all(self, slots: list, logits) -> None:
         """Sample every row's next token in one pass, then emit each row's text."""

@@ -61,31 +61,3 @@ class PrefillJob:
         kv.length += q
         self.done = end
         return logits if self.done == self.tokens.shape[1] else None
-
-
-class ChunkBudget:
-    """Prompt tokens to prefill between two decode steps: at most ``cap``, fewer where a chunk would stall.
-
-    Prefill is compute-bound and decoding memory-bound, so how many prompt tokens
-    fit in the time of a decode step differs between machines and with load. The
-    budget follows what is measured, so a chunk costs about ``stall`` decode steps.
-    """
-
-    def __init__(self, cap: int, stall: float = 2.0, floor: int = 16):
-        self.cap, self.stall, self.floor = cap, stall, min(floor, cap)
-        self.tokens = float(cap)
-        self.step_s = None
-
-    def budget(self) -> int:
-        return int(self.tokens)
-
-    def decoded(self, seconds: float) -> None:
-        """A decode step took ``seconds``."""
-        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
-
-    def prefilled(self, tokens: int, seconds: float) -> None:
-        """A chunk of ``tokens`` prompt tokens took ``seconds`` while others were decoding."""
-        if self.step_s is None or seconds <= 0 or tokens < self.tokens / 2:
-            return  # a short tail chunk says little about what a full one costs
-        change = min(2.0, max(0.5, self.stall * self.step_s / seconds))
-        self.tokens = min(self.cap, max(self.floor, self.tokens * change))
