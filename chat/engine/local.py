@@ -3,9 +3,9 @@
 One real OS thread loads the model, warms it up and then runs a continuous
 batching loop. Requests reach it through an inbox (a deque producers only
 append to); everything else is the engine thread's own. Each iteration spends
-at most ``CHAT_PREFILL_CHUNK`` prompt tokens on newcomers (fewer where a chunk
-would cost more than two decode steps; all at once when nobody is decoding),
-then runs one decode step, so a long prompt never stalls running streams. Rows join and leave the
+at most ``CHAT_PREFILL_CHUNK`` prompt tokens on newcomers (all at once when
+nobody is decoding; more when more wait to start than decode), then runs one
+decode step, so a long prompt never stalls running streams for long. Rows join and leave the
 shared KV buffer in place; each row keeps its own sampling parameters and
 random generator, so a seeded answer does not depend on who else is in the
 batch. Finished conversations leave their KV in a bounded LRU so the next
