@@ -78,7 +78,7 @@ def measure(prompt_text: str, tokens: int, reps: int, batches=(1, 8)) -> dict:
     once(8)  # warm-up, not counted
     runs = [once(tokens) for _ in range(reps)]
     raw = [raw_loop(torch, loaded.model, ids, b, tokens) for b in batches]
-    return {"raw": {str(r["batch"]): r for r in raw},"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
+    return {"raw": {str(r["batch"]): r for r in raw}, "model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
             "device": str(loaded.device), "torch_threads": torch.get_num_threads(),
             "load_s": loaded.load_s, "prompt_tokens": len(ids), "runs": runs,
             "tok_s": statistics.median(r["tok_s"] for r in runs),

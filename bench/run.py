@@ -77,6 +77,7 @@ def params(max_new_tokens: int, seed: int = 1) -> dict:
 
 
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
+RAW = ("1", "8", "16")  # batch sizes of the raw forward loop
 LLAMA_CPP = [  # measured in issue 10 on a 2-core AMD EPYC with native bf16, same model as GGUF
     ("llama.cpp server, one stream tok/s", 153), ("llama.cpp server, 8 slots aggregate tok/s", 243),
     ("llama.cpp server, first token with 8 users ms", 49),
@@ -112,7 +113,7 @@ def machine_facts(env: dict) -> dict:
 def run_inprocess(env: dict, args) -> dict:
     """Plain ``generate`` in a fresh subprocess (model on a worker thread)."""
     cmd = [sys.executable, "-m", "bench.inprocess", "--prompt", essay_prompt(0), "--tokens", str(args.tokens),
-           "--reps", str(args.inprocess_reps), "--batches", "1,8,16"]
+           "--reps", str(args.inprocess_reps), "--batches", ",".join(RAW)]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     if out.returncode != 0 or not out.stdout.strip():
         raise RuntimeError(f"in-process run failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -395,9 +396,8 @@ def figures(res: dict) -> list[tuple[str, object]]:
     return [
         ("in-process generate tok/s (batch 1)", inproc.get("tok_s")),
         ("in-process prefill ms", ms(inproc.get("prefill_s"))),
-        ("raw forward loop tok/s at batch 1 / 8 / 16", _pair(*[(raw.get(b) or {}).get("tok_s") for b in "1 8 16".split()])),
-        ("raw forward loop ms per step at batch 1 / 8 / 16",
-         _pair(*[(raw.get(b) or {}).get("step_ms") for b in "1 8 16".split()])),
+        ("raw forward loop tok/s at batch 1 / 8 / 16", _pair(*[(raw.get(b) or {}).get("tok_s") for b in RAW])),
+        ("raw forward loop ms per step at batch 1 / 8 / 16", _pair(*[(raw.get(b) or {}).get("step_ms") for b in RAW])),
         ("prompt tokens (single stream)", inproc.get("prompt_tokens")),
         ("server single stream tok/s greedy / sampled (delivered, p50)",
          _pair(single.get("tok_s_p50"), sampled.get("tok_s_p50"))),
@@ -459,8 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cancel-reps", type=int, help="cancel repetitions (default 10; --quick 3)")
     parser.add_argument("--cancel-after", type=int, default=5, help="deltas to wait before cancelling")
     parser.add_argument("--history-tokens", type=int, help="history before turn 6 (default 2000; --quick 300)")
-    parser.add_argument("--join-prompt-tokens", type=int, help="prompt joining running streams (default 2000; --quick 300)")
-    parser.add_argument("--join-tokens", type=int, help="answer length of the running streams (default 256; --quick 64)")
+    parser.add_argument("--join-prompt-tokens", type=int,
+                        help="prompt joining running streams (default 2000; --quick 300)")
+    parser.add_argument("--join-tokens", type=int,
+                        help="answer length of the running streams (default 256; --quick 64)")
     parser.add_argument("--multiturn-reps", type=int, help="conversations of 6 turns (default 3; --quick 1)")
     parser.add_argument("--max-batch", type=int, help="the server's CHAT_MAX_BATCH (default: 16, or the largest "
                         "--concurrency); run twice (8 and 16) to compare batch sizes")
@@ -491,7 +493,8 @@ def server_env(workdir: Path, args) -> dict:
     """The server's settings: a scratch data folder, the shared weights cache, room for 16 streams."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("CHAT_CACHE_DIR", str(ROOT / "data" / "model-cache"))
-    env.update({"CHAT_DATA_DIR": str(workdir / "data"), "CHAT_MAX_BATCH": str(args.max_batch or max(16, *args.concurrency)),
+    batch = args.max_batch or max(16, *args.concurrency)
+    env.update({"CHAT_DATA_DIR": str(workdir / "data"), "CHAT_MAX_BATCH": str(batch),
                 "CHAT_CONTEXT_TOKENS": "4096", "CHAT_MAX_NEW_TOKENS": str(max(512, args.tokens)),
                 "CHAT_RATE_LIMIT_PER_MIN": "0", "CHAT_MAX_CONNECTIONS_PER_IP": "0", "CHAT_WORKERS": "1",
                 "CHAT_GRACEFUL_TIMEOUT_S": "5"})

@@ -34,7 +34,8 @@ def test_submits_and_cancels_from_many_threads_never_end_a_row_with_error(tiny_m
             rng = random.Random(i)
             mine = []
             for j in range(60):
-                gen = eng.submit([{"role": "user", "content": f"q{i}-{j}"}], GenParams(temperature=0.8, max_new_tokens=3, seed=j))
+                gen = eng.submit([{"role": "user", "content": f"q{i}-{j}"}],
+                                 GenParams(temperature=0.8, max_new_tokens=3, seed=j))
                 mine.append(gen)
                 if rng.random() < 0.6:
                     rng.choice(mine).cancel()
