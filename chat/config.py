@@ -113,11 +113,24 @@ class Settings:
         "CHAT_MAX_CONTENT_CHARS", 16000, int, low=1, high=10_000_000,
         doc="Longest user message or system prompt, in characters. Longer gets `too_large` (WebSocket) or "
             "413 (`/v1`).")
+    max_messages: int = _setting(
+        "CHAT_MAX_MESSAGES", 256, int, low=2, high=100_000,
+        doc="Most messages in one `/v1` request (more: 413), and the most recent messages of a stored "
+            "conversation read to build a prompt.")
+    max_request_chars: int = _setting(
+        "CHAT_MAX_REQUEST_CHARS", 262_144, int, low=1, high=100_000_000,
+        doc="Most characters of all messages of one `/v1` request together. More gets 413 before any "
+            "tokenizing.")
 
     max_batch: int = _setting(
-        "CHAT_MAX_BATCH", 8, int, low=1, high=256, section="Capacity",
-        doc="Generations decoded together. Further requests wait in the queue. With the remote backend, the "
+        "CHAT_MAX_BATCH", 16, int, low=1, high=256, section="Capacity",
+        doc="Generations decoded together (16 measured to serve the most users at a readable speed; see "
+            "the README's Benchmark section). Further requests wait in the queue. With the remote backend, the "
             "most concurrent upstream calls is `CHAT_MAX_BATCH + CHAT_MAX_QUEUE`.")
+    prefill_chunk: int = _setting(
+        "CHAT_PREFILL_CHUNK", 128, int, low=1, high=1_000_000,
+        doc="Prompt tokens prefilled between two decode steps while other answers stream, so a long prompt "
+            "joining never stalls them for its whole prefill.")
     max_queue: int = _setting(
         "CHAT_MAX_QUEUE", 64, int, low=0, high=100_000,
         doc="Requests that may wait while the batch is full. Beyond that they get `overloaded` (WebSocket) or "

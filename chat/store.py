@@ -312,15 +312,16 @@ class Store:
                                 " ORDER BY seq DESC LIMIT 1", (conv_id,))
         return self._message(row) if row is not None else None
 
-    def history(self, conv_id: str) -> list[dict]:
-        """The prompt messages: the system prompt (if any), then every non-empty turn in order."""
+    def history(self, conv_id: str, limit: int | None = None) -> list[dict]:
+        """The prompt messages: the system prompt (if any), then the non-empty turns in order (the newest ``limit``)."""
         with self._lock:
             conv = self._one("SELECT system FROM conversations WHERE id = ?", (conv_id,))
             rows = self._db.execute(
                 "SELECT role, content FROM messages WHERE conversation_id = ?"
-                " AND NOT (role = 'assistant' AND content = '') ORDER BY seq", (conv_id,)).fetchall()
+                " AND NOT (role = 'assistant' AND content = '') ORDER BY seq DESC LIMIT ?",
+                (conv_id, -1 if limit is None else limit)).fetchall()
         out = [{"role": "system", "content": conv["system"]}] if conv is not None and conv["system"] else []
-        return out + [dict(r) for r in rows]
+        return out + [dict(r) for r in reversed(rows)]
 
     def export(self, client_id: str | None, conv_id, fmt: str) -> tuple[str, str, str] | None:
         """(body, mimetype, filename) of the conversation as Markdown or JSON, or None."""

@@ -35,6 +35,7 @@ class TurnService:
         return GenParams(temperature=given.get("temperature", s.temperature),
                          top_p=given.get("top_p", s.top_p),
                          max_new_tokens=min(given.get("max_new_tokens", s.max_new_tokens), s.max_new_tokens),
+                         top_k=given.get("top_k", 0), min_p=given.get("min_p", 0.0),
                          seed=given.get("seed"), stop=tuple(given.get("stop", ())))
 
     def prompt(self, messages: list, system: str | None = None) -> list:
@@ -54,7 +55,7 @@ class TurnService:
         self._check_busy(req, active)
         new = req.conversation_id is None
         conv_id = new_id() if new else req.conversation_id
-        history = [] if new else self.store.history(conv_id)
+        history = [] if new else self.store.history(conv_id, limit=self.settings.max_messages)
         messages = self.prompt(history + [{"role": "user", "content": req.content}], req.system if new else None)
 
         def write() -> None:
@@ -69,7 +70,7 @@ class TurnService:
         self._check_new(client, req)
         self._check_owner(client, req)
         self._check_busy(req, active)
-        history = self.store.history(req.conversation_id)
+        history = self.store.history(req.conversation_id, limit=self.settings.max_messages)
         if history and history[-1]["role"] == "assistant":
             history = history[:-1]
         if not history or history[-1]["role"] != "user":

@@ -82,6 +82,13 @@ def test_non_streaming(sdk, engine):
     assert (params.temperature, params.max_new_tokens, params.seed) == (0.0, 5, 7)
 
 
+def test_top_k_and_min_p_reach_the_engine(client, engine):
+    client.post("/v1/chat/completions", json={"messages": HELLO, "top_k": 40, "min_p": 0.05})
+    assert (engine.history[-1].params.top_k, engine.history[-1].params.min_p) == (40, 0.05)
+    client.post("/v1/chat/completions", json={"messages": HELLO, "top_k": -1})
+    assert (engine.history[-1].params.top_k, engine.history[-1].params.min_p) == (0, 0.0)
+
+
 def test_streaming_matches_non_streaming(sdk):
     stream = sdk.chat.completions.create(model="any", messages=HELLO, max_tokens=6, stream=True,
                                          stream_options={"include_usage": True})
@@ -148,6 +155,11 @@ BAD = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "x" * 16001}]}, 413, "messages[0].content"),
+    ({"messages": _msgs(*["user", "assistant"] * 128, "user")}, 413, "messages"),
+    ({"messages": [{"role": "user", "content": "x" * 15000}] * 18}, 413, "messages"),
+    ({"messages": _msgs("user"), "top_k": -2}, 400, "top_k"),
+    ({"messages": _msgs("user"), "top_k": 0.5}, 400, "top_k"),
+    ({"messages": _msgs("user"), "min_p": 1.5}, 400, "min_p"),
     ({"messages": _msgs("user"), "temperature": 2.5}, 400, "temperature"),
     ({"messages": _msgs("user"), "temperature": -0.1}, 400, "temperature"),
     ({"messages": _msgs("user"), "temperature": "hot"}, 400, "temperature"),

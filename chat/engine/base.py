@@ -20,6 +20,8 @@ class GenParams:
 
     temperature: float = 0.7
     top_p: float = 0.9
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
     max_new_tokens: int = 512
     seed: int | None = None
     stop: tuple = ()

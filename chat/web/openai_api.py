@@ -122,10 +122,20 @@ def _content(value, name: str) -> str:
     raise _bad(name, "must be a string or a list of text parts")
 
 
+def _top_k(value, name, settings):
+    return max(0, _integer(-1)(value, name, settings))  # -1, other servers' "off", means off here too
+
+
+def _too_large(name: str, message: str) -> RequestError:
+    return RequestError("too_large", f"'{name}' {message}", 413, name)
+
+
 def _messages(value, name, settings):
     if not isinstance(value, list) or not value:
         raise _bad(name, "must be a non-empty list")
-    out = []
+    if len(value) > settings.max_messages:
+        raise _too_large(name, f"holds more than {settings.max_messages} messages")
+    out, chars = [], 0
     for i, message in enumerate(value):
         where = f"{name}[{i}]"
         if not isinstance(message, dict):
@@ -135,8 +145,10 @@ def _messages(value, name, settings):
             raise _bad(f"{where}.role", f"must be one of {', '.join(_ROLES)}, not {role!r}")
         text = _content(message.get("content"), f"{where}.content")
         if len(text) > settings.max_content_chars:
-            raise RequestError("too_large", f"'{where}.content' is longer than {settings.max_content_chars} "
-                               "characters", 413, f"{where}.content")
+            raise _too_large(f"{where}.content", f"is longer than {settings.max_content_chars} characters")
+        chars += len(text)
+        if chars > settings.max_request_chars:
+            raise _too_large(name, f"hold more than {settings.max_request_chars} characters in all")
         out.append({"role": _ROLES[role], "content": text})
     return out
 
@@ -154,6 +166,8 @@ FIELDS = {
     "model": _string,
     "temperature": _number(0.0, 2.0),
     "top_p": _number(0.0, 1.0, low_open=True),
+    "top_k": _top_k,
+    "min_p": _number(0.0, 1.0),
     "max_tokens": _integer(1),
     "max_completion_tokens": _integer(1),
     "seed": _integer(*SEED_RANGE),
@@ -183,7 +197,7 @@ def parse_request(body, settings) -> dict:
 
 def gen_params(values: dict) -> dict:
     """The request's sampling values under the engine's names (the service fills in defaults)."""
-    out = {k: values[k] for k in ("temperature", "top_p", "seed", "stop") if k in values}
+    out = {k: values[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop") if k in values}
     wanted = values.get("max_completion_tokens", values.get("max_tokens"))
     if wanted is not None:
         out["max_new_tokens"] = wanted

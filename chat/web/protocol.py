@@ -85,6 +85,8 @@ def _param_rules(max_new_tokens: int) -> dict:
     return {
         "temperature": (lambda v: _is_number(v) and 0 <= v <= 2, "a number from 0 to 2"),
         "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number greater than 0 and at most 1"),
+        "top_k": (lambda v: _is_int(v) and 0 <= v <= 1_000_000, "an integer from 0 (off) to 1000000"),
+        "min_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number from 0 (off) to 1"),
         "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= max_new_tokens,
                            f"an integer from 1 to {max_new_tokens}"),
         "seed": (lambda v: _is_int(v) and -(2 ** 63) <= v < 2 ** 64, "an integer"),
