@@ -61,6 +61,12 @@ class Settings:
     data_dir: str = _setting("CHAT_DATA_DIR", str(ROOT / "data"), str)
     db: str = _setting("CHAT_DB", "", str, doc="SQLite file; empty: <data_dir>/chat.db")
     warmup: bool = _setting("CHAT_WARMUP", True, _bool)
+    max_conversations: int = _setting("CHAT_MAX_CONVERSATIONS", 1000, int, low=0, high=10_000_000,
+                                      doc="conversations kept per client; 0: unlimited")
+    max_messages: int = _setting("CHAT_MAX_MESSAGES", 1000, int, low=0, high=10_000_000,
+                                 doc="messages kept per conversation; 0: unlimited")
+    db_max_mb: int = _setting("CHAT_DB_MAX_MB", 0, int, low=0, high=10_000_000,
+                              doc="most the SQLite database may grow to; 0: until the disk is full")
 
     max_new_tokens: int = _setting("CHAT_MAX_NEW_TOKENS", 512, int, low=1, high=32768)
     context_tokens: int = _setting("CHAT_CONTEXT_TOKENS", 2048, int, low=64, high=1_000_000)
@@ -123,6 +129,8 @@ class Settings:
 
     def check(self) -> None:
         """Cross-field checks that a single variable's parser cannot make."""
+        if self.max_messages == 1:
+            raise ConfigError("CHAT_MAX_MESSAGES=1 is invalid: a question and its answer need 2")
         if self.backend == "openai" and not self.backend_url:
             raise ConfigError("CHAT_BACKEND=openai needs CHAT_BACKEND_URL")
 

@@ -38,5 +38,12 @@ class ProtocolError(ChatError):
         return self.http_status.get(self.code, 400)
 
 
+class StorageFull(ProtocolError):
+    """The database cannot grow (disk full, or CHAT_DB_MAX_MB): nothing new is stored, nothing stored is lost."""
+
+    def __init__(self, id: str | None = None):
+        super().__init__("overloaded", "the server's storage is full: nothing was saved; try again later", id)
+
+
 class BackendError(ChatError):
     """The engine or the remote backend failed while generating."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 def init_app(app) -> None:
     """Register every blueprint and the WebSocket route."""
-    from . import conversations, health, openai_api, pages, ws
+    from . import conversations, errors, health, openai_api, pages, ws
+    errors.init_app(app)
     app.register_blueprint(pages.bp)
     app.register_blueprint(health.bp)
     app.register_blueprint(conversations.bp)

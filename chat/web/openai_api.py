@@ -84,9 +84,8 @@ def _authorize():
 
 def _engine_ready():
     engine = _state().engine
-    if not engine.ready:
-        detail = f": {engine.error}" if engine.error else ""
-        raise ApiError("model_not_ready", f"the model is not ready yet{detail}", status=503)
+    if not engine.ready:  # the load error names paths and URLs: it stays in the log
+        raise ApiError("model_not_ready", "the model is not ready yet", status=503)
     return engine
 
 
@@ -250,6 +249,8 @@ def _read_json():
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError("invalid_json", f"the request body is not valid JSON: {exc}", status=400) from None
+    except RecursionError:
+        raise ApiError("invalid_json", "the request body nests too deeply", status=400) from None
 
 
 # ---- routes
@@ -300,14 +301,19 @@ def _usage(done: dict) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _failure(done: dict) -> ApiError:
-    """An answer refused by the engine (an ``error`` event) or ended by shutdown or an engine error."""
+def _failure(done: dict, request_id: str) -> ApiError:
+    """An answer refused by the engine (an ``error`` event) or ended by shutdown or an engine error.
+
+    An engine failure's own message may carry the backend's URL or body: the client gets a
+    generic message with the request id, and the log line under that id has the details.
+    """
     if done["type"] == "error":
         status = ProtocolError.http_status.get(done.get("code"), 400)
         return ApiError(done.get("code") or "internal", done.get("message") or "the request failed", status=status)
     if done["reason"] == "shutdown":
         return ApiError("shutdown", "the server is shutting down", status=503)
-    return ApiError("internal", done.get("message") or "the engine failed while generating", status=500)
+    log.error("v1 %s failed: %s", request_id, done.get("message") or "no detail")
+    return ApiError("internal", f"the engine failed while generating (request id {request_id})", status=500)
 
 
 def _record(meta: dict, done: dict, streamed: bool, metrics) -> None:
@@ -338,7 +344,7 @@ def _complete(gen, meta: dict, metrics=None):
         gen.close()
     _record(meta, done, False, metrics)
     if done.get("reason") not in _FINISH:
-        raise _failure(done)
+        raise _failure(done, meta["id"])
     return jsonify({**meta, "object": "chat.completion",
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(texts)},
                                  "logprobs": None, "finish_reason": _FINISH[done["reason"]]}],
@@ -375,7 +381,7 @@ def _stream(gen, meta: dict, include_usage: bool, metrics=None):
             if include_usage:
                 yield _sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage(done)})
         else:
-            failure = _failure(done)
+            failure = _failure(done, meta["id"])
             yield _sse({"error": {"message": failure.message, "type": _ERROR_TYPE[failure.status],
                                   "param": None, "code": failure.code}})
         yield "data: [DONE]\n\n"

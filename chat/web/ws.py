@@ -1,11 +1,11 @@
 """The /ws endpoint: one session per connection; runs that outlive a dropped socket."""
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import threading
 import time
+from contextlib import contextmanager
 
 from flask import Blueprint, current_app, jsonify, request
 from flask_sock import Sock
@@ -13,7 +13,7 @@ from simple_websocket import ConnectionClosed
 
 from ..concurrency import spawn
 from ..engine import GenParams
-from ..errors import ProtocolError
+from ..errors import ProtocolError, StorageFull
 from . import identity
 from .protocol import PROTOCOL, parse
 
@@ -44,18 +44,9 @@ def _refuse(status: int, code: str, message: str):
 
 
 def origin_allowed(origin: str, host: str, scheme: str, allowed) -> bool:
-    """The page's own origin (scheme + Host) or one listed in CHAT_ALLOWED_ORIGINS."""
+    """The page's own origin (exactly its scheme + Host) or one listed in CHAT_ALLOWED_ORIGINS."""
     origin = origin.rstrip("/")
-    own = {f"{scheme}://{host}", f"http://{host}", f"https://{host}"} if scheme == "https" else \
-        {f"{scheme}://{host}"}
-    return origin in own or origin in allowed or "*" in allowed
-
-
-def bearer_ok(request, key: str) -> bool:
-    """Whether the request carries the API key (Authorization: Bearer or ?token=)."""
-    header = request.headers.get("Authorization", "")
-    given = header[7:].strip() if header.lower().startswith("bearer ") else request.args.get("token", "")
-    return bool(given) and hmac.compare_digest(given.encode(), key.encode())
+    return origin == f"{scheme}://{host}" or origin in allowed or "*" in allowed
 
 
 @bp.before_request
@@ -69,7 +60,7 @@ def handshake():
         if not origin_allowed(origin, host, scheme, settings.allowed_origins):
             state.metrics.errors.labels("forbidden").inc()
             return _refuse(403, "forbidden", "cross-origin WebSocket refused")
-    if settings.api_key and identity.current_client() is None and not bearer_ok(request, settings.api_key):
+    if settings.api_key and identity.current_client() is None and not identity.has_key(request, settings.api_key):
         return _refuse(401, "unauthorized", "an API key is required")
     ip = identity.remote_ip(request, settings.trusted_proxies)
     limit = settings.max_connections_per_ip
@@ -85,11 +76,7 @@ def websocket(ws):
     state = _state()
     settings = state.settings
     ip = identity.remote_ip(request, settings.trusted_proxies)
-    client = identity.current_client()
-    if client is None and settings.api_key and bearer_ok(request, settings.api_key):
-        # A program that proved the key may name its own identity with an unsigned cookie.
-        client = identity.client_id(request)
-    client = client or ("anon-" + identity.new_client_id())
+    client = identity.current_client() or identity.ANONYMOUS + identity.new_client_id()
     state.connections_by_ip[ip] = state.connections_by_ip.get(ip, 0) + 1
     state.metrics.connections.inc()
     session = Session(ws, state, client)
@@ -97,6 +84,8 @@ def websocket(ws):
     try:
         session.serve()
     finally:
+        if client.startswith(identity.ANONYMOUS):
+            spawn(_forget_anonymous, state.store, client, list(session.runs.values()))
         state.sessions.discard(session)
         state.metrics.connections.dec()
         left = state.connections_by_ip.get(ip, 1) - 1
@@ -104,6 +93,19 @@ def websocket(ws):
             state.connections_by_ip[ip] = left
         else:
             state.connections_by_ip.pop(ip, None)
+
+
+def _forget_anonymous(store, client: str, runs) -> None:
+    """No one can reach a cookie-less connection's conversations again: delete them once its runs end."""
+    for run in runs:
+        run.finished_event.wait()
+    store.forget_client(client)
+
+
+def _abandon(gen) -> None:
+    """A submitted generation that will not be served: free the engine and consume its events."""
+    gen.cancel("cancelled")
+    spawn(lambda: [None for _ in gen])
 
 
 class RateLimiter:
@@ -219,10 +221,16 @@ class Run:
         now = time.monotonic()
         if now - self.last_checkpoint >= CHECKPOINT_EVERY_S:
             self.last_checkpoint = now
-            self.state.store.save_partial(self.message_id, "".join(self.deltas))
+            try:
+                self.state.store.save_partial(self.message_id, "".join(self.deltas))
+            except StorageFull:
+                pass  # a checkpoint is best effort; the answer still streams
 
     def on_error(self, event: dict) -> None:
-        self.state.store.finish_assistant(self.message_id, "", "error", {}, {})
+        try:
+            self.state.store.finish_assistant(self.message_id, "", "error", {}, {})
+        except StorageFull:
+            pass
         self.state.metrics.errors.labels(event.get("code", "internal")).inc()
         self.forward({"type": "error", "id": self.id, "code": event.get("code", "internal"),
                       "message": event.get("message", "the request failed")})
@@ -232,7 +240,10 @@ class Run:
         text = "".join(self.deltas)
         usage = event.get("usage") or {"prompt_tokens": 0, "completion_tokens": 0}
         timings = event.get("timings") or {"ttft_ms": None, "total_ms": 0, "tokens_per_s": 0}
-        self.state.store.finish_assistant(self.message_id, text, event["reason"], usage, timings)
+        try:
+            self.state.store.finish_assistant(self.message_id, text, event["reason"], usage, timings)
+        except StorageFull:
+            pass  # logged by the store; the client still gets its answer's end
         self.state.metrics.finished(event)
         extra = {"chars": len(text)}
         if self.state.settings.log_content:
@@ -372,12 +383,13 @@ class Session:
             messages.insert(0, {"role": "system", "content": self.settings.system_prompt})
         messages.append({"role": "user", "content": req.content})
         gen = self._submit(req, messages, req.conversation_id)
-        if req.conversation_id is None:
-            conv = store.create_conversation(self.client, system=req.system or self.settings.system_prompt)
-            req.conversation_id = conv["id"]
-            gen.key = conv["id"]
-        store.add_user_message(self.client, req.conversation_id, req.content)
-        self._start_run(req, gen)
+        with self._storing(req, gen):
+            if req.conversation_id is None:
+                conv = store.create_conversation(self.client, system=req.system or self.settings.system_prompt)
+                req.conversation_id = conv["id"]
+                gen.key = conv["id"]
+            store.add_user_message(self.client, req.conversation_id, req.content)
+            self._start_run(req, gen)
 
     def on_regenerate(self, req) -> None:
         store = self.state.store
@@ -393,8 +405,9 @@ class Session:
         if history[0]["role"] != "system":
             history.insert(0, {"role": "system", "content": self.settings.system_prompt})
         gen = self._submit(req, history, req.conversation_id)
-        store.drop_last_assistant(self.client, req.conversation_id)
-        self._start_run(req, gen)
+        with self._storing(req, gen):
+            store.drop_last_assistant(self.client, req.conversation_id)
+            self._start_run(req, gen)
 
     def on_cancel(self, req) -> None:
         run = self.state.runs.get(self.client, req.id)
@@ -449,6 +462,16 @@ class Session:
         try:
             return self.state.engine.submit(messages, params, key=key)
         except ProtocolError as exc:
+            exc.id = req.id
+            raise
+
+    @contextmanager
+    def _storing(self, req, gen):
+        """Store the turn; when the store refuses (quota, full disk), the submitted generation is dropped."""
+        try:
+            yield
+        except ProtocolError as exc:
+            _abandon(gen)
             exc.id = req.id
             raise
 
