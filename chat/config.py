@@ -87,13 +87,19 @@ class Settings:
     workers: int = _setting("CHAT_WORKERS", 1, int, low=1, high=64)
     graceful_timeout_s: float = _setting("CHAT_GRACEFUL_TIMEOUT_S", 20.0, float, low=0.0, high=3600)
     ping_interval_s: float = _setting("CHAT_PING_INTERVAL_S", 25.0, float, low=0.0, high=3600)
+    send_timeout_s: float = _setting("CHAT_SEND_TIMEOUT_S", 30.0, float, low=0.0, high=3600,
+                                     doc="a socket whose client reads nothing for this long is dropped; 0: never")
     max_message_bytes: int = _setting("CHAT_MAX_MESSAGE_BYTES", 256 * 1024, int, low=1024, high=64 * 1024 * 1024)
     api_key: str = _setting("CHAT_API_KEY", "", str)
     trusted_proxies: int = _setting("CHAT_TRUSTED_PROXIES", 0, int, low=0, high=16)
     rate_limit_per_min: int = _setting("CHAT_RATE_LIMIT_PER_MIN", 60, int, low=0, high=1_000_000,
                                        doc="chat requests per client per minute; 0: unlimited")
+    rate_limit_per_ip_per_min: int = _setting("CHAT_RATE_LIMIT_PER_IP_PER_MIN", 120, int, low=0, high=1_000_000,
+                                              doc="chat requests per address (IPv6: per /64) per minute; 0: unlimited")
     max_connections_per_ip: int = _setting("CHAT_MAX_CONNECTIONS_PER_IP", 32, int, low=0, high=100_000,
                                            doc="0: unlimited")
+    max_active_per_ip: int = _setting("CHAT_MAX_ACTIVE_PER_IP", 8, int, low=0, high=100_000,
+                                      doc="answers running or queued per address; 0: unlimited")
     log_content: bool = _setting("CHAT_LOG_CONTENT", False, _bool)
     log_level: str = _setting("CHAT_LOG_LEVEL", "info", _choice("debug", "info", "warning", "error"))
 

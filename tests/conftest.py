@@ -47,6 +47,8 @@ class LiveServer:
         self.port = free_port()
         self.env = {**os.environ, "CHAT_DATA_DIR": str(workdir / "data"), "CHAT_DTYPE": "float32",
                     "CHAT_BIND": f"127.0.0.1:{self.port}", "CHAT_RATE_LIMIT_PER_MIN": "0",
+                    # every test client comes from 127.0.0.1: per-address limits only where a test sets them
+                    "CHAT_RATE_LIMIT_PER_IP_PER_MIN": "0", "CHAT_MAX_ACTIVE_PER_IP": "0",
                     # one torch thread: on a shared 2-core box a 2-thread team stalls on every op
                     "CHAT_THREADS": "1",
                     "CHAT_GRACEFUL_TIMEOUT_S": "5", "PYTHONUNBUFFERED": "1",

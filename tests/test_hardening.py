@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sqlite3
 import time
 import urllib.request
@@ -211,3 +212,94 @@ def test_forwarded_for_while_untrusted_is_warned_about_once(server):
         assert http_get(server.url + "/healthz", headers={"X-Forwarded-For": "203.0.113.9"})[0] == 200
     time.sleep(0.5)
     assert server.log_path.read_text().count("X-Forwarded-For while CHAT_TRUSTED_PROXIES=0") == 1
+
+
+# ---- 1. limits a new identity cannot reset
+
+@pytest.fixture(scope="module")
+def limited(server_factory):
+    """Tight limits; each test speaks from its own address through a trusted proxy header."""
+    return server_factory("limited", CHAT_TRUSTED_PROXIES=1, CHAT_RATE_LIMIT_PER_MIN=3,
+                          CHAT_RATE_LIMIT_PER_IP_PER_MIN=6, CHAT_MAX_ACTIVE_PER_CONNECTION=2,
+                          CHAT_MAX_ACTIVE_PER_IP=3, CHAT_RESUME_GRACE_S=5, CHAT_MAX_NEW_TOKENS=4000)
+
+
+def outcome(client, rid, **fields) -> str:
+    """'done', or the error code that refused the chat."""
+    last = client.chat("hi", rid=rid, **fields)[-1]
+    return "done" if last["type"] == "done" else last["code"]
+
+
+def test_reconnecting_without_a_cookie_does_not_reset_the_rate(limited):
+    results = []
+    for i in range(5):
+        client = WS(limited.ws_url, header=["X-Forwarded-For: 192.0.2.1"])
+        results.append(outcome(client, f"r{i}", params=SHORT))
+        client.close()
+    assert results == ["done"] * 3 + ["rate_limited"] * 2
+
+
+def test_fresh_cookies_share_their_address_rate(limited):
+    results = []
+    for i in range(8):
+        client = WS(limited.ws_url, header=["X-Forwarded-For: 192.0.2.2"], cookie=page_cookie(limited))
+        results.append(outcome(client, f"c{i}", params=SHORT))
+        client.close()
+    assert results == ["done"] * 6 + ["rate_limited"] * 2
+    other = WS(limited.ws_url, header=["X-Forwarded-For: 192.0.2.99"])
+    assert outcome(other, "x", params=SHORT) == "done"
+    other.close()
+
+
+def test_answers_outliving_their_socket_still_count(limited):
+    long = {"max_new_tokens": 4000}
+    cookie = page_cookie(limited)
+    first = WS(limited.ws_url, header=["X-Forwarded-For: 192.0.2.3"], cookie=cookie)
+    for rid in ("a1", "a2"):
+        first.send({"type": "chat", "id": rid, "content": "go", "params": long})
+        first.until(lambda f, rid=rid: f.get("id") == rid and f["type"] in ("start", "delta"))
+    first.conn.sock.close()  # dropped: both answers run on for the resume grace
+    again = WS(limited.ws_url, header=["X-Forwarded-For: 192.0.2.3"], cookie=cookie)
+    assert outcome(again, "a3", params=long) == "busy"  # per client, not per connection
+    again.close()
+    codes = []
+    for i in range(3):  # cookie-less connections: new clients, one address
+        client = WS(limited.ws_url, header=["X-Forwarded-For: 192.0.2.3"])
+        client.send({"type": "chat", "id": f"n{i}", "content": "go", "params": long})
+        codes.append(client.until(lambda f: f["type"] in ("start", "error"))[-1].get("code", "started"))
+        client.conn.sock.close()
+    assert codes == ["started", "busy", "busy"]  # 2 + 1 = the address's 3
+    assert http_get(limited.url + "/healthz")[0] == 200
+
+
+# ---- 7. a client that stops reading
+
+def test_a_client_that_stops_reading_is_dropped_and_its_answer_released(server_factory):
+    srv = server_factory("slow", CHAT_SEND_TIMEOUT_S=1, CHAT_RESUME_GRACE_S=1, CHAT_MAX_NEW_TOKENS=4000)
+    cookie = page_cookie(srv)
+    slow = WS(srv.ws_url, cookie=cookie, sockopt=((socket.SOL_SOCKET, socket.SO_RCVBUF, 4096),))
+    slow.send({"type": "chat", "id": "pinned", "content": "go", "params": {"max_new_tokens": 4000}})
+    conv = conv_of(slow.until(lambda f: f["type"] == "start"))
+    slow.conn.settimeout(5)
+    for _ in range(100):  # pongs echo 60 kB each and nobody reads them
+        try:
+            slow.send({"type": "ping", "t": "x" * 60_000})
+        except (OSError, websocket.WebSocketException):
+            break  # the server gave up on this socket
+    deadline = time.monotonic() + 60
+    while "stopped reading" not in srv.log():
+        assert time.monotonic() < deadline, "the stalled socket was never dropped"
+        time.sleep(0.2)
+    polite = WS(srv.ws_url, cookie=cookie)  # after the grace the conversation is free again
+    while True:
+        last = polite.chat("my turn", rid=f"p{int(time.monotonic() * 1000)}", conversation_id=conv,
+                           params=SHORT)[-1]
+        if last["type"] == "done" or time.monotonic() > deadline:
+            break
+        assert last["code"] == "busy"
+        time.sleep(0.5)
+    assert last["type"] == "done"
+    stored = json.loads(http_get(f"{srv.url}/api/conversations/{conv}", headers={"Cookie": cookie})[2])
+    assert stored["messages"][1]["reason"] == "cancelled" and stored["messages"][1]["status"] == "partial"
+    polite.close()
+    slow.close()

@@ -410,8 +410,8 @@ def test_keepalive_comments_while_silent(live, sdk, engine, monkeypatch):
 
 
 def test_rate_limited_per_address(app, client):
-    from chat.web.ws import RateLimiter
-    app.extensions["chat"].rate = RateLimiter(2)
+    from chat.web.limits import Limits
+    app.extensions["chat"].limits = Limits(Settings(rate_limit_per_ip_per_min=2))
     codes = [client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1}).status_code
              for _ in range(3)]
     assert codes == [200, 200, 429]

@@ -14,6 +14,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from ..engine import GenParams
 from ..errors import ProtocolError
 from . import identity
+from .limits import address_of
 
 log = logging.getLogger(__name__)
 
@@ -281,11 +282,8 @@ def chat_completions():
     settings = state.settings
     values = parse_request(_read_json(), settings)
     engine = _engine_ready()
-    rate = getattr(state, "rate", None)
-    if rate is not None and not rate.allow("v1:" + identity.remote_ip(request, settings.trusted_proxies)):
-        raise ApiError("rate_limited", "too many requests; slow down", status=429)
     messages = with_system_prompt(values["messages"], settings.system_prompt)
-    gen = engine.submit(messages, gen_params(values, settings))
+    gen = _submit(state, engine, messages, gen_params(values, settings))
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
     metrics = getattr(state, "metrics", None)
     if values.get("stream"):
@@ -293,6 +291,21 @@ def chat_completions():
         return Response(_stream(gen, meta, include_usage, metrics), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return _complete(gen, meta, metrics)
+
+
+def _submit(state, engine, messages, params):
+    """Admit the request against its address's limits (when the app has them), then submit it."""
+    limits = getattr(state, "limits", None)
+    if limits is None:
+        return engine.submit(messages, params)
+    ticket = limits.admit(address_of(identity.remote_ip(request, state.settings.trusted_proxies)))
+    try:
+        gen = engine.submit(messages, params)
+    except Exception:
+        ticket.release()
+        raise
+    limits.track(ticket, gen)
+    return gen
 
 
 def _usage(done: dict) -> dict:

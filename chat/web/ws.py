@@ -14,7 +14,8 @@ from simple_websocket import ConnectionClosed
 from ..concurrency import spawn
 from ..engine import GenParams
 from ..errors import ProtocolError, StorageFull
-from . import identity
+from . import backpressure, identity
+from .limits import Limits, address_of
 from .protocol import PROTOCOL, parse
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,7 @@ def init_app(app) -> None:
     state = app.extensions["chat"]
     state.runs = Runs()
     state.sessions = set()
-    state.connections_by_ip = {}
-    state.rate = RateLimiter(state.settings.rate_limit_per_min)
+    state.limits = Limits(state.settings)
     app.register_blueprint(bp)
 
 
@@ -62,9 +62,7 @@ def handshake():
             return _refuse(403, "forbidden", "cross-origin WebSocket refused")
     if settings.api_key and identity.current_client() is None and not identity.has_key(request, settings.api_key):
         return _refuse(401, "unauthorized", "an API key is required")
-    ip = identity.remote_ip(request, settings.trusted_proxies)
-    limit = settings.max_connections_per_ip
-    if limit and state.connections_by_ip.get(ip, 0) >= limit:
+    if not state.limits.connection_allowed(_address(settings)):
         state.metrics.errors.labels("rate_limited").inc()
         return _refuse(429, "rate_limited", "too many connections from this address")
     return None
@@ -75,11 +73,11 @@ def websocket(ws):
     """Serve one connection until it closes."""
     state = _state()
     settings = state.settings
-    ip = identity.remote_ip(request, settings.trusted_proxies)
+    address = _address(settings)
     client = identity.current_client() or identity.ANONYMOUS + identity.new_client_id()
-    state.connections_by_ip[ip] = state.connections_by_ip.get(ip, 0) + 1
+    state.limits.connect(address)
     state.metrics.connections.inc()
-    session = Session(ws, state, client)
+    session = Session(ws, state, client, address)
     state.sessions.add(session)
     try:
         session.serve()
@@ -88,11 +86,12 @@ def websocket(ws):
             spawn(_forget_anonymous, state.store, client, list(session.runs.values()))
         state.sessions.discard(session)
         state.metrics.connections.dec()
-        left = state.connections_by_ip.get(ip, 1) - 1
-        if left > 0:
-            state.connections_by_ip[ip] = left
-        else:
-            state.connections_by_ip.pop(ip, None)
+        state.limits.disconnect(address)
+
+
+def _address(settings) -> str:
+    """The address the request's limits count against."""
+    return address_of(identity.remote_ip(request, settings.trusted_proxies))
 
 
 def _forget_anonymous(store, client: str, runs) -> None:
@@ -106,28 +105,6 @@ def _abandon(gen) -> None:
     """A submitted generation that will not be served: free the engine and consume its events."""
     gen.cancel("cancelled")
     spawn(lambda: [None for _ in gen])
-
-
-class RateLimiter:
-    """A token bucket per client: ``per_min`` requests a minute, bursts up to the same."""
-
-    def __init__(self, per_min: int):
-        self.per_min = per_min
-        self.buckets: dict = {}
-
-    def allow(self, client: str) -> bool:
-        if not self.per_min:
-            return True
-        now = time.monotonic()
-        tokens, last = self.buckets.get(client, (float(self.per_min), now))
-        tokens = min(float(self.per_min), tokens + (now - last) * self.per_min / 60.0)
-        if tokens < 1:
-            self.buckets[client] = (tokens, now)
-            return False
-        self.buckets[client] = (tokens - 1, now)
-        if len(self.buckets) > 10000:  # forget idle clients
-            self.buckets = {k: v for k, v in self.buckets.items() if now - v[1] < 120}
-        return True
 
 
 class Runs:
@@ -311,8 +288,8 @@ class Run:
 class Session:
     """One WebSocket connection: parse → dispatch → respond."""
 
-    def __init__(self, ws, state, client: str):
-        self.ws, self.state, self.client = ws, state, client
+    def __init__(self, ws, state, client: str, address: str = "?"):
+        self.ws, self.state, self.client, self.address = ws, state, client, address
         self.settings = state.settings
         self.runs: dict = {}  # request id -> Run attached to this connection
         self.send_lock = threading.Lock()
@@ -323,9 +300,15 @@ class Session:
         if not self.open:
             return False
         try:
-            with self.send_lock:
+            with self.send_lock, backpressure.within(self.settings.send_timeout_s):
                 self.ws.send(json.dumps(frame, ensure_ascii=False))
             return True
+        except backpressure.SendTimeout:
+            log.info("client %s stopped reading for %ss: socket dropped", self.address,
+                     self.settings.send_timeout_s)
+            self.open = False
+            backpressure.cut(self.ws)
+            return False
         except Exception:  # ConnectionClosed, or the socket died under us
             self.open = False
             return False
@@ -446,24 +429,23 @@ class Session:
     def _check_busy(self, req) -> None:
         if req.conversation_id is not None and self.state.runs.busy(req.conversation_id):
             raise ProtocolError("busy", "this conversation is already answering", req.id)
-        active = sum(1 for r in self.runs.values() if not r.finished)
-        if active >= self.settings.max_active_per_connection:
-            raise ProtocolError("busy", f"at most {self.settings.max_active_per_connection} answers at once "
-                                        "per connection", req.id)
 
     def _submit(self, req, messages, key):
-        if not self.state.rate.allow(self.client):
-            raise ProtocolError("rate_limited", "too many requests; slow down", req.id)
+        ticket = self.state.limits.admit(self.address, self.client, req.id)
         p = req.params
         params = GenParams(temperature=p.get("temperature", self.settings.temperature),
                            top_p=p.get("top_p", self.settings.top_p),
                            max_new_tokens=p.get("max_new_tokens", self.settings.max_new_tokens),
                            seed=p.get("seed"))
         try:
-            return self.state.engine.submit(messages, params, key=key)
-        except ProtocolError as exc:
-            exc.id = req.id
+            gen = self.state.engine.submit(messages, params, key=key)
+        except Exception as exc:
+            ticket.release()
+            if isinstance(exc, ProtocolError):
+                exc.id = req.id
             raise
+        self.state.limits.track(ticket, gen)
+        return gen
 
     @contextmanager
     def _storing(self, req, gen):
@@ -511,6 +493,7 @@ def graceful_shutdown(state, timeout: float) -> None:
     for session in list(state.sessions):
         session.open = False
         try:
-            session.ws.close(1001, "server shutting down")
-        except Exception:
-            pass
+            with backpressure.within(state.settings.send_timeout_s):
+                session.ws.close(1001, "server shutting down")
+        except Exception:  # a stalled reader (SendTimeout) or a dead socket
+            backpressure.cut(session.ws)
