@@ -199,7 +199,8 @@ def test_abusers_beside_well_behaved_users(server_factory, capsys):
             t0 = time.monotonic()
             frames = client.chat(f"user {i} turn {turn}", rid=f"u{turn}", conversation_id=conv,
                                  params={"max_new_tokens": 30, "temperature": 0.7})
-            conv = conv or conv_of(frames)
+            started = [f for f in frames if f["type"] == "start"]
+            conv = conv or (conv_of(frames) if started else None)
             got.append((frames[-1]["type"], frames[-1].get("reason") or frames[-1].get("code"),
                         time.monotonic() - t0))
         client.close()
