@@ -180,8 +180,9 @@ def server_factory(tmp_path_factory, tiny_model):
 @pytest.fixture(scope="session")
 def server(server_factory) -> LiveServer:
     """The shared server: tiny model, long answers allowed."""
+    # Answers count per client across its connections: room for eight parallel streams of one cookie.
     return server_factory("shared", CHAT_MAX_NEW_TOKENS=4096, CHAT_CONTEXT_TOKENS=8192,
-                          CHAT_RESUME_GRACE_S=3)
+                          CHAT_RESUME_GRACE_S=3, CHAT_MAX_ACTIVE_PER_CONNECTION=8)
 
 
 @pytest.fixture
