@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.runtime-installed
 DEV := $(VENV)/.dev-installed
 
-.PHONY: run test install install-dev system-deps bench vendor clean
+.PHONY: run test install install-dev system-deps bench docs vendor clean
 
 run: $(RUNTIME)
 	$(BIN)/gunicorn -c gunicorn.conf.py wsgi:app
@@ -39,6 +39,10 @@ system-deps:
 
 bench: $(DEV)
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+# docs/configuration.md is generated from the Settings metadata in chat/config.py.
+docs: $(RUNTIME)
+	$(BIN)/python -m chat.docs
 
 vendor:
 	scripts/vendor-frontend.sh

@@ -41,73 +41,190 @@ def _bind(raw: str) -> str:
     return raw.strip()
 
 
-def _setting(env: str, default, parse=None, *, low=None, high=None, doc=""):
-    """A dataclass field that knows its environment variable and how to parse it."""
+def _setting(env: str, default, parse=None, *, low=None, high=None, doc="", section="", shown=""):
+    """A dataclass field that knows its environment variable, how to parse it and how to document it.
+
+    ``section`` starts a new group in the docs at this field; ``shown`` replaces the default there.
+    """
     return field(default=default, metadata={
-        "env": env, "parse": parse, "low": low, "high": high, "doc": doc})
+        "env": env, "parse": parse, "low": low, "high": high, "doc": doc, "section": section, "shown": shown})
 
 
 @dataclass(frozen=True)
 class Settings:
     """Every tunable of the server; ``Settings.from_env()`` reads ``CHAT_*``."""
 
-    model: str = _setting("CHAT_MODEL", "", str,
-                          doc="hub id, local folder or .gguf file; empty: the bundled SmolLM2-135M-Instruct")
-    model_name: str = _setting("CHAT_MODEL_NAME", "", str, doc="display name; empty: derived from the model")
-    dtype: str = _setting("CHAT_DTYPE", "auto", _choice("auto", "float32", "bfloat16"))
-    device: str = _setting("CHAT_DEVICE", "auto", _choice("auto", "cpu", "cuda"))
-    threads: int = _setting("CHAT_THREADS", 0, int, low=0, high=512, doc="torch threads; 0: all cores")
-    cache_dir: str = _setting("CHAT_CACHE_DIR", "", str, doc="converted-weights cache; empty: <CHAT_DATA_DIR>/model-cache")
-    data_dir: str = _setting("CHAT_DATA_DIR", str(ROOT / "data"), str)
-    db: str = _setting("CHAT_DB", "", str, doc="SQLite file; empty: <data_dir>/chat.db")
-    warmup: bool = _setting("CHAT_WARMUP", True, _bool)
-    max_conversations: int = _setting("CHAT_MAX_CONVERSATIONS", 1000, int, low=0, high=10_000_000,
-                                      doc="conversations kept per client; 0: unlimited")
-    max_messages: int = _setting("CHAT_MAX_MESSAGES", 1000, int, low=0, high=10_000_000,
-                                 doc="messages kept per conversation; 0: unlimited")
-    db_max_mb: int = _setting("CHAT_DB_MAX_MB", 0, int, low=0, high=10_000_000,
-                              doc="most the SQLite database may grow to; 0: until the disk is full")
+    model: str = _setting(
+        "CHAT_MODEL", "", str, section="Model",
+        doc="What to serve: a Hugging Face hub id, a local model folder or a `.gguf` file. "
+            "Empty: the bundled SmolLM2-135M-Instruct. See [Models](../README.md#models).")
+    model_name: str = _setting(
+        "CHAT_MODEL_NAME", "", str,
+        doc="Display name, shown on the page, in `ready` and as the `/v1` model id. Empty: derived from the "
+            "model (hub id: the part after `/`; folder: its name; `.gguf`: the file name without extension; "
+            "remote: the backend's model).")
+    dtype: str = _setting(
+        "CHAT_DTYPE", "auto", _choice("auto", "float32", "bfloat16"),
+        doc="Weight type: `auto`, `float32` or `bfloat16`. `auto` picks bfloat16 on CUDA and on CPUs with "
+            "native bf16 (`avx512_bf16` or `amx_bf16`), and float32 elsewhere.")
+    device: str = _setting(
+        "CHAT_DEVICE", "auto", _choice("auto", "cpu", "cuda"),
+        doc="`auto`, `cpu` or `cuda`. `auto` uses CUDA when available.")
+    threads: int = _setting(
+        "CHAT_THREADS", 0, int, low=0, high=512,
+        doc="torch threads for the model. `0`: torch's default (all cores).")
+    cache_dir: str = _setting(
+        "CHAT_CACHE_DIR", "", str,
+        doc="Where GGUF models are kept after conversion to dense weights. Empty: `<CHAT_DATA_DIR>/model-cache`.")
+    data_dir: str = _setting(
+        "CHAT_DATA_DIR", str(ROOT / "data"), str, shown="`data/` in the checkout",
+        doc="Folder for the database and the model cache.")
+    db: str = _setting(
+        "CHAT_DB", "", str,
+        doc="SQLite database file. Empty: `<CHAT_DATA_DIR>/chat.db`.")
+    warmup: bool = _setting(
+        "CHAT_WARMUP", True, _bool,
+        doc="Run a tiny generation after loading, before `/readyz` reports ready, so the first user does not "
+            "pay for it.")
 
-    max_new_tokens: int = _setting("CHAT_MAX_NEW_TOKENS", 512, int, low=1, high=32768)
-    context_tokens: int = _setting("CHAT_CONTEXT_TOKENS", 2048, int, low=64, high=1_000_000)
-    generation_timeout_s: float = _setting("CHAT_GENERATION_TIMEOUT_S", 300.0, float, low=0.1, high=86400)
-    system_prompt: str = _setting("CHAT_SYSTEM_PROMPT", "You are a helpful assistant.", str)
-    temperature: float = _setting("CHAT_TEMPERATURE", 0.7, float, low=0.0, high=2.0)
-    top_p: float = _setting("CHAT_TOP_P", 0.9, float, low=0.0001, high=1.0)
-    max_content_chars: int = _setting("CHAT_MAX_CONTENT_CHARS", 16000, int, low=1, high=10_000_000)
+    max_new_tokens: int = _setting(
+        "CHAT_MAX_NEW_TOKENS", 512, int, low=1, high=32768, section="Generation",
+        doc="Most tokens in one answer. Clients can only ask for fewer: over WebSocket a larger "
+            "`max_new_tokens` is rejected, and on `/v1` `max_tokens` is capped.")
+    context_tokens: int = _setting(
+        "CHAT_CONTEXT_TOKENS", 2048, int, low=64, high=1_000_000,
+        doc="Token budget for prompt plus answer. The oldest turns are dropped (the system prompt is kept) so "
+            "that the prompt leaves room for the answer (at most half the context). An answer that reaches the "
+            "budget ends with reason `length`. Applies to the local model.")
+    generation_timeout_s: float = _setting(
+        "CHAT_GENERATION_TIMEOUT_S", 300.0, float, low=0.1, high=86400,
+        doc="An answer still running after this many seconds ends with reason `timeout`.")
+    system_prompt: str = _setting(
+        "CHAT_SYSTEM_PROMPT", "You are a helpful assistant.", str,
+        doc="System prompt for new conversations and for `/v1` requests that bring none, unless the client "
+            "sends its own.")
+    temperature: float = _setting(
+        "CHAT_TEMPERATURE", 0.7, float, low=0.0, high=2.0,
+        doc="Default sampling temperature (0–2; 0 is greedy).")
+    top_p: float = _setting(
+        "CHAT_TOP_P", 0.9, float, low=0.0001, high=1.0,
+        doc="Default nucleus-sampling threshold (0.0001–1).")
+    max_content_chars: int = _setting(
+        "CHAT_MAX_CONTENT_CHARS", 16000, int, low=1, high=10_000_000,
+        doc="Longest user message or system prompt, in characters. Longer gets `too_large` (WebSocket) or "
+            "413 (`/v1`).")
 
-    max_batch: int = _setting("CHAT_MAX_BATCH", 8, int, low=1, high=256)
-    max_queue: int = _setting("CHAT_MAX_QUEUE", 64, int, low=0, high=100_000)
-    kv_cache_mb: int = _setting("CHAT_KV_CACHE_MB", 512, int, low=0, high=1_000_000)
-    max_active_per_connection: int = _setting("CHAT_MAX_ACTIVE_PER_CONNECTION", 4, int, low=1, high=1000)
-    resume_grace_s: float = _setting("CHAT_RESUME_GRACE_S", 10.0, float, low=0.0, high=3600)
+    max_batch: int = _setting(
+        "CHAT_MAX_BATCH", 8, int, low=1, high=256, section="Capacity",
+        doc="Generations decoded together. Further requests wait in the queue. With the remote backend, the "
+            "most concurrent upstream calls is `CHAT_MAX_BATCH + CHAT_MAX_QUEUE`.")
+    max_queue: int = _setting(
+        "CHAT_MAX_QUEUE", 64, int, low=0, high=100_000,
+        doc="Requests that may wait while the batch is full. Beyond that they get `overloaded` (WebSocket) or "
+            "503 (`/v1`).")
+    kv_cache_mb: int = _setting(
+        "CHAT_KV_CACHE_MB", 512, int, low=0, high=1_000_000,
+        doc="Memory for the per-conversation KV prefix cache, with the least recently used evicted first. "
+            "`0` turns prefix reuse off.")
+    max_active_per_connection: int = _setting(
+        "CHAT_MAX_ACTIVE_PER_CONNECTION", 4, int, low=1, high=1000,
+        doc="Answers one client (one identity cookie; a connection without one is its own client) may run at "
+            "once, across its connections and counting answers that still run for a dropped socket. More get "
+            "`busy`.")
+    max_active_per_ip: int = _setting(
+        "CHAT_MAX_ACTIVE_PER_IP", 8, int, low=0, high=100_000,
+        doc="Answers running or queued per client address (IPv6: per /64), over the WebSocket and `/v1` "
+            "together. More get `busy`. `0`: unlimited.")
+    resume_grace_s: float = _setting(
+        "CHAT_RESUME_GRACE_S", 10.0, float, low=0.0, high=3600,
+        doc="How long an answer keeps running after its socket drops, waiting for a `resume`, and how long a "
+            "finished answer stays resumable.")
+    max_conversations: int = _setting(
+        "CHAT_MAX_CONVERSATIONS", 1000, int, low=0, high=10_000_000,
+        doc="Conversations kept per client. A new one beyond that gets `too_large` until the client deletes "
+            "some. `0`: unlimited.")
+    max_messages: int = _setting(
+        "CHAT_MAX_MESSAGES", 1000, int, low=0, high=10_000_000,
+        doc="Messages (questions and answers) kept per conversation. A question that would pass it gets "
+            "`too_large`; start a new conversation. `0`: unlimited.")
+    db_max_mb: int = _setting(
+        "CHAT_DB_MAX_MB", 0, int, low=0, high=10_000_000,
+        doc="Most the SQLite database may grow to, in MiB. Past it (or when the disk is full) new messages are "
+            "refused with `overloaded` and what is stored stays intact. `0`: until the disk is full.")
 
-    allowed_origins: tuple = _setting("CHAT_ALLOWED_ORIGINS", (), _origins)
-    bind: str = _setting("CHAT_BIND", "127.0.0.1:8000", _bind)
-    workers: int = _setting("CHAT_WORKERS", 1, int, low=1, high=64)
-    graceful_timeout_s: float = _setting("CHAT_GRACEFUL_TIMEOUT_S", 20.0, float, low=0.0, high=3600)
-    ping_interval_s: float = _setting("CHAT_PING_INTERVAL_S", 25.0, float, low=0.0, high=3600)
-    send_timeout_s: float = _setting("CHAT_SEND_TIMEOUT_S", 30.0, float, low=0.0, high=3600,
-                                     doc="a socket whose client reads nothing for this long is dropped; 0: never")
-    max_message_bytes: int = _setting("CHAT_MAX_MESSAGE_BYTES", 256 * 1024, int, low=1024, high=64 * 1024 * 1024)
-    api_key: str = _setting("CHAT_API_KEY", "", str)
-    trusted_proxies: int = _setting("CHAT_TRUSTED_PROXIES", 0, int, low=0, high=16)
-    rate_limit_per_min: int = _setting("CHAT_RATE_LIMIT_PER_MIN", 60, int, low=0, high=1_000_000,
-                                       doc="chat requests per client per minute; 0: unlimited")
-    rate_limit_per_ip_per_min: int = _setting("CHAT_RATE_LIMIT_PER_IP_PER_MIN", 120, int, low=0, high=1_000_000,
-                                              doc="chat requests per address (IPv6: per /64) per minute; 0: unlimited")
-    max_connections_per_ip: int = _setting("CHAT_MAX_CONNECTIONS_PER_IP", 32, int, low=0, high=100_000,
-                                           doc="0: unlimited")
-    max_active_per_ip: int = _setting("CHAT_MAX_ACTIVE_PER_IP", 8, int, low=0, high=100_000,
-                                      doc="answers running or queued per address; 0: unlimited")
-    log_content: bool = _setting("CHAT_LOG_CONTENT", False, _bool)
-    log_level: str = _setting("CHAT_LOG_LEVEL", "info", _choice("debug", "info", "warning", "error"))
+    bind: str = _setting(
+        "CHAT_BIND", "127.0.0.1:8000", _bind, section="Server",
+        doc="Where gunicorn listens: `HOST:PORT` or `unix:PATH`.")
+    workers: int = _setting(
+        "CHAT_WORKERS", 1, int, low=1, high=64,
+        doc="gunicorn worker processes. Each loads its own model copy.")
+    graceful_timeout_s: float = _setting(
+        "CHAT_GRACEFUL_TIMEOUT_S", 20.0, float, low=0.0, high=3600,
+        doc="On SIGTERM, running answers get this long, less a 3 s margin, to finish (gunicorn's "
+            "`graceful_timeout`). The rest end with reason `shutdown`.")
+    ping_interval_s: float = _setting(
+        "CHAT_PING_INTERVAL_S", 25.0, float, low=0.0, high=3600,
+        doc="WebSocket ping interval. It keeps idle connections open through proxies and detects dead peers. "
+            "`0` turns pings off.")
+    send_timeout_s: float = _setting(
+        "CHAT_SEND_TIMEOUT_S", 30.0, float, low=0.0, high=3600,
+        doc="A WebSocket whose client reads nothing for this long (one frame cannot be written) is dropped; "
+            "its answers then follow the resume grace. `0`: wait forever.")
+    max_message_bytes: int = _setting(
+        "CHAT_MAX_MESSAGE_BYTES", 256 * 1024, int, low=1024, high=64 * 1024 * 1024,
+        doc="Largest WebSocket message the server accepts (256 KiB). A larger one closes the connection with "
+            "code 1009.")
+    log_level: str = _setting(
+        "CHAT_LOG_LEVEL", "info", _choice("debug", "info", "warning", "error"),
+        doc="`debug`, `info`, `warning` or `error`, for the app and for gunicorn.")
 
-    backend: str = _setting("CHAT_BACKEND", "local", _choice("local", "openai"))
-    backend_url: str = _setting("CHAT_BACKEND_URL", "", str)
-    backend_api_key: str = _setting("CHAT_BACKEND_API_KEY", "", str)
-    backend_model: str = _setting("CHAT_BACKEND_MODEL", "", str)
-    backend_timeout_s: float = _setting("CHAT_BACKEND_TIMEOUT_S", 60.0, float, low=0.1, high=3600)
+    allowed_origins: tuple = _setting(
+        "CHAT_ALLOWED_ORIGINS", (), _origins, section="Security",
+        doc="Extra browser origins allowed to open `/ws`, comma-separated (for example "
+            "`https://app.example.com`). The page's own origin is always allowed, and `*` allows any origin.")
+    api_key: str = _setting(
+        "CHAT_API_KEY", "", str,
+        doc="When set, it is required on `/v1` and on WebSocket connections that lack the page's cookie. It "
+            "also signs the page's identity cookie. Programs holding it get identities of their own. See "
+            "[Security](../README.md#security).")
+    trusted_proxies: int = _setting(
+        "CHAT_TRUSTED_PROXIES", 0, int, low=0, high=16,
+        doc="How many reverse proxies in front are trusted for `X-Forwarded-For`, `-Proto` and `-Host`. Set "
+            "`1` behind the example nginx. `0` ignores these headers, and the first request that carries "
+            "`X-Forwarded-For` logs a warning.")
+    rate_limit_per_min: int = _setting(
+        "CHAT_RATE_LIMIT_PER_MIN", 60, int, low=0, high=1_000_000,
+        doc="Chat and regenerate requests per client per minute (bursts up to the same number). Connections "
+            "without a cookie share one such budget per address. `0`: unlimited.")
+    rate_limit_per_ip_per_min: int = _setting(
+        "CHAT_RATE_LIMIT_PER_IP_PER_MIN", 120, int, low=0, high=1_000_000,
+        doc="Requests per client address (IPv6: per /64) per minute, WebSocket and `/v1` completions "
+            "together, however many identities the address uses. Raise it when many users share one "
+            "address. `0`: unlimited.")
+    max_connections_per_ip: int = _setting(
+        "CHAT_MAX_CONNECTIONS_PER_IP", 32, int, low=0, high=100_000,
+        doc="Open WebSocket connections per client IP. More are refused with 429. `0`: unlimited.")
+    log_content: bool = _setting(
+        "CHAT_LOG_CONTENT", False, _bool,
+        doc="When on, each answer's log line also contains the text: the user's message and the answer.")
+
+    backend: str = _setting(
+        "CHAT_BACKEND", "local", _choice("local", "openai"), section="Remote backend",
+        doc="`local` runs the model in this process. `openai` loads no model and sends every generation to an "
+            "OpenAI-compatible server.")
+    backend_url: str = _setting(
+        "CHAT_BACKEND_URL", "", str,
+        doc="The backend's base URL including `/v1`, for example `http://host:8000/v1`. Required with "
+            "`CHAT_BACKEND=openai`.")
+    backend_api_key: str = _setting(
+        "CHAT_BACKEND_API_KEY", "", str,
+        doc="Sent to the backend as `Authorization: Bearer`.")
+    backend_model: str = _setting(
+        "CHAT_BACKEND_MODEL", "", str,
+        doc="Model name sent to the backend. Empty: the first model its `/v1/models` lists.")
+    backend_timeout_s: float = _setting(
+        "CHAT_BACKEND_TIMEOUT_S", 60.0, float, low=0.1, high=3600,
+        doc="Network timeout for the backend: connecting, and the longest silence while streaming.")
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "Settings":
@@ -151,8 +268,3 @@ class Settings:
     @property
     def model_cache_dir(self) -> str:
         return self.cache_dir or str(Path(self.data_dir) / "model-cache")
-
-
-def describe() -> list[tuple[str, str, str]]:
-    """(variable, default, doc) rows for the README's configuration table."""
-    return [(f.metadata["env"], repr(f.default), f.metadata["doc"]) for f in dataclasses.fields(Settings)]

@@ -1,13 +1,18 @@
 """Settings from CHAT_* variables: defaults, parsing, and errors that name the variable."""
 from __future__ import annotations
 
+import dataclasses
+import re
 import subprocess
 
 import pytest
 
+from chat import docs
 from chat.config import Settings
 from chat.errors import ConfigError
 from conftest import GUNICORN, ROOT
+
+CLIENT_VARIABLES = {"CHAT_URL", "CHAT_CLIENT_ID"}  # read by python -m chat.client, not by the server
 
 
 def test_defaults():
@@ -42,3 +47,20 @@ def test_gunicorn_refuses_to_start_with_a_bad_setting():
                           "wsgi:app"], cwd=ROOT, env={"CHAT_WORKERS": "none", "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "CHAT_WORKERS" in out.stdout + out.stderr
+
+
+def test_configuration_docs_are_generated_from_the_settings():
+    assert docs.CONFIGURATION.read_text(encoding="utf-8") == docs.configuration(), \
+        "docs/configuration.md is stale: run `make docs`"
+
+
+def test_every_setting_is_documented():
+    undocumented = [f.metadata["env"] for f in dataclasses.fields(Settings) if not f.metadata["doc"].strip()]
+    assert undocumented == []
+
+
+def test_the_docs_name_only_real_variables():
+    known = {f.metadata["env"] for f in dataclasses.fields(Settings)} | CLIENT_VARIABLES
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        named = set(re.findall(r"\bCHAT_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(encoding="utf-8")))
+        assert named <= known, f"{path.name} names unknown variables: {sorted(named - known)}"

@@ -1,9 +1,10 @@
 // Markdown for assistant answers: marked -> DOMPurify, with highlight.js code blocks.
 // Rendering is incremental: finished top-level blocks keep their DOM nodes while an
 // answer streams, so only the growing last block is rebuilt (no flicker, no jumps).
-import { Marked } from './vendor/marked/marked.esm.js';
-import DOMPurify from './vendor/dompurify/purify.es.js';
-import hljs from './vendor/highlight/highlight.min.js';
+import { Marked } from '../vendor/marked/marked.esm.js';
+import DOMPurify from '../vendor/dompurify/purify.es.js';
+import hljs from '../vendor/highlight/highlight.min.js';
+import { ICON_COPY } from './icons.js';
 
 const ESCAPES = { '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' };
 const escapeHtml = (s) => String(s).replace(/[&<>"']/g, (c) => ESCAPES[c]);
@@ -71,7 +72,7 @@ function addCopyButtons(root) {
     button.className = 'copy-btn';
     button.dataset.copy = 'code';
     button.setAttribute('aria-label', 'Copy code');
-    button.innerHTML = '<svg viewBox="0 0 24 24" aria-hidden="true"><rect x="9" y="9" width="11" height="11" rx="2"/><path d="M5 15V5a1 1 0 0 1 1-1h9"/></svg><span>Copy</span>';
+    button.innerHTML = `${ICON_COPY}<span>Copy</span>`;
     head.append(button);
   }
 }

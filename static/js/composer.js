@@ -1,0 +1,91 @@
+// The composer: the message box, Send and Stop, the character count, and the error line above it.
+import { els } from './dom.js';
+import * as socket from './socket.js';
+import { charLength } from './util.js';
+
+let composing = false; // an IME composition is open
+
+const FRIENDLY = {
+  too_large: () => {
+    const max = socket.limits().max_content_chars;
+    return `That message is too long${max ? ` (the limit is ${max.toLocaleString()} characters)` : ''}.`;
+  },
+  busy: () => 'An answer is still being written. Wait for it to finish or press Stop.',
+  rate_limited: () => 'You are sending messages too quickly. Please wait a moment and try again.',
+  overloaded: () => 'The server is at capacity right now. Please try again in a moment.',
+  not_found: () => 'This conversation no longer exists.',
+  internal: () => 'The server ran into a problem. Please try again.',
+};
+
+/** What to tell a person about an error code (the server's message when there is no better one). */
+export function errorText(code, message) {
+  const friendly = FRIENDLY[code];
+  return friendly ? friendly() : (message || code || 'Something went wrong.');
+}
+
+export function showError(text) {
+  els.error.textContent = text;
+  els.error.hidden = false;
+}
+
+export function clearError() {
+  els.error.hidden = true;
+  els.error.textContent = '';
+}
+
+/** The message to send: the box's text without leading blank lines or trailing space. */
+export const content = () => els.prompt.value.replace(/^\s*\n/, '').trimEnd();
+
+/** True when ``text`` is over the server's ``max_content_chars``. */
+export function tooLong(text) {
+  const max = socket.limits().max_content_chars;
+  return Boolean(max) && charLength(text) > max;
+}
+
+export function clear() {
+  els.prompt.value = '';
+  autosize();
+}
+
+/** Give back the text of a refused message, unless something new was typed meanwhile. */
+export function restore(text) {
+  if (text && !els.prompt.value.trim()) {
+    els.prompt.value = text;
+    autosize();
+  }
+}
+
+/** Grow the box with its text where CSS cannot (no field-sizing support). */
+export function autosize() {
+  if (CSS.supports('field-sizing', 'content')) return;
+  els.prompt.style.height = 'auto';
+  els.prompt.style.height = `${Math.min(els.prompt.scrollHeight, window.innerHeight * 0.4)}px`;
+}
+
+export const setComposing = (value) => { composing = value; };
+export const isComposing = () => composing;
+
+/** Enter sends; Shift/Alt+Enter and the Enter that confirms an IME candidate never do. */
+export function isSendKey(e) {
+  if (e.key !== 'Enter' || e.shiftKey || e.altKey) return false;
+  return !(e.isComposing || e.keyCode === 229 || composing);
+}
+
+/** Send or Stop, whether Send is possible, and the count when a message nears the limit. */
+export function update(streaming) {
+  const hadFocus = document.activeElement === els.send || document.activeElement === els.stop;
+  els.send.hidden = streaming;
+  els.stop.hidden = !streaming;
+  const text = els.prompt.value;
+  els.send.disabled = !socket.isReady() || !text.trim();
+  els.send.title = socket.isReady() ? 'Send (Enter)' : 'Waiting for the connection…';
+  if (hadFocus) (streaming ? els.stop : els.send).focus();
+  const max = socket.limits().max_content_chars;
+  const length = max && text.length > max * 0.5 ? charLength(text) : 0;
+  if (max && length > max * 0.8) {
+    els.charCount.textContent = `${length.toLocaleString()} / ${max.toLocaleString()}`;
+    els.charCount.classList.toggle('over', length > max);
+  } else {
+    els.charCount.textContent = '';
+  }
+}

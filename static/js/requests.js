@@ -1,0 +1,62 @@
+// Requests in flight: one record per chat or regenerate id, its deltas in order, and how it completes.
+import { storage } from './util.js';
+
+// The answer being streamed when the page was left, so a reload can resume it.
+const KEY_INFLIGHT = 'chat.inflight';
+
+const requests = new Map();
+
+/**
+ * Track a request. ``view`` is its AssistantMessage; ``userEl`` the user message it added (chat);
+ * ``oldView`` the answer it replaces (regenerate); ``started``/``sent`` for one adopted after a reload.
+ */
+export function add({ id, conversationId, view, content = '', userEl = null, oldView = null, started = false, sent = false }) {
+  const req = {
+    id, conversationId, view, content, userEl, oldView, started, sent,
+    text: '', nextIndex: 0, pending: new Map(), done: false, resuming: false, cancelRequested: false,
+  };
+  requests.set(id, req);
+  return req;
+}
+
+export const get = (id) => requests.get(id);
+export const all = () => [...requests.values()];
+
+/** The unfinished requests of one conversation (null: the new chat not started yet). */
+export const activeIn = (conversationId) => all().filter((r) => r.conversationId === conversationId);
+
+/** Stop tracking a request: it finished, failed or was refused. */
+export function finish(req) {
+  req.done = true;
+  requests.delete(req.id);
+  if (storage.get(KEY_INFLIGHT, null)?.id === req.id) storage.remove(KEY_INFLIGHT);
+}
+
+/** Add the delta at ``index``; true when the text grew (deltas may arrive out of order after a resume). */
+export function addDelta(req, index, text) {
+  if (index < req.nextIndex) return false;
+  if (index > req.nextIndex) {
+    req.pending.set(index, text);
+    return false;
+  }
+  req.text += text;
+  req.nextIndex += 1;
+  while (req.pending.has(req.nextIndex)) {
+    req.text += req.pending.get(req.nextIndex);
+    req.pending.delete(req.nextIndex);
+    req.nextIndex += 1;
+  }
+  return true;
+}
+
+/** Remember a started request, so a reload can pick its stream up. */
+export function remember(req) {
+  storage.set(KEY_INFLIGHT, { id: req.id, conversationId: req.conversationId });
+}
+
+/** The request id streaming in ``conversationId`` when the page was left, or null. */
+export function remembered(conversationId) {
+  const inflight = storage.get(KEY_INFLIGHT, null);
+  if (!inflight || inflight.conversationId !== conversationId || typeof inflight.id !== 'string') return null;
+  return inflight.id;
+}
