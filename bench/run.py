@@ -78,7 +78,7 @@ def params(max_new_tokens: int, seed: int = 1) -> dict:
 def machine_facts(env: dict) -> dict:
     """CPU, cores, torch/transformers versions and threads, dtype, whether the weights cache is warm."""
     code = ("import json, torch, transformers\n"
-            "from chat import model as m\n"
+            "from chat.engine import model as m\n"
             "from chat.config import Settings\n"
             "s = Settings.from_env()\n"
             "if s.threads:\n"

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import psutil
-import websocket
+
+from chat.client import Session, collect
 
 ROOT = Path(__file__).resolve().parent.parent
 GUNICORN = str(Path(sys.executable).parent / "gunicorn")
@@ -116,61 +117,41 @@ class BenchServer:
 
 
 class Client:
-    """One chat.v1 WebSocket connection that timestamps a request's frames (perf_counter)."""
+    """One chat.v1 connection (``chat.client.Session``) that times a request's frames (perf_counter)."""
 
     def __init__(self, url: str, timeout: float = 120):
-        self.conn = websocket.create_connection(url, timeout=timeout)
-        self.ready = json.loads(self.conn.recv())
-        if self.ready.get("type") != "ready":
-            raise RuntimeError(f"expected ready, got {self.ready}")
-
-    def send(self, frame: dict) -> None:
-        self.conn.send(json.dumps(frame))
+        self.session = Session(url, timeout=timeout, resume=False)
+        self.ready = self.session.connect()
 
     def request(self, rid: str, content: str, params: dict, conversation_id: str | None = None,
                 cancel_after: int | None = None) -> dict:
         """Send one chat, read to its ``done``; optionally cancel after that many deltas."""
-        frame = {"type": "chat", "id": rid, "content": content, "params": params}
-        if conversation_id:
-            frame["conversation_id"] = conversation_id
+        cancel = threading.Event()
+        marks = {"deltas": 0, "cancel_sent": None, "after_cancel": 0}
+
+        def on_delta(_text: str) -> None:
+            marks["deltas"] += 1
+            if marks["cancel_sent"] is not None:
+                marks["after_cancel"] += 1
+            elif cancel_after and marks["deltas"] >= cancel_after:
+                marks["cancel_sent"] = time.perf_counter()
+                cancel.set()  # the session sends the cancel before reading on
+
         sent = time.perf_counter()
-        self.send(frame)
-        first = cancel_sent = None
-        deltas = after_cancel = 0
-        conv = conversation_id
-        while True:
-            msg = json.loads(self.conn.recv())
-            now = time.perf_counter()
-            if msg.get("id") != rid:
-                continue
-            kind = msg["type"]
-            if kind == "start":
-                conv = msg["conversation_id"]
-            elif kind == "delta":
-                deltas += 1
-                first = first or now
-                if cancel_sent is not None:
-                    after_cancel += 1
-                elif cancel_after and deltas >= cancel_after:
-                    cancel_sent = time.perf_counter()
-                    self.send({"type": "cancel", "id": rid})
-            elif kind == "error":
-                raise RuntimeError(f"server error for {rid}: {msg}")
-            elif kind == "done":
-                tokens = msg["usage"]["completion_tokens"]
-                return {"id": rid, "conversation_id": conv, "sent": sent, "first": first, "done": now,
-                        "ttfd_s": first - sent if first else None, "tokens": tokens,
-                        "prompt_tokens": msg["usage"]["prompt_tokens"], "reason": msg["reason"],
-                        "tok_s": (tokens - 1) / (now - first) if first and tokens > 1 and now > first else 0.0,
-                        "server_ttft_ms": msg["timings"].get("ttft_ms"),
-                        "cancel_to_done_s": now - cancel_sent if cancel_sent else None,
-                        "deltas_after_cancel": after_cancel}
+        answer = collect(self.session.chat(content, id=rid, params=params, conversation_id=conversation_id,
+                                           cancel=cancel), on_delta)
+        msg, first, now, cancel_sent = answer.done, answer.first_delta_at, answer.done_at, marks["cancel_sent"]
+        tokens = msg["usage"]["completion_tokens"]
+        return {"id": rid, "conversation_id": answer.start["conversation_id"], "sent": sent, "first": first,
+                "done": now, "ttfd_s": first - sent if first else None, "tokens": tokens,
+                "prompt_tokens": msg["usage"]["prompt_tokens"], "reason": msg["reason"],
+                "tok_s": (tokens - 1) / (now - first) if first and tokens > 1 and now > first else 0.0,
+                "server_ttft_ms": msg["timings"].get("ttft_ms"),
+                "cancel_to_done_s": now - cancel_sent if cancel_sent else None,
+                "deltas_after_cancel": marks["after_cancel"]}
 
     def close(self) -> None:
-        try:
-            self.conn.close()
-        except Exception:
-            pass
+        self.session.close()
 
 
 class Sampler:

@@ -14,12 +14,18 @@ ANONYMOUS_STALE_S = 24 * 3600
 
 
 class AppState:
-    """What the blueprints share: settings, the engine, the store, the live sessions."""
+    """What the blueprints share, all declared here: settings, engine, store, the turn service, limits."""
 
-    def __init__(self, settings, engine, store):
+    def __init__(self, settings: Settings, engine, store):
+        from .turns import TurnService
+        from .web.limits import Limits
         self.settings = settings
         self.engine = engine
         self.store = store
+        self.metrics = Metrics(engine)
+        self.limits = Limits(settings)
+        self.turns = TurnService(settings, engine, store, self.metrics, self.limits)
+        self.sessions: set = set()  # open WebSocket sessions, closed at shutdown
 
 
 def create_app(settings: Settings | None = None, engine=None, store=None) -> Flask:
@@ -42,9 +48,7 @@ def create_app(settings: Settings | None = None, engine=None, store=None) -> Fla
     if engine is None:
         from .engine import make_engine
         engine = make_engine(settings)
-    state = AppState(settings, engine, store)
-    state.metrics = Metrics(engine)
-    app.extensions["chat"] = state
+    app.extensions["chat"] = AppState(settings, engine, store)
 
     from . import web
     web.init_app(app)

@@ -92,10 +92,14 @@ class Channel:
             self._cond = threading.Condition()
 
     def put(self, item) -> None:
-        """Thread-safe, never blocks."""
+        """Thread-safe, never blocks; after ``close`` nobody is woken (the watcher is gone)."""
         self._items.append(item)
         if self._watcher is not None:
-            self._watcher.send()
+            if not self._closed:
+                try:
+                    self._watcher.send()
+                except Exception:  # closed by the consumer between the check and the send
+                    pass
         else:
             with self._cond:
                 self._cond.notify_all()
@@ -127,7 +131,9 @@ class Channel:
 
     def close(self) -> None:
         """Release the hub watcher; call from the consumer."""
-        if self._watcher is not None and not self._closed:
-            self._closed = True
+        if self._closed:
+            return
+        self._closed = True
+        if self._watcher is not None:
             self._watcher.stop()
             self._watcher.close()

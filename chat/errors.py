@@ -1,9 +1,27 @@
-"""The error hierarchy: converted to protocol frames or JSON only at the edge."""
+"""The error hierarchy: every error carries a ``code`` and an HTTP ``status``; the edge converts it once."""
 from __future__ import annotations
+
+# The wire protocol's error codes (docs: protocol.md) and the HTTP status each maps to.
+PROTOCOL_STATUS = {
+    "bad_json": 400, "bad_message": 400, "unknown_type": 400, "too_large": 413,
+    "duplicate_id": 409, "unknown_id": 404, "not_found": 404, "busy": 409,
+    "rate_limited": 429, "overloaded": 503, "internal": 500,
+}
 
 
 class ChatError(Exception):
-    """Base of every error this package raises on purpose."""
+    """Base of every error this package raises on purpose: a ``code``, a message, a ``status``."""
+
+    code = "internal"
+    status = 500
+
+    def __init__(self, message: str, code: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
 
 
 class ConfigError(ChatError):
@@ -11,31 +29,21 @@ class ConfigError(ChatError):
 
 
 class ProtocolError(ChatError):
-    """A request cannot be served; carries its protocol ``code`` and optional request ``id``."""
-
-    http_status = {
-        "bad_json": 400, "bad_message": 400, "unknown_type": 400, "too_large": 413,
-        "unknown_id": 404, "duplicate_id": 409, "busy": 409, "overloaded": 503,
-        "rate_limited": 429, "not_found": 404, "internal": 500, "unauthorized": 401,
-        "forbidden": 403,
-    }
+    """A client request refused with one of the protocol's codes, for the request ``id``."""
 
     def __init__(self, code: str, message: str, id: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        if code not in PROTOCOL_STATUS:
+            raise ValueError(f"{code!r} is not a protocol error code")
+        super().__init__(message, code, PROTOCOL_STATUS[code])
         self.id = id
 
-    def frame(self) -> dict:
-        """The WebSocket ``error`` frame."""
-        out = {"type": "error", "code": self.code, "message": self.message}
-        if self.id is not None:
-            out["id"] = self.id
-        return out
 
-    @property
-    def status(self) -> int:
-        return self.http_status.get(self.code, 400)
+class RequestError(ChatError):
+    """An HTTP API refusal outside the protocol's codes; ``param`` names the offending field."""
+
+    def __init__(self, code: str, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message, code, status)
+        self.param = param
 
 
 class StorageFull(ProtocolError):
@@ -45,5 +53,27 @@ class StorageFull(ProtocolError):
         super().__init__("overloaded", "the server's storage is full: nothing was saved; try again later", id)
 
 
-class BackendError(ChatError):
-    """The engine or the remote backend failed while generating."""
+class EngineError(ChatError):
+    """An engine refused a request or failed; its ``code`` is one of the protocol's."""
+
+
+class Overloaded(EngineError):
+    """The engine's queue is full, or it is shutting down."""
+
+    code, status = "overloaded", 503
+
+
+class PromptTooLong(EngineError):
+    """Even the last user message does not fit in the model's context."""
+
+    code, status = "too_large", 413
+
+
+class EngineUnavailable(EngineError):
+    """The model failed to load."""
+
+    code, status = "internal", 500
+
+
+class BackendError(EngineError):
+    """The remote backend failed while generating."""

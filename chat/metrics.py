@@ -41,19 +41,17 @@ class Metrics:
         self.rate = Histogram("chat_tokens_per_second", "Decode speed per generation",
                               buckets=RATE_BUCKETS, registry=r)
 
-    def finished(self, done: dict) -> None:
-        """Record one ``done`` event."""
-        reason = done.get("reason", "error")
-        self.generations.labels(reason).inc()
-        if reason == "cancelled":
+    def finished(self, done) -> None:
+        """Record one ``Done`` event."""
+        self.generations.labels(done.reason).inc()
+        if done.reason == "cancelled":
             self.cancellations.inc()
-        usage, timings = done.get("usage") or {}, done.get("timings") or {}
-        self.tokens.inc(usage.get("completion_tokens") or 0)
-        self.prompt_tokens.inc(usage.get("prompt_tokens") or 0)
-        if timings.get("ttft_ms") is not None:
-            self.ttft.observe(timings["ttft_ms"] / 1000)
-        if timings.get("tokens_per_s"):
-            self.rate.observe(timings["tokens_per_s"])
+        self.tokens.inc(done.usage.get("completion_tokens") or 0)
+        self.prompt_tokens.inc(done.usage.get("prompt_tokens") or 0)
+        if done.timings.get("ttft_ms") is not None:
+            self.ttft.observe(done.timings["ttft_ms"] / 1000)
+        if done.timings.get("tokens_per_s"):
+            self.rate.observe(done.timings["tokens_per_s"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,15 +15,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .concurrency import real_lock
 from .errors import ProtocolError, StorageFull
-
-try:
-    from gevent.monkey import get_original
-    # A real lock, even after monkey-patching: no statement yields to the hub while it is
-    # held, and real engine threads must be able to wait on it without a hub of their own.
-    _allocate_lock = get_original("_thread", "allocate_lock")
-except ImportError:  # the store works without gevent
-    from _thread import allocate_lock as _allocate_lock
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +59,12 @@ _CONV = "id, title, system, created_at, updated_at"
 _MSG = "id, conversation_id, role, content, status, reason, usage, timings, created_at"
 
 
-def _new_id() -> str:
-    """A random, URL-safe id."""
+def new_id() -> str:
+    """A random, URL-safe id of the shape this store hands out."""
     return uuid.uuid4().hex
+
+
+_new_id = new_id
 
 
 def _valid(*ids) -> bool:
@@ -144,7 +140,9 @@ class Store:
         self.max_conversations, self.max_messages = max_conversations, max_messages
         if path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._lock = _allocate_lock()
+        # A real lock, even after monkey-patching: no statement yields to the hub while it is
+        # held, and real engine threads must be able to wait on it without a hub of their own.
+        self._lock = real_lock()
         self._token = _new_id()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
@@ -222,10 +220,10 @@ class Store:
 
     @_guarded
     def create_conversation(self, client_id: str, system: str | None = None,
-                            title: str | None = None) -> dict:
-        """Start an empty conversation for ``client_id``."""
+                            title: str | None = None, id: str | None = None) -> dict:
+        """Start an empty conversation for ``client_id`` (under ``id`` when the caller chose it)."""
         now = time.time()
-        conv = {"id": _new_id(), "title": title or PLACEHOLDER_TITLE, "system": system or None,
+        conv = {"id": id or _new_id(), "title": title or PLACEHOLDER_TITLE, "system": system or None,
                 "created_at": now, "updated_at": now}
         with self._lock:
             count = self._one("SELECT count(*) FROM conversations WHERE client_id = ?", (client_id,))[0]

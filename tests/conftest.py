@@ -1,4 +1,5 @@
-"""Fixtures: tiny model, live gunicorn + gevent servers on free ports, WebSocket clients."""
+"""Fixtures: the app in-process with a fake engine (fast), live gunicorn + gevent servers with a
+tiny real model (end to end), WebSocket clients."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import websocket
 
+from fakes import AppServer, FakeEngine
 from tinymodel import tiny_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,11 +180,47 @@ def server_factory(tmp_path_factory, tiny_model):
 
 
 @pytest.fixture(scope="session")
-def server(server_factory) -> LiveServer:
-    """The shared server: tiny model, long answers allowed."""
+def gunicorn_server(server_factory) -> LiveServer:
+    """The shared real server: tiny model, long answers allowed."""
     # Answers count per client across its connections: room for eight parallel streams of one cookie.
     return server_factory("shared", CHAT_MAX_NEW_TOKENS=4096, CHAT_CONTEXT_TOKENS=8192,
                           CHAT_RESUME_GRACE_S=3, CHAT_MAX_ACTIVE_PER_CONNECTION=8)
+
+
+@pytest.fixture(scope="session")
+def server(gunicorn_server) -> LiveServer:
+    """The server ``ws`` talks to; a module may override it with ``app_server``."""
+    return gunicorn_server
+
+
+@pytest.fixture(scope="session")
+def app_factory(tmp_path_factory):
+    """Serve ``create_app(settings, engine=FakeEngine(...), store=Store(tmp))`` in this process."""
+    from chat import create_app
+    from chat.config import Settings
+    from chat.store import Store
+    servers = []
+
+    def start(engine: FakeEngine | None = None, **settings) -> AppServer:
+        data = tmp_path_factory.mktemp("app")
+        settings = {"max_new_tokens": 4096, "context_tokens": 8192, "resume_grace_s": 2,
+                    "rate_limit_per_min": 0, "rate_limit_per_ip_per_min": 0, "max_active_per_ip": 0,
+                    "max_active_per_connection": 8, "data_dir": str(data), **settings}
+        engine = engine or FakeEngine(answer_words=100_000, delay=0.001, seeded=True)
+        srv = AppServer(create_app(Settings(**settings), engine=engine, store=Store(data / "chat.db")))
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.state.engine.shutdown()
+        srv.close()
+
+
+@pytest.fixture(scope="session")
+def app_server(app_factory) -> AppServer:
+    """The shared in-process server: fake engine (words, 1 ms apart, until cancelled or max tokens)."""
+    return app_factory()
 
 
 @pytest.fixture
@@ -209,3 +247,27 @@ def in_threads(target, count: int, timeout: float = 120) -> None:
         t.start()
     for t in threads:
         t.join(timeout)
+
+
+def cookie_for(server) -> str:
+    """A browser-like identity: the cookie GET / hands out."""
+    status, headers, _ = http_get(server.url + "/")
+    assert status == 200
+    return headers["Set-Cookie"].split(";")[0]
+
+
+def conversation(server, cookie, conv):
+    """(status, body) of GET /api/conversations/<conv> as the client with ``cookie``."""
+    status, _, body = http_get(f"{server.url}/api/conversations/{conv}", headers={"Cookie": cookie})
+    return status, json.loads(body)
+
+
+def wait_settled(server, cookie, conv, timeout=30):
+    """The conversation once its last answer is no longer streaming."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        data = conversation(server, cookie, conv)[1]
+        if data["messages"] and data["messages"][-1]["status"] != "streaming":
+            return data
+        time.sleep(0.1)
+    raise AssertionError("answer still streaming")

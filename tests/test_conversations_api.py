@@ -1,14 +1,13 @@
-"""The HTTP conversation API, on a minimal app: only the blueprint and a real store."""
+"""The HTTP conversation API, on the whole app with a real store and a fake engine."""
 import json
-import types
 
 import pytest
-from flask import Flask
 
-from chat.web import conversations
+from chat import create_app
 from chat.config import Settings
 from chat.web.identity import COOKIE
 from chat.store import Store
+from fakes import FakeEngine
 
 ALICE = "alice-client-0123456789"
 BOB = "bob-client-0123456789ab"
@@ -23,11 +22,7 @@ def store(tmp_path):
 
 @pytest.fixture
 def app(tmp_path, store):
-    app = Flask(__name__)
-    app.testing = True
-    app.register_blueprint(conversations.bp)
-    app.extensions["chat"] = types.SimpleNamespace(store=store, settings=Settings(data_dir=str(tmp_path)))
-    return app
+    return create_app(Settings(data_dir=str(tmp_path)), engine=FakeEngine(), store=store)
 
 
 def _client(app, cookie):

@@ -1,37 +1,24 @@
-"""Conversations over the socket: resume after drops, regenerate, isolation, restarts."""
+"""Conversations over the socket, in-process: resume after drops, regenerate, isolation."""
 from __future__ import annotations
 
 import json
-import signal
-import time
 
-from conftest import WS, conv_of, http_get, in_threads, text_of
+import pytest
+
+from conftest import WS, conv_of, cookie_for, http_get, in_threads, text_of, wait_settled
+
+
+@pytest.fixture(scope="module")
+def server(app_server):
+    """The in-process app; restarts and signals are end to end, in test_e2e.py."""
+    return app_server
 
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
 
 
-def new_cookie(server) -> str:
-    return http_get(server.url + "/")[1]["Set-Cookie"].split(";")[0]
-
-
-def conversation(server, cookie, conv):
-    status, _, body = http_get(f"{server.url}/api/conversations/{conv}", headers={"Cookie": cookie})
-    return status, json.loads(body)
-
-
-def wait_settled(server, cookie, conv, timeout=30):
-    """The conversation once its last answer is no longer streaming."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        data = conversation(server, cookie, conv)[1]
-        if data["messages"] and data["messages"][-1]["status"] != "streaming":
-            return data
-        time.sleep(0.1)
-    raise AssertionError("answer still streaming")
-
-
-def test_resume_after_forced_drops_loses_and_repeats_nothing(server):
-    cookie = new_cookie(server)
+def resume_after_forced_drops(server) -> None:
+    """Drop the socket four times mid-answer; resuming loses and repeats nothing (shared with test_e2e.py)."""
+    cookie = cookie_for(server)
     client = WS(server.ws_url, cookie=cookie)
     client.send({"type": "chat", "id": "res", "content": "go on", "params": {**LONG, "max_new_tokens": 400}})
     got = {}
@@ -66,8 +53,12 @@ def test_resume_after_forced_drops_loses_and_repeats_nothing(server):
     assert stored["content"] == "".join(got[i] for i in range(len(got)))
 
 
+def test_resume_after_forced_drops_loses_and_repeats_nothing(server):
+    resume_after_forced_drops(server)
+
+
 def test_finished_answer_is_resumable_within_grace(server):
-    cookie = new_cookie(server)
+    cookie = cookie_for(server)
     client = WS(server.ws_url, cookie=cookie)
     frames = client.chat("short", rid="fin", params={"temperature": 0, "max_new_tokens": 15})
     client.close()
@@ -82,7 +73,7 @@ def test_finished_answer_is_resumable_within_grace(server):
 
 
 def test_regenerate_replaces_the_last_answer(server):
-    cookie = new_cookie(server)
+    cookie = cookie_for(server)
     client = WS(server.ws_url, cookie=cookie)
     first = client.chat("pick a word", rid="g1", params={"temperature": 1.0, "seed": 1, "max_new_tokens": 20})
     conv = conv_of(first)
@@ -96,7 +87,7 @@ def test_regenerate_replaces_the_last_answer(server):
 
 
 def test_another_client_can_touch_nothing(server):
-    owner_cookie, other_cookie = new_cookie(server), new_cookie(server)
+    owner_cookie, other_cookie = cookie_for(server), cookie_for(server)
     owner = WS(server.ws_url, cookie=owner_cookie)
     owner.send({"type": "chat", "id": "mine", "content": "secret", "params": LONG})
     conv = owner.until(lambda f: f["type"] == "start")[-1]["conversation_id"]
@@ -130,7 +121,7 @@ def test_another_client_can_touch_nothing(server):
 
 
 def test_eight_concurrent_streams_store_without_errors(server):
-    cookie = new_cookie(server)
+    cookie = cookie_for(server)
     done = {}
 
     def one(i):
@@ -144,50 +135,3 @@ def test_eight_concurrent_streams_store_without_errors(server):
     for conv, text, last in done.values():
         assert last["type"] == "done", last
         assert wait_settled(server, cookie, conv)["messages"][-1]["content"] == text
-
-
-def test_conversations_survive_restart_and_a_kill_mid_answer(server_factory):
-    srv = server_factory("restart", CHAT_MAX_NEW_TOKENS=4000)
-    cookie = new_cookie(srv)
-    client = WS(srv.ws_url, cookie=cookie)
-    frames = client.chat("remember me", rid="k1", params={"temperature": 0, "max_new_tokens": 20})
-    conv = conv_of(frames)
-    client.close()
-    assert srv.stop(signal.SIGTERM) == 0
-    srv.start()
-    status, data = conversation(srv, cookie, conv)
-    assert status == 200 and [m["content"] for m in data["messages"]] == ["remember me", text_of(frames)]
-    # a kill -9 in the middle of an answer leaves the partial text, marked interrupted
-    client = WS(srv.ws_url, cookie=cookie)
-    client.send({"type": "chat", "id": "k2", "content": "long", "conversation_id": conv, "params": LONG})
-    client.until(lambda f: f["type"] == "delta" and f["index"] >= 10)
-    time.sleep(1.5)  # past one checkpoint
-    srv.stop(signal.SIGKILL)
-    srv.start()
-    last = conversation(srv, cookie, conv)[1]["messages"][-1]
-    assert last["status"] == "interrupted" and last["content"]
-    client = WS(srv.ws_url, cookie=cookie)
-    follow = client.chat("still there?", rid="k3", conversation_id=conv, params={"max_new_tokens": 10})
-    assert follow[-1]["type"] == "done"
-    client.close()
-
-
-def test_sigterm_finishes_short_answers_and_stores_long_ones(server_factory):
-    srv = server_factory("term", CHAT_MAX_NEW_TOKENS=30000, CHAT_CONTEXT_TOKENS=32768,
-                         CHAT_GRACEFUL_TIMEOUT_S=6)
-    cookie = new_cookie(srv)
-    long_client, short_client = WS(srv.ws_url, cookie=cookie), WS(srv.ws_url, cookie=cookie)
-    long_client.send({"type": "chat", "id": "L", "content": "long", "params": {"max_new_tokens": 30000}})
-    conv = conv_of(long_client.until(lambda f: f["type"] == "delta"))
-    srv.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    short_client.send({"type": "chat", "id": "S", "content": "late"})
-    refused = short_client.until(lambda f: f["type"] in ("error", "done"))[-1]
-    assert refused["type"] == "error" and refused["code"] == "overloaded"
-    frames = long_client.until(lambda f: f["type"] == "done")
-    assert frames[-1]["reason"] == "shutdown"
-    assert srv.proc.wait(30) == 0
-    assert "Traceback" not in srv.log()
-    srv.start()
-    last = conversation(srv, cookie, conv)[1]["messages"][-1]
-    assert last["reason"] == "shutdown" and last["status"] == "partial" and last["content"]

@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from chat.engine import prompt
 from chat.engine.decoding import IncrementalDecoder, StopMatcher
-from chat.errors import ProtocolError
+from chat.errors import PromptTooLong
 
 TEXTS = [
     "Hello, world! The capital of France is Paris.",
@@ -73,6 +73,6 @@ def test_fit_keeps_system_and_drops_oldest_turns(tokenizer):
 
 
 def test_fit_refuses_a_message_that_cannot_fit(tokenizer):
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(PromptTooLong) as err:
         prompt.fit(tokenizer, [{"role": "user", "content": "word " * 500}], 64)
     assert err.value.code == "too_large"

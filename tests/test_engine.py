@@ -7,8 +7,8 @@ import pytest
 
 from chat.config import Settings
 from chat.engine.local import LocalEngine
-from chat.errors import ProtocolError
-from chat.engine import GenParams
+from chat.engine import Delta, Done, GenParams, Queued, Started
+from chat.errors import Overloaded
 
 
 def wait_ready(engine, timeout=120):
@@ -39,7 +39,7 @@ def ask(text, system="You are terse."):
 
 def collect(gen):
     events = list(gen)
-    text = "".join(e["text"] for e in events if e["type"] == "delta")
+    text = "".join(e.text for e in events if isinstance(e, Delta))
     return text, events
 
 
@@ -67,12 +67,12 @@ def test_request_joining_mid_batch(engine):
     expected = collect(engine.submit(ask("late joiner"), GenParams(temperature=0, max_new_tokens=30)))[0]
     long = engine.submit(ask("long one"), GenParams(temperature=0, max_new_tokens=300))
     for event in long:
-        if event["type"] == "delta":
+        if isinstance(event, Delta):
             break
     late = engine.submit(ask("late joiner"), GenParams(temperature=0, max_new_tokens=30))
     assert collect(late)[0] == expected
     long.cancel()
-    assert [e for e in long if e["type"] == "done"][0]["reason"] == "cancelled"
+    assert [e for e in long if isinstance(e, Done)][0].reason == "cancelled"
 
 
 def test_cancel_mid_batch_leaves_the_others_intact(engine):
@@ -80,11 +80,11 @@ def test_cancel_mid_batch_leaves_the_others_intact(engine):
     gens = [engine.submit(ask(q), GenParams(temperature=0, max_new_tokens=60)) for q in QUESTIONS]
     victim = engine.submit(ask("victim"), GenParams(temperature=0, max_new_tokens=4000))
     for event in victim:
-        if event["type"] == "delta":
+        if isinstance(event, Delta):
             victim.cancel()
-        if event["type"] == "done":
-            assert event["reason"] == "cancelled"
-            assert event["usage"]["completion_tokens"] < 4000
+        if isinstance(event, Done):
+            assert event.reason == "cancelled"
+            assert event.usage["completion_tokens"] < 4000
     assert [collect(g)[0] for g in gens] == expected
 
 
@@ -95,7 +95,7 @@ def test_prefix_reuse_gives_identical_greedy_answers(engine):
     reused_text, reused_events = collect(engine.submit(turn2, GenParams(temperature=0, max_new_tokens=24),
                                                        key="conv-a"))
     fresh_text, fresh_events = collect(engine.submit(turn2, GenParams(temperature=0, max_new_tokens=24)))
-    assert reused_events[-1]["reused_tokens"] > 0 and fresh_events[-1]["reused_tokens"] == 0
+    assert reused_events[-1].reused_tokens > 0 and fresh_events[-1].reused_tokens == 0
     assert reused_text == fresh_text
 
 
@@ -116,20 +116,20 @@ def test_queue_positions_and_overload(tiny_model, tmp_path):
     eng = make_engine(tiny_model, tmp_path, max_batch=1, max_queue=2)
     try:
         running = eng.submit(ask("a"), GenParams(temperature=0, max_new_tokens=4000))
-        next(e for e in running if e["type"] == "delta")
+        next(e for e in running if isinstance(e, Delta))
         second = eng.submit(ask("b"), GenParams(temperature=0, max_new_tokens=5))
         third = eng.submit(ask("c"), GenParams(temperature=0, max_new_tokens=5))
-        with pytest.raises(ProtocolError) as err:
+        with pytest.raises(Overloaded) as err:
             eng.submit(ask("d"), GenParams(temperature=0, max_new_tokens=5))
         assert err.value.code == "overloaded"
-        assert second.next_event(10) == {"type": "queued", "position": 1}
-        assert third.next_event(10) == {"type": "queued", "position": 2}
+        assert second.next_event(10) == Queued(1)
+        assert third.next_event(10) == Queued(2)
         second.cancel()  # leaving the queue moves the one behind up
-        assert third.next_event(10) == {"type": "queued", "position": 1}
-        assert list(second)[-1]["reason"] == "cancelled"
+        assert third.next_event(10) == Queued(1)
+        assert list(second)[-1].reason == "cancelled"
         running.cancel()
         events = list(third)
-        assert events[0]["type"] == "start" and events[-1]["reason"] == "length"
+        assert isinstance(events[0], Started) and events[-1].reason == "length"
     finally:
         eng.shutdown()
 
@@ -137,9 +137,9 @@ def test_queue_positions_and_overload(tiny_model, tmp_path):
 def test_timeout_and_shutdown_reasons(tiny_model, tmp_path):
     eng = make_engine(tiny_model, tmp_path, generation_timeout_s=0.3)
     gen = eng.submit(ask("forever"), GenParams(temperature=0, max_new_tokens=4000))
-    assert list(gen)[-1]["reason"] == "timeout"
+    assert list(gen)[-1].reason == "timeout"
     eng.shutdown()
-    with pytest.raises(ProtocolError):
+    with pytest.raises(Overloaded):
         eng.submit(ask("late"), GenParams())
 
 
@@ -157,8 +157,27 @@ def test_a_failing_step_ends_the_batch_with_error_and_the_engine_goes_on(tiny_mo
 
         eng._forward = flaky
         failed = list(eng.submit(ask("first"), GenParams(temperature=0, max_new_tokens=20)))
-        assert failed[-1]["reason"] == "error"
+        assert failed[-1].reason == "error"
         ok = list(eng.submit(ask("second"), GenParams(temperature=0, max_new_tokens=20)))
-        assert ok[-1]["reason"] == "length" and ok[-1]["usage"]["completion_tokens"] == 20
+        assert ok[-1].reason == "length" and ok[-1].usage["completion_tokens"] == 20
     finally:
         eng.shutdown()
+
+
+def test_greedy_output_equals_transformers_generate(engine):
+    import torch
+
+    from chat.engine import prompt
+    messages = ask("compare me with generate")
+    text, events = collect(engine.submit(messages, GenParams(temperature=0, max_new_tokens=32)))
+    loaded = engine.loaded
+    ids = prompt.render(loaded.tokenizer, messages)
+    with torch.inference_mode():
+        out = loaded.model.generate(torch.tensor([ids]), attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
+                                    max_new_tokens=32, do_sample=False, eos_token_id=sorted(loaded.eos_ids),
+                                    pad_token_id=loaded.tokenizer.eos_token_id)
+    new = out[0, len(ids):].tolist()
+    while new and new[-1] in loaded.eos_ids:
+        new.pop()
+    assert events[-1].usage["completion_tokens"] == len(new)
+    assert text == loaded.tokenizer.decode(new, skip_special_tokens=True)

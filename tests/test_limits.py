@@ -3,6 +3,7 @@ import pytest
 
 from chat.config import Settings
 from chat.engine import GenParams, Generation
+from chat.engine.events import Done, Refused, Started
 from chat.errors import ProtocolError
 from chat.web.limits import Limits, address_of
 
@@ -57,10 +58,10 @@ def test_answers_count_until_the_engine_ends_them():
     tracked(reg, A, "bob-0123456789abcdefg")
     assert refused(reg, A, "carol-0123456789abcde") == "busy"  # the address, across clients
     assert refused(reg, A) == "busy"  # /v1 from the same address
-    first.emit({"type": "start"})
-    first.emit({"type": "done", "reason": "stop"})
+    first.emit(Started())
+    first.emit(Done("stop"))
     tracked(reg, A, "alice-0123456789abcd")
-    second.emit({"type": "error", "code": "too_large", "message": "no"})
+    second.emit(Refused("too_large", "no"))
     assert reg.by_client == {"alice-0123456789abcd": 1, "bob-0123456789abcdefg": 1}
 
 
@@ -68,8 +69,8 @@ def test_events_emitted_before_tracking_still_count():
     reg = limits()
     gen = Generation(messages=[], params=GenParams())
     ticket = reg.admit(A)
-    gen.emit({"type": "start"})
-    gen.emit({"type": "done", "reason": "stop"})
+    gen.emit(Started())
+    gen.emit(Done("stop"))
     reg.track(ticket, gen)
     assert ticket.released and reg.by_address == {} and reg.waiting == {}
 
@@ -88,10 +89,10 @@ def test_fair_share_while_others_wait():
     reg = limits(max_batch=4)
     hog = [tracked(reg, A, f"hog-{i}-0123456789abc") for i in range(4)]
     for gen in hog:
-        gen.emit({"type": "start"})
+        gen.emit(Started())
     tracked(reg, A, "hog-4-0123456789abc")  # nobody else waits: the queue is open to it
     waiting = tracked(reg, B, "guest-0123456789abcd")  # queued behind the hog
     assert reg.fair_share() == 2
     assert refused(reg, A, "hog-5-0123456789abc") == "overloaded"
-    waiting.emit({"type": "start"})  # the guest got its slot: the hog may queue again
+    waiting.emit(Started())  # the guest got its slot: the hog may queue again
     tracked(reg, A, "hog-5-0123456789abc")

@@ -3,112 +3,23 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import time
 
 import pytest
 from flask import Flask
-from werkzeug.serving import make_server
 
-from chat import AppState
+from chat import create_app
 from chat.config import Settings
-from chat.errors import ProtocolError
-from chat.web.openai_api import bp
-from chat.concurrency import real_sleep, start_real_thread
-from chat.engine import Engine, Generation
+from chat.errors import Overloaded, PromptTooLong
+from chat.store import Store
+from fakes import WORDS, AppServer, FakeEngine
 
 openai = pytest.importorskip("openai")
 
-WORDS = [f"w{i} " for i in range(40)]
-
-
-class FakeEngine(Engine):
-    """Answers with scripted words from a real thread, one per ``delay``; honours cancel, stop, max tokens."""
-
-    model_name = "fake-model"
-
-    def __init__(self, words=WORDS, delay=0.0, fail_after=None, ready=True):
-        self.words, self.delay, self.fail_after = list(words), delay, fail_after
-        self.ready = ready
-        self.refuse = None  # a ProtocolError that submit raises
-        self.reject = None  # a ProtocolError sent as an ``error`` event instead of start
-        self.history: list[Generation] = []
-        self._active = 0
-        self._lock = threading.Lock()
-
-    def submit(self, messages, params, key=None):
-        """Record the request and answer it on a real thread."""
-        if self.refuse is not None:
-            raise self.refuse
-        gen = Generation(messages=messages, params=params, key=key)
-        self.history.append(gen)
-        with self._lock:
-            self._active += 1
-        start_real_thread(self._run, gen)
-        return gen
-
-    def _run(self, gen):
-        t0, text, reason = time.monotonic(), "", "length"
-        if self.reject is not None:
-            with self._lock:
-                self._active -= 1
-            gen.emit({"type": "error", "code": self.reject.code, "message": self.reject.message})
-            gen.finished = True
-            return
-        gen.emit({"type": "start", "prompt_tokens": len(gen.messages)})
-        try:
-            for i, word in enumerate(self.words[:gen.params.max_new_tokens]):
-                real_sleep(self.delay)
-                if gen.cancel_reason:
-                    reason = gen.cancel_reason
-                    break
-                if self.fail_after is not None and i >= self.fail_after:
-                    reason = "error"
-                    break
-                cut = [(text + word).find(s) for s in gen.params.stop if s in text + word]
-                if cut:
-                    piece = (text + word)[:min(cut)][len(text):]
-                    if piece:
-                        gen.emit({"type": "delta", "text": piece})
-                    text, reason = text + piece, "stop"
-                    break
-                gen.emit({"type": "delta", "text": word})
-                text += word
-            else:
-                reason = "stop" if gen.params.max_new_tokens >= len(self.words) else "length"
-        finally:
-            with self._lock:
-                self._active -= 1
-        done = {"type": "done", "reason": reason,
-                "usage": {"prompt_tokens": len(gen.messages), "completion_tokens": len(text.split())},
-                "timings": {"ttft_ms": 1.0, "total_ms": (time.monotonic() - t0) * 1000, "tokens_per_s": 1.0}}
-        if reason == "error":
-            done["message"] = "scripted failure"
-        gen.emit(done)
-
-    def stats(self):
-        return {"active": self._active, "queued": 0}
-
 
 def make_app(engine, **settings) -> Flask:
-    """A minimal app holding only the /v1 blueprint."""
-    app = Flask(__name__)
-    app.extensions["chat"] = AppState(Settings(**settings), engine, None)
-    app.register_blueprint(bp)
-    return app
-
-
-class LiveServer:
-    """A threaded werkzeug server in this process, for the SDK and raw sockets."""
-
-    def __init__(self, app):
-        self.server = make_server("127.0.0.1", 0, app, threaded=True)
-        self.port = self.server.server_port
-        self.url = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
+    """The whole app around ``engine``, with an in-memory store."""
+    return create_app(Settings(**settings), engine=engine, store=Store(":memory:"))
 
 
 @pytest.fixture
@@ -128,7 +39,7 @@ def client(app):
 
 @pytest.fixture
 def live(app):
-    server = LiveServer(app)
+    server = AppServer(app)
     yield server
     server.close()
 
@@ -283,10 +194,10 @@ def test_nulls_count_as_absent_and_unknown_fields_are_ignored(client, engine):
 
 
 def test_engine_refusals_map_to_http(client, engine):
-    engine.refuse = ProtocolError("overloaded", "queue full")
+    engine.refuse = Overloaded("queue full")
     response = client.post("/v1/chat/completions", json={"messages": HELLO})
     assert response.status_code == 503 and response.get_json()["error"]["code"] == "overloaded"
-    engine.refuse = ProtocolError("too_large", "prompt too long")
+    engine.refuse = PromptTooLong("prompt too long")
     assert client.post("/v1/chat/completions", json={"messages": HELLO}).status_code == 413
 
 
@@ -297,7 +208,7 @@ def test_not_ready_is_503(client, engine):
 
 
 def test_api_key_required_when_set():
-    server = LiveServer(make_app(FakeEngine(), api_key="s3cret"))
+    server = AppServer(make_app(FakeEngine(), api_key="s3cret"))
     try:
         for key in ("wrong", "s3cret-and-more", "s3cre"):
             bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
@@ -329,7 +240,7 @@ def test_engine_error_mid_stream(sdk, engine, client, caplog):
     message = response.get_json()["error"]["message"]
     assert response.status_code == 500 and "scripted failure" not in message
     request_id = message.rsplit(" ", 1)[1].rstrip(")")
-    assert f"v1 {request_id} failed: scripted failure" in caplog.text
+    assert f"generation {request_id} failed: scripted failure" in caplog.text
 
 
 def _raw_stream(port, body, read_chunks=None):
@@ -386,7 +297,7 @@ def test_sdk_closing_the_stream_cancels(sdk, engine):
 
 
 def test_engine_error_event_before_start(sdk, client, engine):
-    engine.reject = ProtocolError("too_large", "the prompt does not fit")
+    engine.reject = PromptTooLong("the prompt does not fit")
     response = client.post("/v1/chat/completions", json={"messages": HELLO})
     assert response.status_code == 413 and response.get_json()["error"]["code"] == "too_large"
     with pytest.raises(openai.APIError, match="does not fit"):
@@ -409,9 +320,8 @@ def test_keepalive_comments_while_silent(live, sdk, engine, monkeypatch):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "w0 w1 "
 
 
-def test_rate_limited_per_address(app, client):
-    from chat.web.limits import Limits
-    app.extensions["chat"].limits = Limits(Settings(rate_limit_per_ip_per_min=2))
+def test_rate_limited_per_address(engine):
+    client = make_app(engine, rate_limit_per_ip_per_min=2).test_client()
     codes = [client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1}).status_code
              for _ in range(3)]
     assert codes == [200, 200, 429]

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from chat.config import Settings
-from chat.errors import ProtocolError
+from chat.errors import Overloaded
 from chat.engine.remote import RemoteEngine
-from chat.engine import GenParams
-from test_openai_api import WORDS, FakeEngine, LiveServer, make_app, wait_for
+from chat.engine import Delta, Done, GenParams, Started
+from fakes import WORDS, AppServer, FakeEngine
+from test_openai_api import make_app, wait_for
 
 HELLO = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
 
@@ -33,7 +34,7 @@ def collect(gen, timeout=10.0):
     """Every event of ``gen`` (fails the test if ``done`` does not come in time)."""
     events = []
     deadline = time.monotonic() + timeout
-    while not events or events[-1]["type"] != "done":
+    while not events or not isinstance(events[-1], Done):
         event = gen.next_event(max(deadline - time.monotonic(), 0))
         assert event is not None, f"no done within {timeout} s; got {events}"
         events.append(event)
@@ -41,7 +42,7 @@ def collect(gen, timeout=10.0):
 
 
 def text_of(events):
-    return "".join(e["text"] for e in events if e["type"] == "delta")
+    return "".join(e.text for e in events if isinstance(e, Delta))
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def upstream_engine():
 
 @pytest.fixture
 def upstream(upstream_engine):
-    server = LiveServer(make_app(upstream_engine, max_new_tokens=64, api_key="up-key"))
+    server = AppServer(make_app(upstream_engine, max_new_tokens=64, api_key="up-key"))
     yield server
     server.close()
 
@@ -129,12 +130,12 @@ def test_streams_answer_and_usage(engine, upstream_engine):
     assert engine.ready and engine.model_name == "fake-model" and engine.backend_model == "fake-model"
     params = GenParams(temperature=0.3, top_p=0.8, max_new_tokens=5, seed=11, stop=("zz",))
     events = collect(engine.submit(HELLO, params))
-    assert events[0] == {"type": "start", "prompt_tokens": 0}
+    assert events[0] == Started(0)
     assert text_of(events) == "".join(WORDS[:5])
     done = events[-1]
-    assert done["reason"] == "length" and "message" not in done
-    assert done["usage"] == {"prompt_tokens": 2, "completion_tokens": 5}
-    assert done["timings"]["total_ms"] >= done["timings"]["ttft_ms"] >= 0
+    assert done.reason == "length" and done.message is None
+    assert done.usage == {"prompt_tokens": 2, "completion_tokens": 5}
+    assert done.timings["total_ms"] >= done.timings["ttft_ms"] >= 0
     sent = upstream_engine.history[-1]
     assert sent.messages == HELLO
     assert (sent.params.temperature, sent.params.top_p, sent.params.max_new_tokens, sent.params.seed,
@@ -144,7 +145,7 @@ def test_streams_answer_and_usage(engine, upstream_engine):
 
 def test_stop_reason_passes_through(engine):
     events = collect(engine.submit(HELLO, GenParams(max_new_tokens=50, stop=("w2",))))
-    assert text_of(events) == "w0 w1 " and events[-1]["reason"] == "stop"
+    assert text_of(events) == "w0 w1 " and events[-1].reason == "stop"
 
 
 def test_display_name_and_fixed_model(upstream):
@@ -157,11 +158,11 @@ def test_cancel_closes_upstream_promptly(engine, upstream_engine):
     gen = engine.submit(HELLO, GenParams(max_new_tokens=40))
     deltas = 0
     while deltas < 3:
-        deltas += gen.next_event(5)["type"] == "delta"
+        deltas += isinstance(gen.next_event(5), Delta)
     t0 = time.monotonic()
     gen.cancel()
     events = collect(gen, timeout=2)
-    assert events[-1]["reason"] == "cancelled" and time.monotonic() - t0 < 0.5
+    assert events[-1].reason == "cancelled" and time.monotonic() - t0 < 0.5
     assert wait_for(lambda: upstream_engine.stats()["active"] == 0)
     assert upstream_engine.history[-1].cancel_reason == "cancelled"
     assert engine.stats()["active"] == 0
@@ -170,7 +171,7 @@ def test_cancel_closes_upstream_promptly(engine, upstream_engine):
 def test_cancel_before_connect(engine, upstream_engine):
     gen = engine.submit(HELLO, GenParams())
     gen.cancel()
-    assert collect(gen)[-1]["reason"] == "cancelled"
+    assert collect(gen)[-1].reason == "cancelled"
 
 
 def test_upstream_error_event_keeps_partial_text(engine, upstream_engine):
@@ -178,14 +179,14 @@ def test_upstream_error_event_keeps_partial_text(engine, upstream_engine):
     events = collect(engine.submit(HELLO, GenParams()))
     assert text_of(events) == "w0 w1 "
     # The upstream (this server's /v1) names only its request id; the engine relays that to its log.
-    assert events[-1]["reason"] == "error" and "(request id chatcmpl-" in events[-1]["message"]
+    assert events[-1].reason == "error" and "(request id chatcmpl-" in events[-1].message
 
 
 def test_upstream_http_error(engine, upstream_engine):
-    upstream_engine.refuse = ProtocolError("overloaded", "queue full")
+    upstream_engine.refuse = Overloaded("queue full")
     events = collect(engine.submit(HELLO, GenParams()))
-    assert [e["type"] for e in events] == ["done"]
-    assert events[0]["reason"] == "error" and "503" in events[0]["message"] and "queue full" in events[0]["message"]
+    assert [type(e) for e in events] == [Done]
+    assert events[0].reason == "error" and "503" in events[0].message and "queue full" in events[0].message
 
 
 def test_wrong_backend_key_is_not_ready(upstream):
@@ -202,7 +203,7 @@ def test_refused_connection():
     try:
         assert not engine.ready and engine.error
         events = collect(engine.submit(HELLO, GenParams()))
-        assert events[-1]["reason"] == "error" and "refused" in events[-1]["message"]
+        assert events[-1].reason == "error" and "refused" in events[-1].message
     finally:
         engine.shutdown()
 
@@ -228,9 +229,9 @@ def test_drop_mid_stream_keeps_partial_text(scripted):
     engine = remote(scripted([chunk("Hel"), chunk("lo")]))
     events = collect(engine.submit(HELLO, GenParams()))
     assert engine.model_name == "scripted"
-    assert [e["type"] for e in events] == ["start", "delta", "delta", "done"]
+    assert [type(e) for e in events] == [Started, Delta, Delta, Done]
     assert text_of(events) == "Hello"
-    assert events[-1]["reason"] == "error" and "dropped" in events[-1]["message"]
+    assert events[-1].reason == "error" and "dropped" in events[-1].message
 
 
 def test_silence_beyond_backend_timeout(scripted):
@@ -239,13 +240,13 @@ def test_silence_beyond_backend_timeout(scripted):
     events = collect(engine.submit(HELLO, GenParams()))
     assert time.monotonic() - t0 < 2
     assert text_of(events) == "a"
-    assert events[-1]["reason"] == "error" and "nothing for 0.3 s" in events[-1]["message"]
+    assert events[-1].reason == "error" and "nothing for 0.3 s" in events[-1].message
 
 
 def test_malformed_stream(scripted):
     engine = remote(scripted([chunk("a"), "data: {oops\n\n"]))
     events = collect(engine.submit(HELLO, GenParams()))
-    assert events[-1]["reason"] == "error" and "malformed" in events[-1]["message"]
+    assert events[-1].reason == "error" and "malformed" in events[-1].message
 
 
 def test_bad_backend_url_fails_at_start():
@@ -258,12 +259,12 @@ def test_in_flight_limit_and_shutdown(engine, upstream_engine):
     engine.settings = engine.settings.replace(max_batch=1, max_queue=0)
     upstream_engine.delay = 0.05
     gen = engine.submit(HELLO, GenParams())
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(Overloaded) as err:
         engine.submit(HELLO, GenParams())
     assert err.value.code == "overloaded"
     engine.shutdown()
-    assert collect(gen)[-1]["reason"] == "shutdown"
-    with pytest.raises(ProtocolError):
+    assert collect(gen)[-1].reason == "shutdown"
+    with pytest.raises(Overloaded):
         engine.submit(HELLO, GenParams())
 
 

@@ -6,8 +6,10 @@ run the model (``local``, ``model``); importing the package itself stays light.
 from __future__ import annotations
 
 from .base import Engine, GenParams, Generation
+from .events import Delta, Done, Queued, Refused, Started
 
-__all__ = ["Engine", "GenParams", "Generation", "make_engine"]
+__all__ = ["Engine", "GenParams", "Generation", "Queued", "Started", "Delta", "Done", "Refused",
+           "make_engine"]
 
 
 def make_engine(settings) -> Engine:

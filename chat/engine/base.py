@@ -1,15 +1,17 @@
-"""The engine interface the web layer sees: parameters, a generation's events, submit/cancel.
+"""The engine interface the web layer sees: parameters, a generation and its events, submit/cancel.
 
-No torch here: engines (local model, remote backend) produce events into a
-``Generation`` from real OS threads; the consumer iterates them.
+No torch here: engines (local model, remote backend) emit typed events (``events.py``)
+into a ``Generation`` from real OS threads; the consumer iterates them.
 """
 from __future__ import annotations
 
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 from ..concurrency import Channel
+from .events import END, Event
 
 
 @dataclass
@@ -26,13 +28,12 @@ class GenParams:
 _ids = itertools.count(1)
 
 
-@dataclass
+@dataclass(eq=False)
 class Generation:
-    """One answer being made: the engine ``emit``s events, the consumer iterates them.
+    """One answer being made: the engine ``emit``s events, the consumer iterates ``events()``.
 
-    Events are dicts: ``{"type": "queued", "position": n}``,
-    ``{"type": "start", "prompt_tokens": n}``, ``{"type": "delta", "text": s}``,
-    ``{"type": "done", "reason": r, "usage": {...}, "timings": {...}}`` (always last).
+    Set at submit and never changed afterwards: ``messages``, ``params``, ``key``.
+    The rest is the engine's bookkeeping, declared here so nothing is attached on the fly.
     """
 
     messages: list
@@ -40,41 +41,59 @@ class Generation:
     key: str | None = None  # conversation key for prefix-cache reuse
     prompt_ids: list | None = None  # set by engines that tokenize at submit time
     serial: int = field(default_factory=lambda: next(_ids))
-    cancel_reason: str | None = None
-    finished: bool = False
-    channel: Channel = field(default_factory=Channel)
     submitted_at: float = field(default_factory=time.monotonic)
-    on_cancel: object = None  # engine hook: called (from the canceller) after cancel()
+    on_cancel: Callable[["Generation"], None] | None = None  # engine hook, called by cancel()
+    position: int | None = None  # queue position last told to the consumer
+    upstream: object = None  # the remote engine's open connection, closed to abort
+    cancel_reason: str | None = field(default=None, init=False)
+    finished: bool = field(default=False, init=False)
+    channel: Channel = field(default_factory=Channel, init=False, repr=False)
+    observers: list = field(default_factory=list, init=False, repr=False)  # see observe()
 
-    def emit(self, event: dict) -> None:
-        """Called by the engine, from any thread."""
-        if event["type"] == "done":
+    def emit(self, event: Event) -> None:
+        """Called by the engine, from any thread; the last event is a ``Done`` or ``Refused``."""
+        if isinstance(event, END):
             self.finished = True
+        for observer in self.observers:
+            observer(event)
         self.channel.put(event)
 
+    def observe(self, observer: Callable[[Event], None]) -> None:
+        """Call ``observer`` with every event the engine emits, whether or not anyone consumes them.
+
+        Events emitted before this call (still in the channel) are replayed to it; one emitted
+        meanwhile may reach it twice, so an observer must be idempotent.
+        """
+        self.observers.append(observer)
+        for event in self.channel.peek():
+            observer(event)
+
     def cancel(self, reason: str = "cancelled") -> None:
-        """Ask the engine to end this generation at its next step with ``done`` ``reason``."""
+        """Ask the engine to end this generation at its next step with ``Done`` ``reason``."""
         if self.cancel_reason is None and not self.finished:
             self.cancel_reason = reason
             if self.on_cancel is not None:
                 self.on_cancel(self)
 
-    def next_event(self, timeout: float | None = None):
+    def next_event(self, timeout: float | None = None) -> Event | None:
         """The next event, or None on timeout."""
         return self.channel.get(timeout)
 
-    def __iter__(self):
-        """Every event up to and including ``done`` (or an ``error`` before ``start``)."""
+    def events(self, keepalive: float | None = None) -> Iterator[Event | None]:
+        """Every event up to and including the last; None each ``keepalive`` seconds of silence."""
         try:
             while True:
-                event = self.channel.get()
+                event = self.channel.get(keepalive)
                 yield event
-                if event["type"] in ("done", "error"):
+                if isinstance(event, END):
                     return
         finally:
             self.close()
 
+    __iter__ = events
+
     def close(self) -> None:
+        """Release the channel; events emitted afterwards are dropped."""
         self.channel.close()
 
 
@@ -86,7 +105,10 @@ class Engine:
     error: str | None = None
 
     def submit(self, messages: list, params: GenParams, key: str | None = None) -> Generation:
-        """Queue a generation for ``messages`` (system/user/assistant dicts); never blocks."""
+        """Queue a generation for ``messages`` (system/user/assistant dicts); never blocks.
+
+        Raises an ``EngineError`` (``Overloaded``, ``PromptTooLong``...) when refused at once.
+        """
         raise NotImplementedError
 
     def stats(self) -> dict:
@@ -97,4 +119,4 @@ class Engine:
         """Stop taking new requests; the ones already taken go on."""
 
     def shutdown(self, reason: str = "shutdown") -> None:
-        """End every generation with ``done`` ``reason`` and stop the engine."""
+        """End every generation with ``Done`` ``reason`` and stop the engine."""

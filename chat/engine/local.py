@@ -23,10 +23,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..concurrency import Wakeup, start_real_thread
-from ..errors import ProtocolError
+from ..errors import EngineError, EngineUnavailable, Overloaded
 from . import model as model_loader
 from . import prompt
 from .base import Engine, GenParams, Generation
+from .events import Delta, Done, Queued, Refused, Started
 from .decoding import IncrementalDecoder, StopMatcher
 
 log = logging.getLogger(__name__)
@@ -218,12 +219,12 @@ class LocalEngine(Engine):
     def submit(self, messages, params: GenParams, key=None) -> Generation:
         """Queue a generation; raises ``overloaded`` when the queue is full or stopping."""
         if not self.accepting or self.stopping:
-            raise ProtocolError("overloaded", "the server is shutting down")
+            raise Overloaded("the server is shutting down")
         if self.error:
-            raise ProtocolError("internal", "the model failed to load")
+            raise EngineUnavailable("the model failed to load")
         waiting = len(self.pending) + max(0, len(self.rows) - self.settings.max_batch)
         if len(self.rows) >= self.settings.max_batch and waiting >= self.settings.max_queue:
-            raise ProtocolError("overloaded", "the server is at capacity; try again shortly")
+            raise Overloaded("the server is at capacity; try again shortly")
         gen = Generation(messages=messages, params=params, key=key)
         if self.ready:
             # Fit now, on the caller's side, so a message too long for the context is refused
@@ -346,18 +347,17 @@ class LocalEngine(Engine):
             gen = self.pending.popleft()
             try:
                 ids = gen.prompt_ids or self._fit(gen)
-            except ProtocolError as exc:
-                gen.emit({"type": "error", "code": exc.code, "message": exc.message})
-                gen.finished = True
+            except EngineError as exc:
+                gen.emit(Refused(exc.code, exc.message))
                 continue
             joining.append(Slot(gen, ids, self.loaded.tokenizer, self.settings))
-            gen.emit({"type": "start", "prompt_tokens": len(ids)})
+            gen.emit(Started(len(ids)))
         if joining:
             self._join(joining)
         for position, gen in enumerate(self.pending, 1):
-            if getattr(gen, "position", None) != position:
+            if gen.position != position:
                 gen.position = position
-                gen.emit({"type": "queued", "position": position})
+                gen.emit(Queued(position))
 
     def _fit(self, gen: Generation) -> list[int]:
         """The prompt ids, history trimmed so the answer has room in the context."""
@@ -470,7 +470,7 @@ class LocalEngine(Engine):
             return
         if slot.first_delta_at is None:
             slot.first_delta_at = time.monotonic()
-        slot.gen.emit({"type": "delta", "text": text})
+        slot.gen.emit(Delta(text))
 
     def _step(self) -> None:
         """One decode step for every row in the batch."""
@@ -518,18 +518,8 @@ class LocalEngine(Engine):
                             self.loaded.dtype, self.loaded.device)
 
     def _done(self, gen: Generation, reason: str, prompt_tokens: int, completion_tokens: int, slot) -> None:
-        now = time.monotonic()
-        total = now - gen.submitted_at
-        first = slot.first_delta_at if slot else None
-        ttft = (first - gen.submitted_at) if first else None
-        decode_s = (now - first) if first else 0.0
-        rate = (completion_tokens - 1) / decode_s if first and decode_s > 0 and completion_tokens > 1 else 0.0
-        gen.emit({"type": "done", "reason": reason,
-                  "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
-                  "timings": {"ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
-                              "total_ms": round(total * 1000, 1),
-                              "tokens_per_s": round(rate, 2)},
-                  "reused_tokens": slot.reused if slot else 0})
+        gen.emit(Done.build(reason, prompt_tokens, completion_tokens, gen.submitted_at,
+                            slot.first_delta_at if slot else None, slot.reused if slot else 0))
 
     def _finish_all(self, reason: str) -> None:
         for slot in list(self.rows):

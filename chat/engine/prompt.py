@@ -1,7 +1,7 @@
 """Chat template, and fitting a conversation into the context budget."""
 from __future__ import annotations
 
-from ..errors import ProtocolError
+from ..errors import PromptTooLong
 
 
 def render(tokenizer, messages: list) -> list[int]:
@@ -13,7 +13,7 @@ def render(tokenizer, messages: list) -> list[int]:
 def fit(tokenizer, messages: list, budget: int) -> tuple[list[int], int]:
     """(prompt ids, turns dropped): the system prompt is kept, the oldest turns go first.
 
-    Raises ``too_large`` when even the last user message alone does not fit.
+    Raises ``PromptTooLong`` when even the last user message alone does not fit.
     """
     system = [m for m in messages[:1] if m["role"] == "system"]
     turns = messages[len(system):]
@@ -28,4 +28,4 @@ def fit(tokenizer, messages: list, budget: int) -> tuple[list[int], int]:
             last = render(tokenizer, system + turns[starts[-1]:])
             if len(last) > budget:
                 break
-    raise ProtocolError("too_large", f"the message does not fit in the model's context of {budget} tokens")
+    raise PromptTooLong(f"the message does not fit in the model's context of {budget} tokens")

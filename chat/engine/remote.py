@@ -9,8 +9,9 @@ import time
 from urllib.parse import urlsplit
 
 from ..concurrency import real_lock, spawn
-from ..errors import BackendError, ConfigError, ProtocolError
+from ..errors import BackendError, ConfigError, Overloaded
 from .base import Engine, GenParams, Generation
+from .events import Delta, Done, Started
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +108,12 @@ class RemoteEngine(Engine):
     def submit(self, messages: list, params: GenParams, key: str | None = None) -> Generation:
         """Start one upstream call; events arrive on the returned Generation."""
         if self._closed:
-            raise ProtocolError("overloaded", "the server is shutting down")
+            raise Overloaded("the server is shutting down")
         with self._lock:
             if len(self._active) >= self.settings.max_batch + self.settings.max_queue:
-                raise ProtocolError("overloaded", "too many requests in flight to the backend; retry shortly")
-            gen = Generation(messages=messages, params=params, key=key)
+                raise Overloaded("too many requests in flight to the backend; retry shortly")
+            gen = Generation(messages=messages, params=params, key=key, on_cancel=self._abort)
             self._active[gen.serial] = gen
-        gen.upstream = None
-        gen.on_cancel = self._abort
         spawn(self._run, gen)  # under gevent a greenlet: the patched http.client yields while it waits
         return gen
 
@@ -158,7 +157,7 @@ class RemoteEngine(Engine):
         return json.dumps(body).encode()
 
     def _run(self, gen: Generation) -> None:
-        t0 = time.monotonic()
+        t0 = gen.submitted_at
         state = {"first": None, "deltas": 0, "usage": None, "finish": None}
         reason, message = "error", None
         conn = gen.upstream = self._connection(self.settings.backend_timeout_s)
@@ -183,7 +182,9 @@ class RemoteEngine(Engine):
                 self._active.pop(gen.serial, None)
         if message:
             log.warning("remote generation %s ended with error: %s", gen.serial, message)
-        gen.emit(self._done(reason, message, t0, state))
+        usage = state["usage"] or {}
+        gen.emit(Done.build(reason, usage.get("prompt_tokens", 0), usage.get("completion_tokens", state["deltas"]),
+                            t0, state["first"], message=message))
 
     def _call(self, gen, conn, t0: float, state: dict):
         """Send the request and relay its SSE stream; returns (reason, error message)."""
@@ -197,7 +198,7 @@ class RemoteEngine(Engine):
         response = conn.getresponse()
         if response.status != 200:
             return "error", _error_text(response.status, response.read(4096))
-        gen.emit({"type": "start", "prompt_tokens": 0})
+        gen.emit(Started(0))
         while True:
             if gen.cancel_reason:
                 return gen.cancel_reason, None
@@ -226,7 +227,7 @@ class RemoteEngine(Engine):
                     if state["first"] is None:
                         state["first"] = time.monotonic()
                     state["deltas"] += 1
-                    gen.emit({"type": "delta", "text": text})
+                    gen.emit(Delta(text))
                 if choice.get("finish_reason"):
                     state["finish"] = choice["finish_reason"]
 
@@ -238,20 +239,3 @@ class RemoteEngine(Engine):
         if state["first"] is not None or state["finish"] is not None:
             return "backend connection dropped mid-answer" + (f" ({exc})" if exc else "")
         return f"backend connection failed: {exc or 'closed before answering'}"
-
-    @staticmethod
-    def _done(reason: str, message: str | None, t0: float, state: dict) -> dict:
-        now = time.monotonic()
-        usage = state["usage"] or {}
-        completion = usage.get("completion_tokens", state["deltas"])
-        first = state["first"]
-        decode_s = now - first if first is not None else 0.0
-        done = {"type": "done", "reason": reason,
-                "usage": {"prompt_tokens": usage.get("prompt_tokens", 0), "completion_tokens": completion},
-                "timings": {"ttft_ms": round((first - t0) * 1000, 1) if first is not None else None,
-                            "total_ms": round((now - t0) * 1000, 1),
-                            "tokens_per_s": round((completion - 1) / decode_s, 2)
-                            if decode_s > 0 and completion > 1 else 0.0}}
-        if message:
-            done["message"] = message
-        return done

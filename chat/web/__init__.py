@@ -3,11 +3,11 @@ from __future__ import annotations
 
 
 def init_app(app) -> None:
-    """Register every blueprint and the WebSocket route."""
+    """Register every blueprint, the WebSocket route and the error handlers."""
     from . import conversations, errors, health, openai_api, pages, ws
-    errors.init_app(app)
     app.register_blueprint(pages.bp)
     app.register_blueprint(health.bp)
     app.register_blueprint(conversations.bp)
     app.register_blueprint(openai_api.bp)
     ws.init_app(app)
+    errors.init_app(app)

@@ -35,12 +35,6 @@ def _title() -> str:
     return title.strip()
 
 
-@bp.errorhandler(ProtocolError)
-def _error(exc: ProtocolError):
-    """A protocol error as a JSON body with its HTTP status."""
-    return jsonify(error={"code": exc.code, "message": exc.message}), exc.status
-
-
 @bp.after_request
 def _private(response):
     """Keep conversations out of shared caches."""

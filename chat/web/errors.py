@@ -1,4 +1,8 @@
-"""App-wide error handling: JSON errors with a request id, details only in the log."""
+"""Errors become responses here, once: JSON for the API routes (404 and 500 included), pages untouched.
+
+Nothing internal reaches a client: an unplanned error answers with a request id, and the
+log line under that id has the traceback.
+"""
 from __future__ import annotations
 
 import logging
@@ -6,9 +10,16 @@ import uuid
 
 from flask import jsonify, request
 from flask.json.provider import DefaultJSONProvider
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, InternalServerError
+
+from ..errors import ChatError
+from . import openai_api
 
 log = logging.getLogger(__name__)
+
+API_PREFIXES = ("/api/", "/v1/", "/ws")
+_CODES = {400: "bad_message", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+          405: "method_not_allowed", 413: "too_large", 429: "rate_limited", 503: "overloaded"}
 
 
 class SafeJSONProvider(DefaultJSONProvider):
@@ -26,17 +37,41 @@ def request_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def _unexpected(exc: Exception):
-    """Anything unplanned: a generic message and a request id for the client, the traceback for the log."""
-    if isinstance(exc, HTTPException):
-        return exc  # werkzeug's own 4xx/5xx answers
-    rid = request_id()
-    log.error("request %s %s %s failed", rid, request.method, request.path, exc_info=exc)
-    return jsonify(error={"code": "internal", "message": f"internal server error (request id {rid})",
-                          "request_id": rid}), 500
+def _is_api() -> bool:
+    return request.path.startswith(API_PREFIXES) or request.path in ("/api", "/v1")
+
+
+def response(exc: ChatError, extra: dict | None = None):
+    """The JSON response for ``exc``: OpenAI's shape on /v1, ``{"error": {code, message}}`` elsewhere."""
+    v1 = request.path.startswith("/v1")
+    body = openai_api.error_body(exc) if v1 else {"error": {"code": exc.code, "message": exc.message}}
+    body["error"].update(extra or {})
+    out = jsonify(body)
+    if v1 and exc.status == 401:
+        out.headers["WWW-Authenticate"] = "Bearer"
+    out.status_code = exc.status
+    return out
 
 
 def init_app(app) -> None:
-    """Install the JSON provider and the last-resort error handler."""
+    """Install the JSON provider and the app-wide handlers."""
     app.json = SafeJSONProvider(app)
-    app.register_error_handler(Exception, _unexpected)
+
+    @app.errorhandler(ChatError)
+    def _chat_error(exc: ChatError):
+        return response(exc)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        if not _is_api():
+            return exc
+        message = (exc.description or exc.name).strip() if exc.code != 413 else "the request body is too large"
+        return response(ChatError(message, _CODES.get(exc.code, "internal"), exc.code))
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        rid = request_id()
+        log.error("request %s %s %s failed", rid, request.method, request.path, exc_info=exc)
+        if not _is_api():
+            return InternalServerError()
+        return response(ChatError(f"internal server error (request id {rid})"), {"request_id": rid})

@@ -61,20 +61,23 @@ def client_id(request, secret: str = "", secure: bool = False) -> str | None:
     return parse_cookie(request.cookies.get(cookie_name(secure), ""), secret)
 
 
-def presented_key(request) -> str:
-    """The API key the request carries: ``Authorization: Bearer``, a ``bearer.`` subprotocol, or ``?token=``."""
+def presented_key(request, socket: bool = True) -> str:
+    """The API key the request carries: ``Authorization: Bearer``, or (``socket``) a ``bearer.``
+    subprotocol or ``?token=``."""
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() == "bearer" and given.strip():
         return given.strip()
+    if not socket:
+        return ""
     for offered in request.headers.get("Sec-WebSocket-Protocol", "").split(","):
         if offered.strip().startswith(KEY_SUBPROTOCOL):
             return offered.strip()[len(KEY_SUBPROTOCOL):]
     return request.args.get("token", "")
 
 
-def has_key(request, key: str) -> bool:
-    """Whether the request carries the API key."""
-    given = presented_key(request)
+def has_key(request, key: str, socket: bool = True) -> bool:
+    """Whether the request carries the API key (see ``presented_key``)."""
+    given = presented_key(request, socket)
     return bool(key) and bool(given) and hmac.compare_digest(given.encode(), key.encode())
 
 

@@ -3,8 +3,8 @@
 A new cookie (or none) must not reset a limit, so every limit that a client could
 escape by becoming someone else is also counted per address; IPv6 addresses are
 grouped by /64, the block one subscriber usually gets. Answers are counted from
-admission until their generation emits ``done`` (or ``error``), so answers that
-outlive their socket for the resume grace still count.
+admission until their generation emits ``Done`` (or ``Refused``), so answers that
+outlive their socket for the resume grace still count. In memory, per worker process.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import math
 import time
 
 from ..concurrency import real_lock
+from ..engine.events import END, Started
 from ..errors import ProtocolError
 from .identity import ANONYMOUS
 
@@ -164,24 +165,16 @@ class Limits:
         return any(count for addr, count in self.waiting.items() if addr != address)
 
     def track(self, ticket: Ticket, gen) -> None:
-        """Follow ``gen``'s events as the engine emits them: started on ``start``, released at the end.
+        """Follow ``gen``'s events as the engine emits them: started on ``Started``, released at the end.
 
         Watching the engine's side (not the consumer's) keeps the count right for answers whose
-        client is gone; events emitted before this call are still in the channel, unread.
+        client is gone, or whose channel was closed after a failed store write.
         """
-        emit = gen.emit
-
-        def observed(event: dict) -> None:
-            _observe(ticket, event)
-            emit(event)
-
-        gen.emit = observed
-        for event in gen.channel.peek():
-            _observe(ticket, event)
+        gen.observe(lambda event: _observe(ticket, event))
 
 
-def _observe(ticket: Ticket, event: dict) -> None:
-    if event["type"] == "start":
+def _observe(ticket: Ticket, event) -> None:
+    if isinstance(event, Started):
         ticket.started()
-    elif event["type"] in ("done", "error"):
+    elif isinstance(event, END):
         ticket.release()

@@ -1,7 +1,6 @@
 """OpenAI-compatible HTTP API: ``GET /v1/models`` and ``POST /v1/chat/completions``."""
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import math
@@ -9,12 +8,10 @@ import time
 import uuid
 
 from flask import Blueprint, Response, current_app, jsonify, request
-from werkzeug.exceptions import RequestEntityTooLarge
 
-from ..engine import GenParams
-from ..errors import ProtocolError
-from . import identity
-from .limits import address_of
+from ..engine.events import Delta, Done, Refused
+from ..errors import PROTOCOL_STATUS, ChatError, EngineError, RequestError
+from . import guard
 
 log = logging.getLogger(__name__)
 
@@ -25,45 +22,7 @@ KEEPALIVE_S = 15.0  # an SSE comment while nothing else is sent: proxies stay op
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _FINISH = {"stop": "stop", "length": "length", "timeout": "length", "cancelled": "stop"}
-_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-               502: "server_error", 503: "server_error"}
 _STARTED = int(time.time())
-
-
-class ApiError(ProtocolError):
-    """A request the API refuses; knows the offending ``param`` for OpenAI's error shape."""
-
-    def __init__(self, code: str, message: str, param: str | None = None, status: int = 400):
-        super().__init__(code, message)
-        self.param = param
-        self._status = status
-
-    @property
-    def status(self) -> int:
-        return self._status
-
-
-def _error_response(status: int, message: str, param=None, code=None, headers=None) -> Response:
-    body = {"error": {"message": message, "type": _ERROR_TYPE.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
-    response = jsonify(body)
-    response.status_code = status
-    response.headers.update(headers or {})
-    return response
-
-
-@bp.errorhandler(ProtocolError)
-def _protocol_error(exc: ProtocolError):
-    """Every refusal leaves in OpenAI's error shape."""
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    return _error_response(exc.status, exc.message, getattr(exc, "param", None), exc.code, headers)
-
-
-@bp.errorhandler(RequestEntityTooLarge)
-def _body_too_large(exc):
-    """Bodies over MAX_BODY_BYTES."""
-    return _error_response(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="too_large")
 
 
 def _state():
@@ -73,27 +32,21 @@ def _state():
 @bp.before_request
 def _authorize():
     """With CHAT_API_KEY set, every /v1 call needs ``Authorization: Bearer <key>``."""
-    key = _state().settings.api_key
-    if not key:
-        return None
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-        raise ApiError("invalid_api_key", "missing or invalid API key (use Authorization: Bearer <key>)",
-                       status=401)
-    return None
+    if not guard.key_ok(_state().settings, socket=False):
+        raise RequestError("invalid_api_key", "missing or invalid API key (use Authorization: Bearer <key>)", 401)
 
 
 def _engine_ready():
     engine = _state().engine
     if not engine.ready:  # the load error names paths and URLs: it stays in the log
-        raise ApiError("model_not_ready", "the model is not ready yet", status=503)
+        raise RequestError("model_not_ready", "the model is not ready yet", 503)
     return engine
 
 
-# ---- validation: one parser per field, each (value, name, settings) -> value or ApiError
+# ---- validation: one parser per field, each (value, name, settings) -> value or RequestError
 
-def _bad(name: str, message: str) -> ApiError:
-    return ApiError("invalid_value", f"'{name}' {message}", name, status=400)
+def _bad(name: str, message: str) -> RequestError:
+    return RequestError("invalid_value", f"'{name}' {message}", 400, name)
 
 
 def _number(low: float, high: float, low_open: bool = False):
@@ -131,8 +84,8 @@ def _string(value, name, settings):
 def _n(value, name, settings):
     _integer(1)(value, name, settings)
     if value != 1:
-        raise ApiError("unsupported_value", "'n' must be 1: this server returns one choice per request",
-                       name, status=400)
+        raise RequestError("unsupported_value", "'n' must be 1: this server returns one choice per request",
+                           400, name)
     return value
 
 
@@ -161,8 +114,8 @@ def _content(value, name: str) -> str:
         texts = []
         for i, part in enumerate(value):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError("unsupported_content", f"'{name}[{i}]' must be a {{\"type\": \"text\", "
-                               "\"text\": ...}} part: only text is supported", f"{name}[{i}]", status=400)
+                raise RequestError("unsupported_content", f"'{name}[{i}]' must be a {{\"type\": \"text\", "
+                                   "\"text\": ...}} part: only text is supported", 400, f"{name}[{i}]")
             texts.append(part["text"])
         return "".join(texts)
     raise _bad(name, "must be a string or a list of text parts")
@@ -181,8 +134,8 @@ def _messages(value, name, settings):
             raise _bad(f"{where}.role", f"must be one of {', '.join(_ROLES)}, not {role!r}")
         text = _content(message.get("content"), f"{where}.content")
         if len(text) > settings.max_content_chars:
-            raise ApiError("too_large", f"'{where}.content' is longer than {settings.max_content_chars} "
-                           "characters", f"{where}.content", status=413)
+            raise RequestError("too_large", f"'{where}.content' is longer than {settings.max_content_chars} "
+                               "characters", 413, f"{where}.content")
         out.append({"role": _ROLES[role], "content": text})
     return out
 
@@ -190,7 +143,7 @@ def _messages(value, name, settings):
 def _unsupported(message: str):
     def parse(value, name, settings):
         if value not in (False, [], {"type": "text"}):
-            raise ApiError("unsupported_parameter", f"'{name}' is not supported: {message}", name, status=400)
+            raise RequestError("unsupported_parameter", f"'{name}' is not supported: {message}", 400, name)
         return value
     return parse
 
@@ -218,7 +171,7 @@ REQUIRED = ("messages",)
 def parse_request(body, settings) -> dict:
     """Validate a chat.completions body; null counts as absent, unknown fields are ignored."""
     if not isinstance(body, dict):
-        raise ApiError("invalid_request", "the request body must be a JSON object", status=400)
+        raise RequestError("invalid_request", "the request body must be a JSON object")
     values = {name: parse(body[name], name, settings)
               for name, parse in FIELDS.items() if body.get(name) is not None}
     for name in REQUIRED:
@@ -227,20 +180,13 @@ def parse_request(body, settings) -> dict:
     return values
 
 
-def gen_params(values: dict, settings) -> GenParams:
-    """Sampling parameters: request values, else the server's defaults; max tokens capped."""
-    wanted = values.get("max_completion_tokens", values.get("max_tokens", settings.max_new_tokens))
-    return GenParams(temperature=values.get("temperature", settings.temperature),
-                     top_p=values.get("top_p", settings.top_p),
-                     max_new_tokens=min(wanted, settings.max_new_tokens),
-                     seed=values.get("seed"), stop=values.get("stop", ()))
-
-
-def with_system_prompt(messages: list, system_prompt: str) -> list:
-    """The server's system prompt goes first when the request brings none."""
-    if system_prompt and not any(m["role"] == "system" for m in messages):
-        return [{"role": "system", "content": system_prompt}, *messages]
-    return messages
+def gen_params(values: dict) -> dict:
+    """The request's sampling values under the engine's names (the service fills in defaults)."""
+    out = {k: values[k] for k in ("temperature", "top_p", "seed", "stop") if k in values}
+    wanted = values.get("max_completion_tokens", values.get("max_tokens"))
+    if wanted is not None:
+        out["max_new_tokens"] = wanted
+    return out
 
 
 def _read_json():
@@ -249,9 +195,9 @@ def _read_json():
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError("invalid_json", f"the request body is not valid JSON: {exc}", status=400) from None
+        raise RequestError("invalid_json", f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
-        raise ApiError("invalid_json", "the request body nests too deeply", status=400) from None
+        raise RequestError("invalid_json", "the request body nests too deeply") from None
 
 
 # ---- routes
@@ -271,7 +217,7 @@ def get_model(model_id):
     """One model by id."""
     engine = _engine_ready()
     if model_id != engine.model_name:
-        raise ApiError("model_not_found", f"the model '{model_id}' does not exist", "model", status=404)
+        raise RequestError("model_not_found", f"the model '{model_id}' does not exist", 404, "model")
     return jsonify(_model_card(engine))
 
 
@@ -279,96 +225,62 @@ def get_model(model_id):
 def chat_completions():
     """Answer a conversation, streamed as SSE chunks or as one JSON object."""
     state = _state()
-    settings = state.settings
-    values = parse_request(_read_json(), settings)
+    values = parse_request(_read_json(), state.settings)
     engine = _engine_ready()
-    messages = with_system_prompt(values["messages"], settings.system_prompt)
-    gen = _submit(state, engine, messages, gen_params(values, settings))
+    gen = state.turns.answer(guard.address(state.settings), values["messages"], gen_params(values))
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
-    metrics = getattr(state, "metrics", None)
     if values.get("stream"):
         include_usage = values.get("stream_options", {}).get("include_usage", False)
-        return Response(_stream(gen, meta, include_usage, metrics), mimetype="text/event-stream",
+        return Response(_stream(gen, meta, include_usage, state.turns), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return _complete(gen, meta, metrics)
+    return _complete(gen, meta, state.turns)
 
 
-def _submit(state, engine, messages, params):
-    """Admit the request against its address's limits (when the app has them), then submit it."""
-    limits = getattr(state, "limits", None)
-    if limits is None:
-        return engine.submit(messages, params)
-    ticket = limits.admit(address_of(identity.remote_ip(request, state.settings.trusted_proxies)))
-    try:
-        gen = engine.submit(messages, params)
-    except Exception:
-        ticket.release()
-        raise
-    limits.track(ticket, gen)
-    return gen
-
-
-def _usage(done: dict) -> dict:
-    usage = done.get("usage") or {}
-    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+def _usage(done: Done) -> dict:
+    prompt, completion = done.usage.get("prompt_tokens", 0), done.usage.get("completion_tokens", 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _failure(done: dict, request_id: str) -> ApiError:
-    """An answer refused by the engine (an ``error`` event) or ended by shutdown or an engine error.
+def _failure(end: Done | Refused, request_id: str) -> ChatError:
+    """An answer refused by the engine, or ended by shutdown or an engine error.
 
     An engine failure's own message may carry the backend's URL or body: the client gets a
-    generic message with the request id, and the log line under that id has the details.
+    generic message with the request id; ``TurnService.record`` logs the details under that id.
     """
-    if done["type"] == "error":
-        status = ProtocolError.http_status.get(done.get("code"), 400)
-        return ApiError(done.get("code") or "internal", done.get("message") or "the request failed", status=status)
-    if done["reason"] == "shutdown":
-        return ApiError("shutdown", "the server is shutting down", status=503)
-    log.error("v1 %s failed: %s", request_id, done.get("message") or "no detail")
-    return ApiError("internal", f"the engine failed while generating (request id {request_id})", status=500)
+    if isinstance(end, Refused):
+        return EngineError(end.message, end.code, PROTOCOL_STATUS.get(end.code, 400))
+    if end.reason == "shutdown":
+        return RequestError("shutdown", "the server is shutting down", 503)
+    return ChatError(f"the engine failed while generating (request id {request_id})")
 
 
-def _record(meta: dict, done: dict, streamed: bool, metrics) -> None:
-    """Log the outcome and count it in the server's metrics."""
-    if metrics is not None:
-        if done["type"] == "done":
-            metrics.finished(done)
-        else:
-            metrics.errors.labels(done.get("code") or "internal").inc()
-    usage, timings = done.get("usage") or {}, done.get("timings") or {}
-    log.info("v1 %s reason=%s stream=%s prompt_tokens=%s completion_tokens=%s total_ms=%s",
-             meta["id"], done.get("reason") or f"refused:{done.get('code')}", streamed,
-             usage.get("prompt_tokens"), usage.get("completion_tokens"), timings.get("total_ms"))
-
-
-def _complete(gen, meta: dict, metrics=None):
+def _complete(gen, meta: dict, turns):
     """Wait for the whole answer; one ``chat.completion`` object."""
-    texts, done = [], None
+    texts, end = [], None
     try:
-        while done is None:
-            event = gen.next_event()
-            if event["type"] == "delta":
-                texts.append(event["text"])
-            elif event["type"] in ("done", "error"):
-                done = event
+        for event in gen.events():
+            match event:
+                case Delta(text=text):
+                    texts.append(text)
+                case Done() | Refused():
+                    end = event
     finally:
         gen.cancel()  # a no-op once done; frees the engine if this greenlet is killed
         gen.close()
-    _record(meta, done, False, metrics)
-    if done.get("reason") not in _FINISH:
-        raise _failure(done, meta["id"])
+    turns.record(end, "v1", meta["id"])
+    if not isinstance(end, Done) or end.reason not in _FINISH:
+        raise _failure(end, meta["id"])
     return jsonify({**meta, "object": "chat.completion",
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(texts)},
-                                 "logprobs": None, "finish_reason": _FINISH[done["reason"]]}],
-                    "usage": _usage(done)})
+                                 "logprobs": None, "finish_reason": _FINISH[end.reason]}],
+                    "usage": _usage(end)})
 
 
 def _sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _stream(gen, meta: dict, include_usage: bool, metrics=None):
+def _stream(gen, meta: dict, include_usage: bool, turns):
     """SSE chunks as the engine makes them; leaving early (client gone) cancels the generation."""
     def chunk(delta, finish=None):
         out = {**meta, "object": "chat.completion.chunk",
@@ -377,31 +289,39 @@ def _stream(gen, meta: dict, include_usage: bool, metrics=None):
             out["usage"] = None
         return _sse(out)
 
-    done = None
+    end = None
     try:
         yield chunk({"role": "assistant", "content": ""})
-        while done is None:
-            event = gen.next_event(KEEPALIVE_S)
-            if event is None:
-                yield ": keep-alive\n\n"
-            elif event["type"] == "delta" and event["text"]:
-                yield chunk({"content": event["text"]})
-            elif event["type"] in ("done", "error"):
-                done = event
-        _record(meta, done, True, metrics)
-        if done.get("reason") in _FINISH:
-            yield chunk({}, _FINISH[done["reason"]])
+        for event in gen.events(KEEPALIVE_S):
+            match event:
+                case None:
+                    yield ": keep-alive\n\n"
+                case Delta(text=text) if text:
+                    yield chunk({"content": text})
+                case Done() | Refused():
+                    end = event
+        turns.record(end, "v1", meta["id"])
+        if isinstance(end, Done) and end.reason in _FINISH:
+            yield chunk({}, _FINISH[end.reason])
             if include_usage:
-                yield _sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage(done)})
+                yield _sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage(end)})
         else:
-            failure = _failure(done, meta["id"])
-            yield _sse({"error": {"message": failure.message, "type": _ERROR_TYPE[failure.status],
-                                  "param": None, "code": failure.code}})
+            yield _sse(error_body(_failure(end, meta["id"])))
         yield "data: [DONE]\n\n"
     finally:
-        if done is None:
+        if end is None:
             log.info("v1 %s client closed the stream; generation cancelled", meta["id"])
             gen.cancel()
-            if metrics is not None:
-                metrics.finished({"type": "done", "reason": "cancelled"})
+            turns.record(Done("cancelled"), "v1", meta["id"])
         gen.close()
+
+
+_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               502: "server_error", 503: "server_error"}
+
+
+def error_body(exc: ChatError) -> dict:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": exc.message, "type": _ERROR_TYPE.get(exc.status, "invalid_request_error"),
+                      "param": getattr(exc, "param", None), "code": exc.code}}

@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ..errors import ProtocolError
+from ..errors import PROTOCOL_STATUS, ChatError, ProtocolError
 
 PROTOCOL = "chat.v1"
 ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # always fullmatch: "$" would let a trailing newline in
@@ -133,3 +133,13 @@ def parse(raw, max_content_chars: int, max_new_tokens: int) -> Request:
     return Request(type=kind, id=msg.get("id"), content=msg.get("content"),
                    conversation_id=msg.get("conversation_id"), system=msg.get("system"),
                    params=params, from_index=msg.get("from", 0), t=msg.get("t"))
+
+
+def error_frame(exc: ChatError, id: str | None = None) -> dict:
+    """The ``error`` frame for any error; codes outside the protocol's become ``internal``."""
+    code = exc.code if exc.code in PROTOCOL_STATUS else "internal"
+    frame = {"type": "error", "code": code, "message": exc.message}
+    id = getattr(exc, "id", None) or id
+    if id is not None:
+        frame["id"] = id
+    return frame

@@ -1,0 +1,63 @@
+"""What a generation tells its consumer, in order: Queued*, Started, Delta*, Done (or Refused alone)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Queued:
+    """Waiting for engine capacity; ``position`` 1 is next."""
+
+    position: int
+
+
+@dataclass(frozen=True)
+class Started:
+    """The prompt was accepted; generation has begun."""
+
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of the answer's text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Refused before start (e.g. the prompt does not fit); always the last event."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The answer ended; always the last event after ``Started``."""
+
+    reason: str
+    usage: dict = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0})
+    timings: dict = field(default_factory=lambda: {"ttft_ms": None, "total_ms": 0, "tokens_per_s": 0})
+    reused_tokens: int = 0
+    message: str | None = None  # what went wrong, for reason ``error``
+
+    @classmethod
+    def build(cls, reason: str, prompt_tokens: int, completion_tokens: int, submitted_at: float,
+              first_delta_at: float | None, reused_tokens: int = 0, message: str | None = None) -> "Done":
+        """The one place usage and timings are computed: decode rate counts tokens after the first."""
+        now = time.monotonic()
+        decode_s = now - first_delta_at if first_delta_at is not None else 0.0
+        rate = (completion_tokens - 1) / decode_s if decode_s > 0 and completion_tokens > 1 else 0.0
+        ttft = first_delta_at - submitted_at if first_delta_at is not None else None
+        return cls(reason,
+                   {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+                   {"ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
+                    "total_ms": round((now - submitted_at) * 1000, 1), "tokens_per_s": round(rate, 2)},
+                   reused_tokens, message)
+
+
+Event = Queued | Started | Delta | Refused | Done
+END = (Done, Refused)  # the event types that end a generation

@@ -1,0 +1,197 @@
+"""A run: one answer pumped from the engine to the store and to whichever connection is attached.
+
+Runs outlive a dropped socket: each keeps every delta, so a client that
+reconnects can ``resume`` from any index while the run goes on and for a
+grace period after it ends.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Protocol
+
+from .concurrency import spawn
+from .engine.events import Delta, Done, Queued, Refused, Started
+from .errors import StorageFull
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_EVERY_S = 1.0
+
+
+class Subscriber(Protocol):
+    """Where a run's frames go: a WebSocket session."""
+
+    def send(self, frame: dict) -> bool:
+        """Deliver one frame; False once the connection is gone."""
+
+    def adopt(self, run: "Run") -> None:
+        """The run now sends its frames here."""
+
+    def forget(self, run: "Run") -> None:
+        """The run ended, or moved to another connection."""
+
+
+class Runs:
+    """Every run by (client, request id), and which conversations are busy."""
+
+    def __init__(self):
+        self.by_id: dict = {}
+        self.by_conversation: dict = {}
+
+    def get(self, client: str, rid: str) -> "Run | None":
+        return self.by_id.get((client, rid))
+
+    def active(self, client: str, rid: str) -> bool:
+        run = self.get(client, rid)
+        return run is not None and not run.finished
+
+    def busy(self, conversation_id: str) -> bool:
+        run = self.by_conversation.get(conversation_id)
+        return run is not None and not run.finished
+
+    def add(self, run: "Run") -> None:
+        self.by_id[(run.client, run.id)] = run
+        self.by_conversation[run.conversation_id] = run
+
+    def release(self, run: "Run") -> None:
+        if self.by_conversation.get(run.conversation_id) is run:
+            del self.by_conversation[run.conversation_id]
+
+    def forget(self, run: "Run") -> None:
+        if self.by_id.get((run.client, run.id)) is run:
+            del self.by_id[(run.client, run.id)]
+
+    def all_active(self) -> list:
+        return [r for r in list(self.by_id.values()) if not r.finished]
+
+
+class Run:
+    """One answer: the replay buffer, store checkpoints, metrics and the log line (via the service)."""
+
+    def __init__(self, service, client: str, rid: str, conversation_id: str, message_id: str, gen,
+                 subscriber: Subscriber | None):
+        self.service, self.client, self.id = service, client, rid
+        self.conversation_id, self.message_id, self.gen = conversation_id, message_id, gen
+        self.deltas: list[str] = []
+        self.done_frame: dict | None = None
+        self.started = False
+        self.finished = False
+        self.subscriber = subscriber
+        self.lock = threading.RLock()
+        self.finished_event = threading.Event()
+        self.last_checkpoint = time.monotonic()
+
+    @property
+    def store(self):
+        return self.service.store
+
+    def pump(self) -> None:
+        """Consume the generation's events until the last (runs in its own greenlet/thread)."""
+        try:
+            for event in self.gen.events():
+                match event:
+                    case Queued(position=position):
+                        self.forward({"type": "queued", "id": self.id, "position": position})
+                    case Started():
+                        self.send_start()
+                    case Delta(text=text):
+                        self.on_delta(text)
+                    case Refused():
+                        self.on_refused(event)
+                    case Done():
+                        self.on_done(event)
+        except Exception:
+            log.exception("run %s failed", self.id)
+            self.gen.cancel("error")
+            self.on_done(Done("error"))
+        finally:
+            self.finish()
+
+    def send_start(self) -> None:
+        if not self.started:
+            self.started = True
+            self.forward({"type": "start", "id": self.id, "conversation_id": self.conversation_id,
+                          "message_id": self.message_id})
+
+    def on_delta(self, text: str) -> None:
+        with self.lock:
+            index = len(self.deltas)
+            self.deltas.append(text)
+            self.forward({"type": "delta", "id": self.id, "index": index, "text": text})
+        now = time.monotonic()
+        if now - self.last_checkpoint >= CHECKPOINT_EVERY_S:
+            self.last_checkpoint = now
+            self.write(self.store.save_partial, self.message_id, "".join(self.deltas))
+
+    def write(self, method, *args) -> None:
+        """A store write the answer goes on without: a full store is logged there, the client still gets it."""
+        try:
+            method(*args)
+        except StorageFull:
+            pass
+
+    def on_refused(self, event: Refused) -> None:
+        self.write(self.store.finish_assistant, self.message_id, "", "error", {}, {})
+        self.service.record(event, "ws", self.id, self.conversation_id)
+        self.forward({"type": "error", "id": self.id, "code": event.code, "message": event.message})
+
+    def on_done(self, event: Done) -> None:
+        self.send_start()  # a request cancelled while queued still gets start, then done
+        text = "".join(self.deltas)
+        self.write(self.store.finish_assistant, self.message_id, text, event.reason, event.usage, event.timings)
+        self.service.record(event, "ws", self.id, self.conversation_id,
+                            prompt=self.gen.messages[-1]["content"], text=text)
+        frame = {"type": "done", "id": self.id, "reason": event.reason, "usage": event.usage,
+                 "timings": event.timings}
+        with self.lock:
+            self.done_frame = frame
+            self.forward(frame)
+
+    def finish(self) -> None:
+        self.finished = True
+        self.service.runs.release(self)
+        self.finished_event.set()
+        if self.subscriber is not None:
+            self.subscriber.forget(self)
+        spawn(self._expire)
+
+    def _expire(self) -> None:
+        time.sleep(self.service.settings.resume_grace_s)
+        self.service.runs.forget(self)
+
+    def forward(self, frame: dict) -> None:
+        subscriber = self.subscriber
+        if subscriber is not None and not subscriber.send(frame):
+            self.detach(subscriber)
+
+    def attach(self, subscriber: Subscriber, start: int) -> None:
+        """Replay deltas from ``start``, then continue live (or send ``done``)."""
+        with self.lock:
+            old = self.subscriber
+            self.subscriber = None
+            if old is not None and old is not subscriber:
+                old.forget(self)
+            for index in range(start, len(self.deltas)):
+                if not subscriber.send({"type": "delta", "id": self.id, "index": index,
+                                        "text": self.deltas[index]}):
+                    return
+            if self.done_frame is not None:
+                subscriber.send(self.done_frame)
+            else:
+                self.subscriber = subscriber
+
+    def detach(self, subscriber: Subscriber) -> None:
+        """The connection went away: cancel after the grace period unless someone resumes."""
+        with self.lock:
+            if self.subscriber is not subscriber:
+                return
+            self.subscriber = None
+        if not self.finished:
+            spawn(self._cancel_unless_resumed)
+
+    def _cancel_unless_resumed(self) -> None:
+        time.sleep(self.service.settings.resume_grace_s)
+        if self.subscriber is None and not self.finished:
+            self.gen.cancel("cancelled")

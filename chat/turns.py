@@ -1,0 +1,192 @@
+"""The turn service both transports use: history → prompt → params → submit → store → the run.
+
+The WebSocket and ``/v1`` adapters parse a request, call this service, and
+serialize what comes back; every rule about a turn is written here once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from .concurrency import spawn
+from .engine import GenParams, Generation
+from .engine.events import Done, Refused
+from .errors import ProtocolError
+from .runs import Run, Runs, Subscriber
+from .store import new_id
+
+log = logging.getLogger(__name__)
+
+
+class TurnService:
+    """Turns for every client of one process: checks, the engine, the store, the runs."""
+
+    def __init__(self, settings, engine, store, metrics, limits):
+        self.settings, self.engine, self.store = settings, engine, store
+        self.metrics, self.limits = metrics, limits
+        self.runs = Runs()
+
+    # ---- building a turn
+
+    def params(self, given: dict) -> GenParams:
+        """Sampling parameters: the request's (GenParams names), else the server's; max tokens capped."""
+        s = self.settings
+        return GenParams(temperature=given.get("temperature", s.temperature),
+                         top_p=given.get("top_p", s.top_p),
+                         max_new_tokens=min(given.get("max_new_tokens", s.max_new_tokens), s.max_new_tokens),
+                         seed=given.get("seed"), stop=tuple(given.get("stop", ())))
+
+    def prompt(self, messages: list, system: str | None = None) -> list:
+        """The messages the model sees: a system prompt first when they bring none."""
+        system = system or self.settings.system_prompt
+        if system and not any(m["role"] == "system" for m in messages):
+            return [{"role": "system", "content": system}, *messages]
+        return messages
+
+    # ---- WebSocket turns: stored, resumable
+
+    def chat(self, client: str, address: str, req, subscriber: Subscriber) -> Run:
+        """Append ``req.content`` to the conversation (a new one without ``conversation_id``) and answer."""
+        self._check_new(client, req)
+        if req.conversation_id is not None:
+            self._check_owner(client, req)
+        self._check_busy(req)
+        new = req.conversation_id is None
+        conv_id = new_id() if new else req.conversation_id
+        history = [] if new else self.store.history(conv_id)
+        messages = self.prompt(history + [{"role": "user", "content": req.content}], req.system if new else None)
+
+        def write() -> None:
+            if new:
+                self.store.create_conversation(client, system=req.system or self.settings.system_prompt,
+                                               id=conv_id)
+            self.store.add_user_message(client, conv_id, req.content)
+        return self._start(client, address, req, conv_id, messages, write, subscriber)
+
+    def regenerate(self, client: str, address: str, req, subscriber: Subscriber) -> Run:
+        """Answer the conversation's last user message again, replacing the last answer."""
+        self._check_new(client, req)
+        self._check_owner(client, req)
+        self._check_busy(req)
+        history = self.store.history(req.conversation_id)
+        if history and history[-1]["role"] == "assistant":
+            history = history[:-1]
+        if not history or history[-1]["role"] != "user":
+            raise ProtocolError("bad_message", "the conversation has no user message to answer", req.id)
+        return self._start(client, address, req, req.conversation_id, self.prompt(history),
+                           lambda: self.store.drop_last_assistant(client, req.conversation_id), subscriber)
+
+    def cancel(self, client: str, rid: str) -> None:
+        """End request ``rid`` with ``done`` ``cancelled`` (a no-op once it finished)."""
+        self.run_of(client, rid, "no request {!r} on this client").gen.cancel("cancelled")
+
+    def resume(self, client: str, rid: str, start: int, subscriber: Subscriber) -> Run:
+        """Attach ``subscriber`` to request ``rid``: replay from delta ``start``, then live."""
+        run = self.run_of(client, rid, "no request {!r} to resume")
+        subscriber.adopt(run)
+        run.attach(subscriber, start)
+        if run.finished:
+            subscriber.forget(run)
+        return run
+
+    def run_of(self, client: str, rid: str, missing: str) -> Run:
+        run = self.runs.get(client, rid)
+        if run is None:
+            raise ProtocolError("unknown_id", missing.format(rid), rid)
+        return run
+
+    def _check_new(self, client: str, req) -> None:
+        if self.runs.active(client, req.id):
+            raise ProtocolError("duplicate_id", f"request {req.id!r} is already active", req.id)
+
+    def _check_owner(self, client: str, req) -> None:
+        if not self.store.owns(client, req.conversation_id):
+            raise ProtocolError("not_found", "no such conversation", req.id)
+
+    def _check_busy(self, req) -> None:
+        if req.conversation_id is not None and self.runs.busy(req.conversation_id):
+            raise ProtocolError("busy", "this conversation is already answering", req.id)
+
+    def _submit(self, address: str, client: str | None, rid: str | None, messages: list, params: GenParams,
+                key: str | None = None) -> Generation:
+        """Admit against the limits (last of the checks: a refused request spends no token), then submit.
+
+        The answer counts against ``client`` and ``address`` until the engine ends it.
+        """
+        ticket = self.limits.admit(address, client, rid)
+        try:
+            gen = self.engine.submit(messages, params, key=key)
+        except BaseException:
+            ticket.release()
+            raise
+        self.limits.track(ticket, gen)
+        return gen
+
+    def _start(self, client: str, address: str, req, conv_id: str, messages: list, write, subscriber) -> Run:
+        """Submit, then store; a store failure (quota, full disk) cancels the generation instead of orphaning it."""
+        gen = self._submit(address, client, req.id, messages, self.params(req.params), key=conv_id)
+        try:
+            write()
+            message_id = self.store.start_assistant(conv_id)
+        except BaseException:
+            gen.cancel("error")
+            gen.close()
+            raise
+        run = Run(self, client, req.id, conv_id, message_id, gen, subscriber)
+        self.runs.add(run)
+        subscriber.adopt(run)
+        spawn(run.pump)
+        return run
+
+    # ---- /v1 turns: stateless
+
+    def answer(self, address: str, messages: list, given: dict) -> Generation:
+        """Submit a whole conversation the caller brings; nothing is stored; counted per address only."""
+        return self._submit(address, None, None, self.prompt(messages), self.params(given))
+
+    # ---- the end of a connection
+
+    def forget_anonymous(self, client: str, runs) -> None:
+        """No one can reach a cookie-less connection's conversations again: delete them once its runs end."""
+        def forget() -> None:
+            for run in runs:
+                run.finished_event.wait()
+            self.store.forget_client(client)
+        spawn(forget)
+
+    # ---- the end of every turn
+
+    def record(self, end: Done | Refused, transport: str, id: str, conversation: str | None = None,
+               prompt: str | None = None, text: str | None = None) -> None:
+        """Count the outcome in the metrics and write the one log line of a generation."""
+        if isinstance(end, Refused):
+            self.metrics.errors.labels(end.code).inc()
+            end = Done(f"refused:{end.code}", message=end.message)
+        else:
+            self.metrics.finished(end)
+        usage, timings = end.usage, end.timings
+        extra = {}
+        if text is not None:
+            extra["chars"] = len(text)
+        if self.settings.log_content and text is not None:
+            extra.update(prompt=prompt, text=text)
+        log.info("generation %s", json.dumps({
+            "transport": transport, "conversation": conversation, "id": id, "reason": end.reason,
+            "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
+            "ttft_ms": timings.get("ttft_ms"), "tokens_per_s": timings.get("tokens_per_s"),
+            "reused_tokens": end.reused_tokens, **extra}))
+        if end.reason == "error" and end.message:
+            log.error("generation %s failed: %s", id, end.message)
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop taking turns, let answers finish within ``timeout``, end the rest with ``shutdown``."""
+        log.info("shutting down: letting %d answers finish", len(self.runs.all_active()))
+        self.engine.drain()
+        deadline = time.monotonic() + max(0.0, timeout)
+        while self.runs.all_active() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.engine.shutdown("shutdown")
+        deadline = time.monotonic() + 5
+        while self.runs.all_active() and time.monotonic() < deadline:
+            time.sleep(0.05)

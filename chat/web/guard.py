@@ -1,0 +1,54 @@
+"""Who may connect: the origin check, the API key, and the client identity a request carries."""
+from __future__ import annotations
+
+from flask import request
+
+from ..errors import RequestError
+from . import identity
+from .limits import address_of
+
+
+def origin_allowed(origin: str, host: str, scheme: str, allowed) -> bool:
+    """The page's own origin (exactly its scheme + Host) or one listed in CHAT_ALLOWED_ORIGINS."""
+    origin = origin.rstrip("/")
+    return origin == f"{scheme}://{host}" or origin in allowed or "*" in allowed
+
+
+def bearer_ok(key: str, socket: bool = True) -> bool:
+    """Whether the request carries the API key (``Authorization: Bearer``; on the socket also a
+    ``bearer.`` subprotocol or ``?token=``)."""
+    return identity.has_key(request, key, socket)
+
+
+def check_origin(settings) -> None:
+    """Refuse a cross-origin request (403) unless its origin is allowed; no Origin is fine."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return
+    scheme = "https" if identity.is_https(request, settings.trusted_proxies) else "http"
+    host = identity.public_host(request, settings.trusted_proxies)
+    if not origin_allowed(origin, host, scheme, settings.allowed_origins):
+        raise RequestError("forbidden", "cross-origin WebSocket refused", 403)
+
+
+def key_ok(settings, socket: bool) -> bool:
+    """Without CHAT_API_KEY, always; with it, whether the request has the key (or, on the socket,
+    the page's signed identity cookie)."""
+    key = settings.api_key
+    return not key or (socket and identity.browser_client() is not None) or bearer_ok(key, socket)
+
+
+def socket_client() -> str:
+    """The identity of a WebSocket client: its cookie (a key-holder's own namespace), else a fresh
+    anonymous one, whose conversations are deleted when the connection ends."""
+    return identity.current_client() or identity.ANONYMOUS + identity.new_client_id()
+
+
+def remote_ip(settings) -> str:
+    """The caller's address, as far as trusted proxies vouch for it."""
+    return identity.remote_ip(request, settings.trusted_proxies)
+
+
+def address(settings) -> str:
+    """The address the caller's limits count against (IPv6 by its /64)."""
+    return address_of(remote_ip(settings))
