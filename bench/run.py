@@ -497,6 +497,8 @@ def server_env(workdir: Path, args) -> dict:
     env.update({"CHAT_DATA_DIR": str(workdir / "data"), "CHAT_MAX_BATCH": str(batch),
                 "CHAT_CONTEXT_TOKENS": "4096", "CHAT_MAX_NEW_TOKENS": str(max(512, args.tokens)),
                 "CHAT_RATE_LIMIT_PER_MIN": "0", "CHAT_MAX_CONNECTIONS_PER_IP": "0", "CHAT_WORKERS": "1",
+                # every bench stream comes from 127.0.0.1
+                "CHAT_RATE_LIMIT_PER_IP_PER_MIN": "0", "CHAT_MAX_ACTIVE_PER_IP": "0",
                 "CHAT_GRACEFUL_TIMEOUT_S": "5"})
     return env
 

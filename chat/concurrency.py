@@ -125,6 +125,10 @@ class Channel:
                     if not self._items:
                         self._cond.wait(remaining)
 
+    def peek(self) -> list:
+        """The items not yet taken (a snapshot)."""
+        return list(self._items)
+
     def close(self) -> None:
         """Release the hub watcher; call from the consumer."""
         if self._closed:

@@ -1,7 +1,9 @@
 """Conversations and messages in one SQLite file: the only module that touches sqlite3."""
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import re
 import socket
@@ -14,6 +16,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .concurrency import real_lock
+from .errors import ProtocolError, StorageFull
+
+log = logging.getLogger(__name__)
 
 PLACEHOLDER_TITLE = "New chat"
 TITLE_CHARS = 60
@@ -91,6 +96,20 @@ def _iso(ts: float) -> str:
 _open_stores: set[str] = set()
 
 
+def _guarded(method):
+    """SQLite's "database or disk is full" becomes StorageFull; the failed statement changed nothing."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF != sqlite3.SQLITE_FULL:
+                raise
+            log.error("storage is full, a write was refused: %s", exc)
+            raise StorageFull() from None
+    return wrapper
+
+
 def _alive(owner: str | None) -> bool:
     """Whether the Store that started a streaming answer may still be writing it: open in
     this process, or in another live process on this host (a sibling gunicorn worker)."""
@@ -115,8 +134,10 @@ def _alive(owner: str | None) -> bool:
 class Store:
     """Conversations of many clients; safe to share between greenlets and OS threads."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, max_conversations: int = 0, max_messages: int = 0,
+                 max_mb: int = 0):
         path = str(path)
+        self.max_conversations, self.max_messages = max_conversations, max_messages
         if path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         # A real lock, even after monkey-patching: no statement yields to the hub while it is
@@ -129,6 +150,9 @@ class Store:
         self._db.execute("PRAGMA journal_mode = WAL")
         self._db.execute("PRAGMA synchronous = NORMAL")
         self._db.execute("PRAGMA foreign_keys = ON")
+        if max_mb:  # SQLite refuses to grow past this, exactly as on a full disk
+            page = self._db.execute("PRAGMA page_size").fetchone()[0]
+            self._db.execute(f"PRAGMA max_page_count = {max_mb * 2**20 // page}")
         self._migrate()
         self.recover()
         _open_stores.add(self._token)
@@ -162,7 +186,8 @@ class Store:
         try:
             yield
         except BaseException:
-            self._db.execute("ROLLBACK")
+            if self._db.in_transaction:  # SQLITE_FULL may already have rolled it back
+                self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
 
@@ -193,6 +218,7 @@ class Store:
                 "UPDATE messages SET status = 'interrupted', reason = 'error' WHERE id = ?", stale)
         return len(stale)
 
+    @_guarded
     def create_conversation(self, client_id: str, system: str | None = None,
                             title: str | None = None, id: str | None = None) -> dict:
         """Start an empty conversation for ``client_id`` (under ``id`` when the caller chose it)."""
@@ -200,6 +226,10 @@ class Store:
         conv = {"id": id or _new_id(), "title": title or PLACEHOLDER_TITLE, "system": system or None,
                 "created_at": now, "updated_at": now}
         with self._lock:
+            count = self._one("SELECT count(*) FROM conversations WHERE client_id = ?", (client_id,))[0]
+            if self.max_conversations and count >= self.max_conversations:
+                raise ProtocolError("too_large", f"you have {count} conversations, the most this server keeps "
+                                                 "for one client; delete some to start a new one")
             self._db.execute(
                 "INSERT INTO conversations (id, client_id, title, title_set, system, created_at, updated_at)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -232,6 +262,7 @@ class Store:
                 " ORDER BY updated_at DESC, rowid DESC", (client_id,)).fetchall()
         return [dict(r) for r in rows]
 
+    @_guarded
     def rename(self, client_id: str | None, conv_id, title: str) -> bool:
         """Set the title; False if the conversation is not this client's."""
         with self._lock:
@@ -241,6 +272,7 @@ class Store:
                              (title, time.time(), conv_id))
         return True
 
+    @_guarded
     def delete(self, client_id: str | None, conv_id) -> bool:
         """Delete the conversation and its messages; False if it is not this client's."""
         if not client_id or not _valid(conv_id):
@@ -250,6 +282,7 @@ class Store:
                                    (conv_id, client_id))
         return cur.rowcount > 0
 
+    @_guarded
     def add_user_message(self, client_id: str | None, conv_id, content: str) -> dict | None:
         """Append a user message; the first one also titles a conversation not yet named."""
         now = time.time()
@@ -258,6 +291,10 @@ class Store:
         with self._lock:
             if not self._owned(client_id, conv_id):
                 return None
+            count = self._one("SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,))[0]
+            if self.max_messages and count + 2 > self.max_messages:  # room for the question and its answer
+                raise ProtocolError("too_large", f"this conversation has reached {count} messages, the most "
+                                                 "this server keeps in one; start a new conversation")
             with self._transaction():
                 self._db.execute(
                     "INSERT INTO messages (id, conversation_id, role, content, status, created_at)"
@@ -267,6 +304,7 @@ class Store:
                                  (_title_from(content), conv_id))
         return msg
 
+    @_guarded
     def start_assistant(self, conv_id: str) -> str:
         """Add an empty 'streaming' assistant message and return its id."""
         message_id = _new_id()
@@ -277,12 +315,14 @@ class Store:
                 (message_id, conv_id, f"{socket.gethostname()}:{os.getpid()}:{self._token}", time.time()))
         return message_id
 
+    @_guarded
     def save_partial(self, message_id: str, content: str) -> None:
         """Checkpoint the text streamed so far, so a crash loses little of it."""
         with self._lock:
             self._db.execute("UPDATE messages SET content = ? WHERE id = ? AND status = 'streaming'",
                              (content, message_id))
 
+    @_guarded
     def finish_assistant(self, message_id: str, content: str, reason: str,
                          usage: dict | None = None, timings: dict | None = None) -> None:
         """Store the final text; 'complete' for stop/length, otherwise 'partial'."""
@@ -298,6 +338,7 @@ class Store:
                 "UPDATE conversations SET updated_at = ?"
                 " WHERE id = (SELECT conversation_id FROM messages WHERE id = ?)", (now, message_id))
 
+    @_guarded
     def drop_last_assistant(self, client_id: str | None, conv_id) -> dict | None:
         """For regenerate: delete a trailing assistant message and return the last user message."""
         with self._lock:
@@ -311,6 +352,18 @@ class Store:
                 row = self._one(f"SELECT {_MSG} FROM messages WHERE conversation_id = ? AND role = 'user'"
                                 " ORDER BY seq DESC LIMIT 1", (conv_id,))
         return self._message(row) if row is not None else None
+
+    @_guarded
+    def forget_client(self, client_id: str) -> int:
+        """Delete every conversation of ``client_id``; return how many."""
+        with self._lock:
+            return self._db.execute("DELETE FROM conversations WHERE client_id = ?", (client_id,)).rowcount
+
+    def expire_clients(self, prefix: str, idle_s: float) -> int:
+        """Delete conversations of clients named ``prefix...`` idle for ``idle_s``; return how many."""
+        with self._lock:
+            return self._db.execute("DELETE FROM conversations WHERE substr(client_id, 1, ?) = ?"
+                                    " AND updated_at < ?", (len(prefix), prefix, time.time() - idle_s)).rowcount
 
     def history(self, conv_id: str, limit: int | None = None) -> list[dict]:
         """The prompt messages: the system prompt (if any), then the non-empty turns in order (the newest ``limit``)."""

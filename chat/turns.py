@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 class TurnService:
     """Turns for every client of one process: checks, the engine, the store, the runs."""
 
-    def __init__(self, settings, engine, store, metrics, rate):
+    def __init__(self, settings, engine, store, metrics, limits):
         self.settings, self.engine, self.store = settings, engine, store
-        self.metrics, self.rate = metrics, rate
+        self.metrics, self.limits = metrics, limits
         self.runs = Runs()
 
     # ---- building a turn
@@ -47,15 +47,15 @@ class TurnService:
 
     # ---- WebSocket turns: stored, resumable
 
-    def chat(self, client: str, req, active: int, subscriber: Subscriber) -> Run:
+    def chat(self, client: str, address: str, req, subscriber: Subscriber) -> Run:
         """Append ``req.content`` to the conversation (a new one without ``conversation_id``) and answer."""
         self._check_new(client, req)
         if req.conversation_id is not None:
             self._check_owner(client, req)
-        self._check_busy(req, active)
+        self._check_busy(req)
         new = req.conversation_id is None
         conv_id = new_id() if new else req.conversation_id
-        history = [] if new else self.store.history(conv_id, limit=self.settings.max_messages)
+        history = [] if new else self.store.history(conv_id, limit=self.settings.max_messages or None)
         messages = self.prompt(history + [{"role": "user", "content": req.content}], req.system if new else None)
 
         def write() -> None:
@@ -63,19 +63,19 @@ class TurnService:
                 self.store.create_conversation(client, system=req.system or self.settings.system_prompt,
                                                id=conv_id)
             self.store.add_user_message(client, conv_id, req.content)
-        return self._start(client, req, conv_id, messages, write, subscriber)
+        return self._start(client, address, req, conv_id, messages, write, subscriber)
 
-    def regenerate(self, client: str, req, active: int, subscriber: Subscriber) -> Run:
+    def regenerate(self, client: str, address: str, req, subscriber: Subscriber) -> Run:
         """Answer the conversation's last user message again, replacing the last answer."""
         self._check_new(client, req)
         self._check_owner(client, req)
-        self._check_busy(req, active)
-        history = self.store.history(req.conversation_id, limit=self.settings.max_messages)
+        self._check_busy(req)
+        history = self.store.history(req.conversation_id, limit=self.settings.max_messages or None)
         if history and history[-1]["role"] == "assistant":
             history = history[:-1]
         if not history or history[-1]["role"] != "user":
             raise ProtocolError("bad_message", "the conversation has no user message to answer", req.id)
-        return self._start(client, req, req.conversation_id, self.prompt(history),
+        return self._start(client, address, req, req.conversation_id, self.prompt(history),
                            lambda: self.store.drop_last_assistant(client, req.conversation_id), subscriber)
 
     def cancel(self, client: str, rid: str) -> None:
@@ -105,22 +105,28 @@ class TurnService:
         if not self.store.owns(client, req.conversation_id):
             raise ProtocolError("not_found", "no such conversation", req.id)
 
-    def _check_busy(self, req, active: int) -> None:
+    def _check_busy(self, req) -> None:
         if req.conversation_id is not None and self.runs.busy(req.conversation_id):
             raise ProtocolError("busy", "this conversation is already answering", req.id)
-        limit = self.settings.max_active_per_connection
-        if active >= limit:
-            raise ProtocolError("busy", f"at most {limit} answers at once per connection", req.id)
 
-    def _check_rate(self, key: str, rid: str | None = None) -> None:
-        """Last of the checks: a refused request must not spend a token."""
-        if not self.rate.allow(key):
-            raise ProtocolError("rate_limited", "too many requests; slow down", rid)
+    def _submit(self, address: str, client: str | None, rid: str | None, messages: list, params: GenParams,
+                key: str | None = None) -> Generation:
+        """Admit against the limits (last of the checks: a refused request spends no token), then submit.
 
-    def _start(self, client: str, req, conv_id: str, messages: list, write, subscriber) -> Run:
-        """Submit, then store; a store failure cancels the generation instead of orphaning it."""
-        self._check_rate(client, req.id)
-        gen = self.engine.submit(messages, self.params(req.params), key=conv_id)
+        The answer counts against ``client`` and ``address`` until the engine ends it.
+        """
+        ticket = self.limits.admit(address, client, rid)
+        try:
+            gen = self.engine.submit(messages, params, key=key)
+        except BaseException:
+            ticket.release()
+            raise
+        self.limits.track(ticket, gen)
+        return gen
+
+    def _start(self, client: str, address: str, req, conv_id: str, messages: list, write, subscriber) -> Run:
+        """Submit, then store; a store failure (quota, full disk) cancels the generation instead of orphaning it."""
+        gen = self._submit(address, client, req.id, messages, self.params(req.params), key=conv_id)
         try:
             write()
             message_id = self.store.start_assistant(conv_id)
@@ -136,10 +142,19 @@ class TurnService:
 
     # ---- /v1 turns: stateless
 
-    def answer(self, rate_key: str, messages: list, given: dict) -> Generation:
-        """Submit a whole conversation the caller brings; nothing is stored."""
-        self._check_rate(rate_key)
-        return self.engine.submit(self.prompt(messages), self.params(given))
+    def answer(self, address: str, messages: list, given: dict) -> Generation:
+        """Submit a whole conversation the caller brings; nothing is stored; counted per address only."""
+        return self._submit(address, None, None, self.prompt(messages), self.params(given))
+
+    # ---- the end of a connection
+
+    def forget_anonymous(self, client: str, runs) -> None:
+        """No one can reach a cookie-less connection's conversations again: delete them once its runs end."""
+        def forget() -> None:
+            for run in runs:
+                run.finished_event.wait()
+            self.store.forget_client(client)
+        spawn(forget)
 
     # ---- the end of every turn
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ..errors import PROTOCOL_STATUS, ChatError, ProtocolError
 
 PROTOCOL = "chat.v1"
-ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # always fullmatch: "$" would let a trailing newline in
 
 
 @dataclass
@@ -35,7 +35,7 @@ def _is_number(v) -> bool:
 
 
 def _req_id(v) -> str | None:
-    if not isinstance(v, str) or not ID.match(v):
+    if not isinstance(v, str) or not ID.fullmatch(v):
         return "must be 1-64 characters of A-Z, a-z, 0-9, _ or -"
     return None
 
@@ -103,7 +103,7 @@ def parse(raw, max_content_chars: int, max_new_tokens: int) -> Request:
         raise ProtocolError("bad_json", "the message is not valid JSON") from None
     if not isinstance(msg, dict):
         raise ProtocolError("bad_message", "the message must be a JSON object")
-    rid = msg.get("id") if isinstance(msg.get("id"), str) and ID.match(msg.get("id", "")) else None
+    rid = msg.get("id") if isinstance(msg.get("id"), str) and ID.fullmatch(msg.get("id", "")) else None
     kind = msg.get("type")
     if not isinstance(kind, str):
         raise ProtocolError("bad_message", "field 'type' is required and must be a string", rid)
