@@ -1,8 +1,11 @@
 """gunicorn settings: the gevent worker, one model copy per worker, streams never killed."""
 import logging
 import os
+import re
 import signal
 import sys
+
+from gunicorn.glogging import Logger
 
 from chat.config import Settings
 from chat.errors import ConfigError
@@ -24,6 +27,23 @@ keepalive = 75
 # Load the model after the fork, inside each worker (torch state does not survive fork well).
 preload_app = False
 accesslog = "-"
+
+
+class RedactingLogger(Logger):
+    """gunicorn's logger, with the API key cut out of access-log lines (``?token=``, auth headers)."""
+
+    TOKEN = re.compile(r"((?:^|[?&;])token=)[^&;\s\"]*", re.I)
+    SECRET_HEADERS = ("{authorization}i", "{sec-websocket-protocol}i", "{cookie}i")
+
+    def atoms(self, resp, req, environ, request_time):
+        atoms = super().atoms(resp, req, environ, request_time)
+        for name, value in atoms.items():
+            if isinstance(value, str):
+                atoms[name] = "[redacted]" if name in self.SECRET_HEADERS else self.TOKEN.sub(r"\1[redacted]", value)
+        return atoms
+
+
+logger_class = RedactingLogger
 errorlog = "-"
 loglevel = _settings.log_level
 # X-Forwarded-* headers are judged by the app itself (CHAT_TRUSTED_PROXIES), never by gunicorn.

@@ -1,6 +1,7 @@
-"""In-process limit: plain transformers ``generate`` on a worker thread, the main thread torch-free.
+"""In-process limit: plain transformers ``generate`` and a raw forward loop, on a worker thread.
 
-Run as ``python -m bench.inprocess --prompt TEXT --tokens N --reps R``; prints one JSON object.
+Run as ``python -m bench.inprocess --prompt TEXT --tokens N --reps R --batches 1,8,16``; prints
+one JSON object. The main thread stays torch-free, as in the server.
 The model is loaded with the server's own loader and settings (same weights, dtype, threads),
 and the prompt goes through the same chat template with the same system prompt.
 """
@@ -13,7 +14,25 @@ import threading
 import time
 
 
-def measure(prompt_text: str, tokens: int, reps: int) -> dict:
+def raw_loop(torch, model, ids: list, batch: int, steps: int) -> dict:
+    """A plain greedy forward loop with transformers' own cache at ``batch`` rows: this design's ceiling."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids] * batch), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        times = []
+        for _ in range(steps + 3):
+            started = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - started)
+    step = statistics.median(times[3:])  # the first steps warm this batch size's kernels
+    return {"batch": batch, "step_ms": step * 1000, "tok_s": batch / step}
+
+
+def measure(prompt_text: str, tokens: int, reps: int, batches=(1, 8)) -> dict:
     """Load, warm up and time ``reps`` greedy generations of exactly ``tokens`` new tokens."""
     import torch
     from transformers.generation.streamers import BaseStreamer
@@ -58,7 +77,8 @@ def measure(prompt_text: str, tokens: int, reps: int) -> dict:
 
     once(8)  # warm-up, not counted
     runs = [once(tokens) for _ in range(reps)]
-    return {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
+    raw = [raw_loop(torch, loaded.model, ids, b, tokens) for b in batches]
+    return {"raw": {str(r["batch"]): r for r in raw}, "model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
             "device": str(loaded.device), "torch_threads": torch.get_num_threads(),
             "load_s": loaded.load_s, "prompt_tokens": len(ids), "runs": runs,
             "tok_s": statistics.median(r["tok_s"] for r in runs),
@@ -70,12 +90,13 @@ def main() -> None:
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--batches", default="1,8", help="batch sizes of the raw forward loop")
     args = parser.parse_args()
     result: dict = {}
 
     def work() -> None:
         try:
-            result.update(measure(args.prompt, args.tokens, args.reps))
+            result.update(measure(args.prompt, args.tokens, args.reps, [int(b) for b in args.batches.split(",")]))
         except Exception as exc:  # reported to the parent, which owns error handling
             result["error"] = f"{type(exc).__name__}: {exc}"
 

@@ -38,6 +38,17 @@ def http_get(port: int, path: str, timeout: float = 10) -> tuple[int, bytes]:
         conn.close()
 
 
+def http_post_json(port: int, path: str, body: bytes, timeout: float = 120) -> tuple[int, bytes]:
+    """(status, body) of one JSON POST on a fresh connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
 class BenchServer:
     """gunicorn started with extra env on a free port; logs to ``workdir/server.log``."""
 
@@ -124,13 +135,20 @@ class Client:
         self.ready = self.session.connect()
 
     def request(self, rid: str, content: str, params: dict, conversation_id: str | None = None,
-                cancel_after: int | None = None) -> dict:
-        """Send one chat, read to its ``done``; optionally cancel after that many deltas."""
+                cancel_after: int | None = None, on_delta=None) -> dict:
+        """Send one chat, read to its ``done``; optionally cancel after that many deltas.
+
+        ``on_delta(n)`` is called after the n-th delta; every delta's arrival time is kept.
+        """
         cancel = threading.Event()
         marks = {"deltas": 0, "cancel_sent": None, "after_cancel": 0}
+        times = []
 
-        def on_delta(_text: str) -> None:
+        def delta(_text: str) -> None:
+            times.append(time.perf_counter())
             marks["deltas"] += 1
+            if on_delta is not None:
+                on_delta(marks["deltas"])
             if marks["cancel_sent"] is not None:
                 marks["after_cancel"] += 1
             elif cancel_after and marks["deltas"] >= cancel_after:
@@ -139,7 +157,7 @@ class Client:
 
         sent = time.perf_counter()
         answer = collect(self.session.chat(content, id=rid, params=params, conversation_id=conversation_id,
-                                           cancel=cancel), on_delta)
+                                           cancel=cancel), delta)
         msg, first, now, cancel_sent = answer.done, answer.first_delta_at, answer.done_at, marks["cancel_sent"]
         tokens = msg["usage"]["completion_tokens"]
         return {"id": rid, "conversation_id": answer.start["conversation_id"], "sent": sent, "first": first,
@@ -148,7 +166,7 @@ class Client:
                 "tok_s": (tokens - 1) / (now - first) if first and tokens > 1 and now > first else 0.0,
                 "server_ttft_ms": msg["timings"].get("ttft_ms"),
                 "cancel_to_done_s": now - cancel_sent if cancel_sent else None,
-                "deltas_after_cancel": marks["after_cancel"]}
+                "deltas_after_cancel": marks["after_cancel"], "delta_times": times}
 
     def close(self) -> None:
         self.session.close()

@@ -7,8 +7,10 @@ from flask import Flask
 
 from .config import Settings
 from .metrics import Metrics
+from .web import identity
 
 __version__ = "0.1.0"
+ANONYMOUS_STALE_S = 24 * 3600
 
 
 class AppState:
@@ -16,14 +18,13 @@ class AppState:
 
     def __init__(self, settings: Settings, engine, store):
         from .turns import TurnService
-        from .web.limits import ConnectionCounts, RateLimiter
+        from .web.limits import Limits
         self.settings = settings
         self.engine = engine
         self.store = store
         self.metrics = Metrics(engine)
-        self.rate = RateLimiter(settings.rate_limit_per_min)
-        self.connections = ConnectionCounts(settings.max_connections_per_ip)
-        self.turns = TurnService(settings, engine, store, self.metrics, self.rate)
+        self.limits = Limits(settings)
+        self.turns = TurnService(settings, engine, store, self.metrics, self.limits)
         self.sessions: set = set()  # open WebSocket sessions, closed at shutdown
 
 
@@ -36,10 +37,14 @@ def create_app(settings: Settings | None = None, engine=None, store=None) -> Fla
     app.config["SOCK_SERVER_OPTIONS"] = {
         "ping_interval": settings.ping_interval_s or None,
         "max_message_size": settings.max_message_bytes,
+        "subprotocols": [identity.SUBPROTOCOL],  # echoed when offered; a bearer.<key> offer never is
     }
     if store is None:
         from .store import Store
-        store = Store(settings.db_path)
+        store = Store(settings.db_path, settings.max_conversations, settings.max_messages, settings.db_max_mb)
+    # Conversations of cookie-less connections are unreachable once the socket is gone; each
+    # is deleted when its connection ends, and a crash's leftovers here, once surely stale.
+    store.expire_clients(identity.ANONYMOUS, ANONYMOUS_STALE_S)
     if engine is None:
         from .engine import make_engine
         engine = make_engine(settings)

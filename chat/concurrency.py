@@ -125,6 +125,10 @@ class Channel:
                     if not self._items:
                         self._cond.wait(remaining)
 
+    def peek(self) -> list:
+        """The items not yet taken (a snapshot)."""
+        return list(self._items)
+
     def close(self) -> None:
         """Release the hub watcher; call from the consumer."""
         if self._closed:
@@ -133,3 +137,15 @@ class Channel:
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher.close()
+
+
+def run_in_thread(fn, *args):
+    """``fn(*args)`` on a real OS thread; under gevent only the calling greenlet waits for it.
+
+    For CPU work (tokenizing a long history) that would otherwise hold up every
+    connection of the worker; without gevent it simply runs here.
+    """
+    if gevent_active():
+        import gevent
+        return gevent.get_hub().threadpool.apply(fn, args)
+    return fn(*args)

@@ -113,11 +113,20 @@ class Settings:
         "CHAT_MAX_CONTENT_CHARS", 16000, int, low=1, high=10_000_000,
         doc="Longest user message or system prompt, in characters. Longer gets `too_large` (WebSocket) or "
             "413 (`/v1`).")
+    max_request_chars: int = _setting(
+        "CHAT_MAX_REQUEST_CHARS", 262_144, int, low=1, high=100_000_000,
+        doc="Most characters of all messages of one `/v1` request together. More gets 413 before any "
+            "tokenizing.")
 
     max_batch: int = _setting(
-        "CHAT_MAX_BATCH", 8, int, low=1, high=256, section="Capacity",
-        doc="Generations decoded together. Further requests wait in the queue. With the remote backend, the "
+        "CHAT_MAX_BATCH", 16, int, low=1, high=256, section="Capacity",
+        doc="Generations decoded together (16 measured to serve the most users at a readable speed; see "
+            "the README's Benchmark section). Further requests wait in the queue. With the remote backend, the "
             "most concurrent upstream calls is `CHAT_MAX_BATCH + CHAT_MAX_QUEUE`.")
+    prefill_chunk: int = _setting(
+        "CHAT_PREFILL_CHUNK", 128, int, low=1, high=1_000_000,
+        doc="Prompt tokens prefilled between two decode steps while other answers stream, so a long prompt "
+            "joining never stalls them for its whole prefill.")
     max_queue: int = _setting(
         "CHAT_MAX_QUEUE", 64, int, low=0, high=100_000,
         doc="Requests that may wait while the batch is full. Beyond that they get `overloaded` (WebSocket) or "
@@ -128,11 +137,30 @@ class Settings:
             "`0` turns prefix reuse off.")
     max_active_per_connection: int = _setting(
         "CHAT_MAX_ACTIVE_PER_CONNECTION", 4, int, low=1, high=1000,
-        doc="Answers one WebSocket connection may run at once. More get `busy`.")
+        doc="Answers one client (one identity cookie; a connection without one is its own client) may run at "
+            "once, across its connections and counting answers that still run for a dropped socket. More get "
+            "`busy`.")
+    max_active_per_ip: int = _setting(
+        "CHAT_MAX_ACTIVE_PER_IP", 8, int, low=0, high=100_000,
+        doc="Answers running or queued per client address (IPv6: per /64), over the WebSocket and `/v1` "
+            "together. More get `busy`. `0`: unlimited.")
     resume_grace_s: float = _setting(
         "CHAT_RESUME_GRACE_S", 10.0, float, low=0.0, high=3600,
         doc="How long an answer keeps running after its socket drops, waiting for a `resume`, and how long a "
             "finished answer stays resumable.")
+    max_conversations: int = _setting(
+        "CHAT_MAX_CONVERSATIONS", 1000, int, low=0, high=10_000_000,
+        doc="Conversations kept per client. A new one beyond that gets `too_large` until the client deletes "
+            "some. `0`: unlimited.")
+    max_messages: int = _setting(
+        "CHAT_MAX_MESSAGES", 1000, int, low=0, high=10_000_000,
+        doc="Messages (questions and answers) per conversation: a stored one that would pass it gets "
+            "`too_large` (start a new conversation), a `/v1` request holding more gets 413, and a prompt "
+            "is built from at most this many of the newest stored messages. `0`: unlimited.")
+    db_max_mb: int = _setting(
+        "CHAT_DB_MAX_MB", 0, int, low=0, high=10_000_000,
+        doc="Most the SQLite database may grow to, in MiB. Past it (or when the disk is full) new messages are "
+            "refused with `overloaded` and what is stored stays intact. `0`: until the disk is full.")
 
     bind: str = _setting(
         "CHAT_BIND", "127.0.0.1:8000", _bind, section="Server",
@@ -148,6 +176,10 @@ class Settings:
         "CHAT_PING_INTERVAL_S", 25.0, float, low=0.0, high=3600,
         doc="WebSocket ping interval. It keeps idle connections open through proxies and detects dead peers. "
             "`0` turns pings off.")
+    send_timeout_s: float = _setting(
+        "CHAT_SEND_TIMEOUT_S", 30.0, float, low=0.0, high=3600,
+        doc="A WebSocket whose client reads nothing for this long (one frame cannot be written) is dropped; "
+            "its answers then follow the resume grace. `0`: wait forever.")
     max_message_bytes: int = _setting(
         "CHAT_MAX_MESSAGE_BYTES", 256 * 1024, int, low=1024, high=64 * 1024 * 1024,
         doc="Largest WebSocket message the server accepts (256 KiB). A larger one closes the connection with "
@@ -163,15 +195,22 @@ class Settings:
     api_key: str = _setting(
         "CHAT_API_KEY", "", str,
         doc="When set, it is required on `/v1` and on WebSocket connections that lack the page's cookie. It "
-            "also signs the page's identity cookie. See [Security](../README.md#security).")
+            "also signs the page's identity cookie. Programs holding it get identities of their own. See "
+            "[Security](../README.md#security).")
     trusted_proxies: int = _setting(
         "CHAT_TRUSTED_PROXIES", 0, int, low=0, high=16,
         doc="How many reverse proxies in front are trusted for `X-Forwarded-For`, `-Proto` and `-Host`. Set "
-            "`1` behind the example nginx. `0` ignores these headers.")
+            "`1` behind the example nginx. `0` ignores these headers, and the first request that carries "
+            "`X-Forwarded-For` logs a warning.")
     rate_limit_per_min: int = _setting(
         "CHAT_RATE_LIMIT_PER_MIN", 60, int, low=0, high=1_000_000,
-        doc="Chat and regenerate requests per client per minute (bursts up to the same number). On `/v1`, "
-            "completions per IP. `0`: unlimited.")
+        doc="Chat and regenerate requests per client per minute (bursts up to the same number). Connections "
+            "without a cookie share one such budget per address. `0`: unlimited.")
+    rate_limit_per_ip_per_min: int = _setting(
+        "CHAT_RATE_LIMIT_PER_IP_PER_MIN", 120, int, low=0, high=1_000_000,
+        doc="Requests per client address (IPv6: per /64) per minute, WebSocket and `/v1` completions "
+            "together, however many identities the address uses. Raise it when many users share one "
+            "address. `0`: unlimited.")
     max_connections_per_ip: int = _setting(
         "CHAT_MAX_CONNECTIONS_PER_IP", 32, int, low=0, high=100_000,
         doc="Open WebSocket connections per client IP. More are refused with 429. `0`: unlimited.")
@@ -223,6 +262,8 @@ class Settings:
 
     def check(self) -> None:
         """Cross-field checks that a single variable's parser cannot make."""
+        if self.max_messages == 1:
+            raise ConfigError("CHAT_MAX_MESSAGES=1 is invalid: a question and its answer need 2")
         if self.backend == "openai" and not self.backend_url:
             raise ConfigError("CHAT_BACKEND=openai needs CHAT_BACKEND_URL")
 

@@ -46,6 +46,13 @@ class RequestError(ChatError):
         self.param = param
 
 
+class StorageFull(ProtocolError):
+    """The database cannot grow (disk full, or CHAT_DB_MAX_MB): nothing new is stored, nothing stored is lost."""
+
+    def __init__(self, id: str | None = None):
+        super().__init__("overloaded", "the server's storage is full: nothing was saved; try again later", id)
+
+
 class EngineError(ChatError):
     """An engine refused a request or failed; its ``code`` is one of the protocol's."""
 

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from .concurrency import spawn
 from .engine.events import Delta, Done, Queued, Refused, Started
+from .errors import StorageFull
 
 log = logging.getLogger(__name__)
 
@@ -123,17 +124,24 @@ class Run:
         now = time.monotonic()
         if now - self.last_checkpoint >= CHECKPOINT_EVERY_S:
             self.last_checkpoint = now
-            self.store.save_partial(self.message_id, self.prefix + "".join(self.deltas))
+            self.write(self.store.save_partial, self.message_id, self.prefix + "".join(self.deltas))
+
+    def write(self, method, *args) -> None:
+        """A store write the answer goes on without: a full store is logged there, the client still gets it."""
+        try:
+            method(*args)
+        except StorageFull:
+            pass
 
     def on_refused(self, event: Refused) -> None:
-        self.store.finish_assistant(self.message_id, self.prefix, "error", {}, {})
+        self.write(self.store.finish_assistant, self.message_id, self.prefix, "error", {}, {})
         self.service.record(event, "ws", self.id, self.conversation_id)
         self.forward({"type": "error", "id": self.id, "code": event.code, "message": event.message})
 
     def on_done(self, event: Done) -> None:
         self.send_start()  # a request cancelled while queued still gets start, then done
         text = self.prefix + "".join(self.deltas)
-        self.store.finish_assistant(self.message_id, text, event.reason, event.usage, event.timings)
+        self.write(self.store.finish_assistant, self.message_id, text, event.reason, event.usage, event.timings)
         self.service.record(event, "ws", self.id, self.conversation_id,
                             prompt=self.gen.messages[-1]["content"], text=text)
         frame = {"type": "done", "id": self.id, "reason": event.reason, "usage": event.usage,

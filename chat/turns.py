@@ -23,9 +23,9 @@ log = logging.getLogger(__name__)
 class TurnService:
     """Turns for every client of one process: checks, the engine, the store, the runs."""
 
-    def __init__(self, settings, engine, store, metrics, rate):
+    def __init__(self, settings, engine, store, metrics, limits):
         self.settings, self.engine, self.store = settings, engine, store
-        self.metrics, self.rate = metrics, rate
+        self.metrics, self.limits = metrics, limits
         self.runs = Runs()
 
     # ---- building a turn
@@ -36,6 +36,7 @@ class TurnService:
         return GenParams(temperature=given.get("temperature", s.temperature),
                          top_p=given.get("top_p", s.top_p),
                          max_new_tokens=min(given.get("max_new_tokens", s.max_new_tokens), s.max_new_tokens),
+                         top_k=given.get("top_k", 0), min_p=given.get("min_p", 0.0),
                          seed=given.get("seed"), stop=tuple(given.get("stop", ())))
 
     def prompt(self, messages: list, system: str | None = None) -> list:
@@ -47,16 +48,16 @@ class TurnService:
 
     # ---- WebSocket turns: stored, resumable
 
-    def chat(self, client: str, req, active: int, subscriber: Subscriber) -> Run:
+    def chat(self, client: str, address: str, req, subscriber: Subscriber) -> Run:
         """Append ``req.content`` (and its attachments) to the conversation's active path (a new
         conversation without ``conversation_id``) and answer."""
         self._check_new(client, req)
         if req.conversation_id is not None:
             self._check_owner(client, req)
-        self._check_busy(req, active)
+        self._check_busy(req)
         new = req.conversation_id is None
         conv_id = new_id() if new else req.conversation_id
-        history = [] if new else self.store.history(conv_id)
+        history = [] if new else self._history(conv_id)
         asked = {"role": "user", "content": files.with_attachments(req.content, req.attachments)}
         messages = self.prompt(history + [asked], req.system if new else None)
 
@@ -65,40 +66,41 @@ class TurnService:
                 self.store.create_conversation(client, system=req.system or self.settings.system_prompt,
                                                id=conv_id)
             self.store.add_user_message(client, conv_id, req.content, req.attachments)
-        return self._start(client, req, conv_id, messages, write, subscriber)
+        return self._start(client, address, req, conv_id, messages, write, subscriber)
 
-    def edit(self, client: str, req, active: int, subscriber: Subscriber) -> Run:
+    def edit(self, client: str, address: str, req, subscriber: Subscriber) -> Run:
         """A new version of a user message on the active path (same parent, same files), answered;
         what followed the old version stays on its branch."""
-        edited = self._target(client, req, active, self.store.user_message, req.message_id)
+        edited = self._target(client, req, self.store.user_message, req.message_id)
         # The path above the edited message ("" when it is the first: no messages at all).
-        history = self.store.history(req.conversation_id, upto=edited["parent_id"] or "")
+        history = self._history(req.conversation_id, upto=edited["parent_id"] or "")
         asked = {"role": "user", "content": files.with_attachments(req.content, edited["attachments"])}
 
         def write() -> None:
             self.store.add_user_message(client, req.conversation_id, req.content, edited["attachments"],
                                         replaces=req.message_id)
-        return self._start(client, req, req.conversation_id, self.prompt(history + [asked]), write, subscriber)
+        return self._start(client, address, req, req.conversation_id, self.prompt(history + [asked]), write,
+                           subscriber)
 
-    def regenerate(self, client: str, req, active: int, subscriber: Subscriber) -> Run:
+    def regenerate(self, client: str, address: str, req, subscriber: Subscriber) -> Run:
         """Answer a user message again (that of ``message_id``, else the last): a new version
         beside the old answer, which is kept."""
-        question = self._target(client, req, active, self.store.question_for, req.message_id)
-        history = self.store.history(req.conversation_id, upto=question["id"])
-        return self._start(client, req, req.conversation_id, self.prompt(history), None, subscriber,
+        question = self._target(client, req, self.store.question_for, req.message_id)
+        history = self._history(req.conversation_id, upto=question["id"])
+        return self._start(client, address, req, req.conversation_id, self.prompt(history), None, subscriber,
                            parent_id=question["id"])
 
-    def continue_(self, client: str, req, active: int, subscriber: Subscriber) -> Run:
+    def continue_(self, client: str, address: str, req, subscriber: Subscriber) -> Run:
         """Extend the last answer, cut short, in place: the model sees its turn left open and
         the deltas append to its text."""
-        answer = self._target(client, req, active, self.store.continuable)
-        history = self.store.history(req.conversation_id)
+        answer = self._target(client, req, self.store.continuable)
+        history = self._history(req.conversation_id)
         if answer["content"]:  # an empty answer is simply answered afresh
             history[-1] = {**history[-1], "prefix": True}
 
         def write() -> None:
             self.store.reopen_assistant(answer["id"])
-        return self._start(client, req, req.conversation_id, self.prompt(history), write, subscriber,
+        return self._start(client, address, req, req.conversation_id, self.prompt(history), write, subscriber,
                            extend=answer)
 
     def cancel(self, client: str, rid: str) -> None:
@@ -128,7 +130,11 @@ class TurnService:
         if not self.store.owns(client, req.conversation_id):
             raise ProtocolError("not_found", "no such conversation", req.id)
 
-    def _target(self, client: str, req, active: int, lookup, *args):
+    def _history(self, conv_id: str, upto: str | None = None) -> list:
+        """The stored path the model sees, at most CHAT_MAX_MESSAGES of its newest turns."""
+        return self.store.history(conv_id, upto=upto, limit=self.settings.max_messages or None)
+
+    def _target(self, client: str, req, lookup, *args):
         """Checks for a request on a stored message: a new id, this client's conversation, then
         ``lookup`` (whose bad_message outranks busy), then not busy. Returns what it found."""
         self._check_new(client, req)
@@ -138,28 +144,34 @@ class TurnService:
         except ProtocolError as exc:
             exc.id = req.id
             raise
-        self._check_busy(req, active)
+        self._check_busy(req)
         return found
 
-    def _check_busy(self, req, active: int) -> None:
+    def _check_busy(self, req) -> None:
         if req.conversation_id is not None and self.runs.busy(req.conversation_id):
             raise ProtocolError("busy", "this conversation is already answering", req.id)
-        limit = self.settings.max_active_per_connection
-        if active >= limit:
-            raise ProtocolError("busy", f"at most {limit} answers at once per connection", req.id)
 
-    def _check_rate(self, key: str, rid: str | None = None) -> None:
-        """Last of the checks: a refused request must not spend a token."""
-        if not self.rate.allow(key):
-            raise ProtocolError("rate_limited", "too many requests; slow down", rid)
+    def _submit(self, address: str, client: str | None, rid: str | None, messages: list, params: GenParams,
+                key: str | None = None) -> Generation:
+        """Admit against the limits (last of the checks: a refused request spends no token), then submit.
 
-    def _start(self, client: str, req, conv_id: str, messages: list, write, subscriber,
+        The answer counts against ``client`` and ``address`` until the engine ends it.
+        """
+        ticket = self.limits.admit(address, client, rid)
+        try:
+            gen = self.engine.submit(messages, params, key=key)
+        except BaseException:
+            ticket.release()
+            raise
+        self.limits.track(ticket, gen)
+        return gen
+
+    def _start(self, client: str, address: str, req, conv_id: str, messages: list, write, subscriber,
                parent_id: str | None = None, extend: dict | None = None) -> Run:
-        """Submit, then store; a store failure cancels the generation instead of orphaning it.
-        The answer is a new message under ``parent_id`` (default: the active leaf), or with
-        ``extend`` that stored answer, whose text the deltas continue."""
-        self._check_rate(client, req.id)
-        gen = self.engine.submit(messages, self.params(req.params), key=conv_id)
+        """Submit, then store; a store failure (quota, full disk) cancels the generation instead of
+        orphaning it. The answer is a new message under ``parent_id`` (default: the active leaf),
+        or with ``extend`` that stored answer, whose text the deltas continue."""
+        gen = self._submit(address, client, req.id, messages, self.params(req.params), key=conv_id)
         try:
             if write is not None:
                 write()
@@ -177,10 +189,19 @@ class TurnService:
 
     # ---- /v1 turns: stateless
 
-    def answer(self, rate_key: str, messages: list, given: dict) -> Generation:
-        """Submit a whole conversation the caller brings; nothing is stored."""
-        self._check_rate(rate_key)
-        return self.engine.submit(self.prompt(messages), self.params(given))
+    def answer(self, address: str, messages: list, given: dict) -> Generation:
+        """Submit a whole conversation the caller brings; nothing is stored; counted per address only."""
+        return self._submit(address, None, None, self.prompt(messages), self.params(given))
+
+    # ---- the end of a connection
+
+    def forget_anonymous(self, client: str, runs) -> None:
+        """No one can reach a cookie-less connection's conversations again: delete them once its runs end."""
+        def forget() -> None:
+            for run in runs:
+                run.finished_event.wait()
+            self.store.forget_client(client)
+        spawn(forget)
 
     # ---- the end of every turn
 

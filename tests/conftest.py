@@ -49,6 +49,8 @@ class LiveServer:
         self.port = free_port()
         self.env = {**os.environ, "CHAT_DATA_DIR": str(workdir / "data"), "CHAT_DTYPE": "float32",
                     "CHAT_BIND": f"127.0.0.1:{self.port}", "CHAT_RATE_LIMIT_PER_MIN": "0",
+                    # every test client comes from 127.0.0.1: per-address limits only where a test sets them
+                    "CHAT_RATE_LIMIT_PER_IP_PER_MIN": "0", "CHAT_MAX_ACTIVE_PER_IP": "0",
                     # one torch thread: on a shared 2-core box a 2-thread team stalls on every op
                     "CHAT_THREADS": "1",
                     "CHAT_GRACEFUL_TIMEOUT_S": "5", "PYTHONUNBUFFERED": "1",
@@ -180,8 +182,9 @@ def server_factory(tmp_path_factory, tiny_model):
 @pytest.fixture(scope="session")
 def gunicorn_server(server_factory) -> LiveServer:
     """The shared real server: tiny model, long answers allowed."""
+    # Answers count per client across its connections: room for eight parallel streams of one cookie.
     return server_factory("shared", CHAT_MAX_NEW_TOKENS=4096, CHAT_CONTEXT_TOKENS=8192,
-                          CHAT_RESUME_GRACE_S=3)
+                          CHAT_RESUME_GRACE_S=3, CHAT_MAX_ACTIVE_PER_CONNECTION=8)
 
 
 @pytest.fixture(scope="session")
@@ -201,7 +204,8 @@ def app_factory(tmp_path_factory):
     def start(engine: FakeEngine | None = None, **settings) -> AppServer:
         data = tmp_path_factory.mktemp("app")
         settings = {"max_new_tokens": 4096, "context_tokens": 8192, "resume_grace_s": 2,
-                    "rate_limit_per_min": 0, "data_dir": str(data), **settings}
+                    "rate_limit_per_min": 0, "rate_limit_per_ip_per_min": 0, "max_active_per_ip": 0,
+                    "max_active_per_connection": 8, "data_dir": str(data), **settings}
         engine = engine or FakeEngine(answer_words=100_000, delay=0.001, seeded=True)
         srv = AppServer(create_app(Settings(**settings), engine=engine, store=Store(data / "chat.db")))
         servers.append(srv)

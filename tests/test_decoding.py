@@ -76,3 +76,42 @@ def test_fit_refuses_a_message_that_cannot_fit(tokenizer):
     with pytest.raises(PromptTooLong) as err:
         prompt.fit(tokenizer, [{"role": "user", "content": "word " * 500}], 64)
     assert err.value.code == "too_large"
+
+
+def conversation(turns: int, words: int) -> list:
+    messages = [{"role": "system", "content": "SYSTEM-MARK"}]
+    for i in range(turns):
+        messages += [{"role": "user", "content": f"Q{i}-START " + f"question {i} " * words + f"Q{i}-END"},
+                     {"role": "assistant", "content": f"A{i}-START " + f"answer {i} " * words + f"A{i}-END"}]
+    return messages + [{"role": "user", "content": "LAST-QUESTION"}]
+
+
+def test_fit_drops_whole_turns_and_keeps_the_newest(tokenizer):
+    ids, dropped = prompt.fit(tokenizer, conversation(30, 12), 400)
+    text = tokenizer.decode(ids)
+    assert len(ids) <= 400 and dropped > 0 and dropped % 2 == 0  # whole user/assistant pairs
+    kept = [i for i in range(30) if f"Q{i}-START" in text]
+    assert kept == list(range(kept[0], 30))  # a contiguous run of the newest turns
+    for i in kept:  # every kept turn is whole
+        assert all(mark in text for mark in (f"Q{i}-START", f"Q{i}-END", f"A{i}-START", f"A{i}-END"))
+    assert f"A{kept[0] - 1}-END" not in text  # nothing of the turn before
+    assert "SYSTEM-MARK" in text and "LAST-QUESTION" in text
+    # The next older turn would not have fitted: fitting keeps as much as the budget allows.
+    more = prompt.render(tokenizer, [conversation(30, 12)[0]] + conversation(30, 12)[1 + dropped - 2:])
+    assert len(more) > 400
+
+
+def test_fit_tokenizes_only_the_tail_it_can_use(tokenizer, monkeypatch):
+    """Linear and bounded: a 200-message history costs about what the budget holds, not 200 renders."""
+    seen = []
+    encode = tokenizer.encode
+
+    def counting(text, *args, **kwargs):
+        seen.append(len(text))
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", counting)
+    messages = conversation(100, 400)  # about 0.8 MB of history
+    ids, dropped = prompt.fit(tokenizer, messages, 1500)
+    assert len(ids) <= 1500 and dropped > 190
+    assert sum(seen) < 40_000  # a few messages' worth of characters, not the whole history

@@ -117,6 +117,12 @@ def test_config_renders_and_passes_nginx_t(tmp_path):
     Nginx(tmp_path, "127.0.0.1:9").stop()
 
 
+def test_hsts_is_offered_for_the_https_block_only():
+    lines = [line.strip() for line in SITE.read_text().splitlines()
+             if "Strict-Transport-Security" in line]
+    assert lines and all(line.startswith("#") for line in lines)  # never sent over plain http
+
+
 def test_http_is_proxied(nginx):
     response = nginx.request("GET", "/healthz")
     assert response.status == 200
@@ -132,6 +138,7 @@ def test_static_files_come_from_disk_with_caching_headers(nginx):
     assert response.status == 200
     assert body == (ROOT / "static" / "app.css").read_bytes()
     assert response.getheader("Cache-Control") == "public, max-age=3600"
+    assert response.getheader("X-Content-Type-Options") == "nosniff"
     assert response.getheader("ETag") and response.getheader("Last-Modified")
     assert response.getheader("Content-Type", "").startswith("text/css")
     etag = response.getheader("ETag")

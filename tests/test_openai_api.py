@@ -82,6 +82,13 @@ def test_non_streaming(sdk, engine):
     assert (params.temperature, params.max_new_tokens, params.seed) == (0.0, 5, 7)
 
 
+def test_top_k_and_min_p_reach_the_engine(client, engine):
+    client.post("/v1/chat/completions", json={"messages": HELLO, "top_k": 40, "min_p": 0.05})
+    assert (engine.history[-1].params.top_k, engine.history[-1].params.min_p) == (40, 0.05)
+    client.post("/v1/chat/completions", json={"messages": HELLO, "top_k": -1})
+    assert (engine.history[-1].params.top_k, engine.history[-1].params.min_p) == (0, 0.0)
+
+
 def test_streaming_matches_non_streaming(sdk):
     stream = sdk.chat.completions.create(model="any", messages=HELLO, max_tokens=6, stream=True,
                                          stream_options={"include_usage": True})
@@ -148,6 +155,11 @@ BAD = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "x" * 16001}]}, 413, "messages[0].content"),
+    ({"messages": _msgs(*["user", "assistant"] * 500, "user")}, 413, "messages"),
+    ({"messages": [{"role": "user", "content": "x" * 15000}] * 18}, 413, "messages"),
+    ({"messages": _msgs("user"), "top_k": -2}, 400, "top_k"),
+    ({"messages": _msgs("user"), "top_k": 0.5}, 400, "top_k"),
+    ({"messages": _msgs("user"), "min_p": 1.5}, 400, "min_p"),
     ({"messages": _msgs("user"), "temperature": 2.5}, 400, "temperature"),
     ({"messages": _msgs("user"), "temperature": -0.1}, 400, "temperature"),
     ({"messages": _msgs("user"), "temperature": "hot"}, 400, "temperature"),
@@ -227,16 +239,20 @@ def test_api_key_required_when_set():
         server.close()
 
 
-def test_engine_error_mid_stream(sdk, engine, client):
+def test_engine_error_mid_stream(sdk, engine, client, caplog):
+    """The engine's own message (it may name the backend) goes to the log; the client gets a request id."""
     engine.fail_after = 3
     stream = sdk.chat.completions.create(model="any", messages=HELLO, stream=True)
     seen = []
-    with pytest.raises(openai.APIError, match="scripted failure"):
+    with pytest.raises(openai.APIError, match=r"engine failed while generating \(request id chatcmpl-") as err:
         for chunk in stream:
             seen.append(chunk.choices[0].delta.content or "")
-    assert "".join(seen) == "".join(WORDS[:3])
+    assert "".join(seen) == "".join(WORDS[:3]) and "scripted failure" not in str(err.value)
     response = client.post("/v1/chat/completions", json={"messages": HELLO})
-    assert response.status_code == 500 and response.get_json()["error"]["message"] == "scripted failure"
+    message = response.get_json()["error"]["message"]
+    assert response.status_code == 500 and "scripted failure" not in message
+    request_id = message.rsplit(" ", 1)[1].rstrip(")")
+    assert f"generation {request_id} failed: scripted failure" in caplog.text
 
 
 def _raw_stream(port, body, read_chunks=None):
@@ -317,7 +333,7 @@ def test_keepalive_comments_while_silent(live, sdk, engine, monkeypatch):
 
 
 def test_rate_limited_per_address(engine):
-    client = make_app(engine, rate_limit_per_min=2).test_client()
+    client = make_app(engine, rate_limit_per_ip_per_min=2).test_client()
     codes = [client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1}).status_code
              for _ in range(3)]
     assert codes == [200, 200, 429]

@@ -94,6 +94,9 @@ BAD_INPUTS = [
     ('{"type": "chat", "id": "a", "content": "hi", "params": {"max_new_tokens": 0}}', "bad_message"),
     ('{"type": "chat", "id": "a", "content": "hi", "params": {"max_new_tokens": 99999999}}', "bad_message"),
     ('{"type": "chat", "id": "a", "content": "hi", "params": {"seed": 1.5}}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "params": {"top_k": -1}}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "params": {"top_k": 2.5}}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "params": {"min_p": 1.5}}', "bad_message"),
     ('{"type": "chat", "id": "a", "content": "hi", "conversation_id": 7}', "bad_message"),
     ('{"type": "chat", "id": "a", "content": "hi", "conversation_id": "nope"}', "not_found"),
     ('{"type": "chat", "id": "a", "content": "hi", "conversation_id": "0123456789abcdef0123456789abcdef"}',
@@ -270,19 +273,19 @@ PRECEDENCE = [
 
 def test_error_precedence_the_first_rule_in_the_order_wins(app_factory):
     srv = app_factory(FakeEngine(slots=1, max_queue=0, **LONG_ANSWERS), max_active_per_connection=1,
-                      rate_limit_per_min=2)
-    cookie = cookie_for(srv)
-    first = WS(srv.ws_url, cookie=cookie)
+                      rate_limit_per_ip_per_min=2)
+    first = WS(srv.ws_url, cookie=cookie_for(srv))
     limit = first.ready["limits"]["max_content_chars"]
-    first.send({"type": "chat", "id": "L1", "content": "long"})  # takes the engine, the connection's slot
-    conv = conv_of(first.until(lambda f: f["type"] == "start"))  # and the first of two rate tokens
+    first.send({"type": "chat", "id": "L1", "content": "long"})  # takes the engine, the client's slot
+    conv = conv_of(first.until(lambda f: f["type"] == "start"))  # and the first of the address's two tokens
     for raw, code in PRECEDENCE:
         first.send(raw.replace("TOO-LARGE", "x" * (limit + 1)).replace("BUSY", conv))
         error = first.until(lambda f: f["type"] == "error")[-1]
         assert error["code"] == code, (raw[:80], error)
-    second = WS(srv.ws_url, cookie=cookie)  # the same client: its own connection slot, shared rate
+    second = WS(srv.ws_url, cookie=cookie_for(srv))  # another client: its own slot, the address's rate
     assert second.chat("engine full", rid="o1")[-1]["code"] == "overloaded"  # spends the second token
-    assert second.chat("busy conversation", rid="o2", conversation_id=conv)[-1]["code"] == "busy"
+    first.send({"type": "chat", "id": "o2", "content": "busy conversation", "conversation_id": conv})
+    assert first.until(lambda f: f["type"] == "error")[-1]["code"] == "busy"  # busy before the rate
     assert second.chat("both", rid="o3")[-1]["code"] == "rate_limited"  # over rate and over capacity
     first.send({"type": "cancel", "id": "L1"})
     assert first.until(lambda f: f["type"] == "done")[-1]["reason"] == "cancelled"

@@ -279,6 +279,15 @@ def test_history(store, conv):
     assert store.history(conv["id"])[-1] == {"role": "user", "content": "Again?"}
 
 
+def test_history_limit_loads_only_the_newest_messages(store, conv):
+    store.add_user_message(ALICE, conv["id"], "Again?")
+    assert store.history(conv["id"], limit=2) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "Again?"},
+    ]
+
+
 def test_history_without_system(store):
     c = store.create_conversation(ALICE)
     store.add_user_message(ALICE, c["id"], "hi")

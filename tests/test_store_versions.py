@@ -313,3 +313,17 @@ def test_import_rejects_malformed_bodies(store, body):
 def test_import_refuses_oversized_bodies(store, body):
     assert _code(store.import_conversation, ALICE, body, LIMIT) == "too_large"
     assert store.list_conversations(ALICE) == []
+
+
+def test_import_counts_against_the_quotas(tmp_path):
+    s = Store(tmp_path / "q.db", max_conversations=1, max_messages=4)
+    try:
+        two = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+        assert _code(s.import_conversation, ALICE, {"messages": [{"role": "user", "content": "q"}] * 5},
+                     LIMIT) == "too_large"
+        s.import_conversation(ALICE, two, LIMIT)
+        assert _code(s.import_conversation, ALICE, two, LIMIT) == "too_large"
+        assert len(s.list_conversations(ALICE)) == 1
+        s.import_conversation(BOB, two, LIMIT)  # a quota per client
+    finally:
+        s.close()

@@ -106,12 +106,15 @@ class Session:
     def connect(self) -> dict:
         """Open the socket and wait for ``ready``; returns it."""
         self.close()
+        # The key travels in a header, never in the URL (URLs end up in access logs).
         headers = [f"Authorization: Bearer {self.api_key}"] if self.api_key else []
+        # Over wss the server reads only the __Host- cookie, which a sibling subdomain cannot plant.
+        cookie = "__Host-chat_client" if self.url.startswith("wss://") else "chat_client"
         try:
             # No Origin: the server allows origin-less (non-browser) clients.
             self.ws = websocket.create_connection(
                 self.url, timeout=self.timeout, header=headers, suppress_origin=True,
-                cookie=f"chat_client={self.client_id}", enable_multithread=True)
+                cookie=f"{cookie}={self.client_id}", enable_multithread=True)
         except websocket.WebSocketBadStatusException as exc:
             raise ConnectFailed(f"{self.url}: handshake refused: {_status_text(exc)}") from None
         except (OSError, websocket.WebSocketException) as exc:

@@ -20,6 +20,8 @@ class GenParams:
 
     temperature: float = 0.7
     top_p: float = 0.9
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
     max_new_tokens: int = 512
     seed: int | None = None
     stop: tuple = ()
@@ -48,12 +50,25 @@ class Generation:
     cancel_reason: str | None = field(default=None, init=False)
     finished: bool = field(default=False, init=False)
     channel: Channel = field(default_factory=Channel, init=False, repr=False)
+    observers: list = field(default_factory=list, init=False, repr=False)  # see observe()
 
     def emit(self, event: Event) -> None:
         """Called by the engine, from any thread; the last event is a ``Done`` or ``Refused``."""
         if isinstance(event, END):
             self.finished = True
+        for observer in self.observers:
+            observer(event)
         self.channel.put(event)
+
+    def observe(self, observer: Callable[[Event], None]) -> None:
+        """Call ``observer`` with every event the engine emits, whether or not anyone consumes them.
+
+        Events emitted before this call (still in the channel) are replayed to it; one emitted
+        meanwhile may reach it twice, so an observer must be idempotent.
+        """
+        self.observers.append(observer)
+        for event in self.channel.peek():
+            observer(event)
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Ask the engine to end this generation at its next step with ``Done`` ``reason``."""

@@ -16,22 +16,36 @@ def render(tokenizer, messages: list) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def fit(tokenizer, messages: list, budget: int) -> tuple[list[int], int]:
-    """(prompt ids, turns dropped): the system prompt is kept, the oldest turns go first.
+def _overheads(tokenizer, system: list) -> tuple[int, int]:
+    """(tokens of the system part plus the answer prompt, template tokens around one message)."""
+    empty = [{"role": "user", "content": ""}]
+    fixed = len(render(tokenizer, system + empty))
+    three = len(render(tokenizer, system + empty + [{"role": "assistant", "content": ""}] + empty))
+    return fixed, -(-(three - fixed) // 2)
 
-    Raises ``PromptTooLong`` when even the last user message alone does not fit.
+
+def fit(tokenizer, messages: list, budget: int) -> tuple[list[int], int]:
+    """(prompt ids, turns dropped): the system prompt and the newest turn are kept, whole turns go oldest first.
+
+    Linear in the history: each message is tokenized at most once, newest first,
+    stopping as soon as the budget is spent; then only what is kept is rendered.
+    Raises ``PromptTooLong`` when even the newest turn alone does not fit.
     """
     system = [m for m in messages[:1] if m["role"] == "system"]
     turns = messages[len(system):]
     # Start each candidate at a user message so the template always sees user/assistant pairs.
     starts = [i for i, m in enumerate(turns) if m["role"] == "user"] or [0]
-    for dropped, start in enumerate(starts):
+    fixed, per_message = _overheads(tokenizer, system)
+    used, counted = fixed, len(turns)
+    for i in range(len(turns) - 1, -1, -1):
+        used += per_message + len(tokenizer.encode(turns[i]["content"], add_special_tokens=False))
+        if used > budget:
+            break
+        counted = i
+    # The oldest turn start whose messages were all counted; the newest turn is always tried.
+    candidates = [s for s in starts if s >= counted] or starts[-1:]
+    for start in candidates:  # counting is an estimate; the rendered length decides
         ids = render(tokenizer, system + turns[start:])
         if len(ids) <= budget:
             return ids, start
-        if dropped == 0 and len(starts) > 2:
-            # Skip ahead: cheaper than re-rendering every prefix of a long conversation.
-            last = render(tokenizer, system + turns[starts[-1]:])
-            if len(last) > budget:
-                break
     raise PromptTooLong(f"the message does not fit in the model's context of {budget} tokens")

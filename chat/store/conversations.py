@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import sqlite3
 import time
@@ -15,15 +14,15 @@ from .. import attachments as files
 from ..concurrency import real_lock
 from ..errors import ProtocolError
 from . import search as fts, transfer, tree
+from .guard import guarded as _guarded
 from .schema import migrate
+from .tree import valid as _valid
+from .versions import Versions
 
 PLACEHOLDER_TITLE = "New chat"
 TITLE_CHARS = 60
 BUSY_TIMEOUT_MS = 5000
 FINISHED = ("stop", "length")
-# Answers that ``continue`` may extend: cut short, not ended by the model.
-CONTINUABLE = ("length", "cancelled", "timeout", "shutdown")
-_ID = re.compile(r"[0-9a-f]{32}")
 
 _CONV = "id, title, system, created_at, updated_at"
 
@@ -31,11 +30,6 @@ _CONV = "id, title, system, created_at, updated_at"
 def new_id() -> str:
     """A random, URL-safe id of the shape this store hands out."""
     return uuid.uuid4().hex
-
-
-def _valid(*ids) -> bool:
-    """Whether every value has the shape of an id this store hands out."""
-    return all(isinstance(i, str) and _ID.fullmatch(i) for i in ids)
 
 
 def _title_from(content: str) -> str:
@@ -72,11 +66,13 @@ def _alive(owner: str | None) -> bool:
         return True
 
 
-class Store:
+class Store(Versions):
     """Conversations of many clients; safe to share between greenlets and OS threads."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, max_conversations: int = 0, max_messages: int = 0,
+                 max_mb: int = 0):
         path = str(path)
+        self.max_conversations, self.max_messages = max_conversations, max_messages
         if path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         # A real lock, even after monkey-patching: no statement yields to the hub while it is
@@ -89,6 +85,9 @@ class Store:
         self._db.execute("PRAGMA journal_mode = WAL")
         self._db.execute("PRAGMA synchronous = NORMAL")
         self._db.execute("PRAGMA foreign_keys = ON")
+        if max_mb:  # SQLite refuses to grow past this, exactly as on a full disk
+            page = self._db.execute("PRAGMA page_size").fetchone()[0]
+            self._db.execute(f"PRAGMA max_page_count = {max_mb * 2**20 // page}")
         self._migrate()
         self.recover()
         _open_stores.add(self._token)
@@ -118,7 +117,8 @@ class Store:
         try:
             yield
         except BaseException:
-            self._db.execute("ROLLBACK")
+            if self._db.in_transaction:  # SQLITE_FULL may already have rolled it back
+                self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
 
@@ -150,6 +150,7 @@ class Store:
                 "UPDATE messages SET status = 'interrupted', reason = 'error' WHERE id = ?", stale)
         return len(stale)
 
+    @_guarded
     def create_conversation(self, client_id: str, system: str | None = None,
                             title: str | None = None, id: str | None = None) -> dict:
         """Start an empty conversation for ``client_id`` (under ``id`` when the caller chose it)."""
@@ -157,11 +158,19 @@ class Store:
         conv = {"id": id or new_id(), "title": title or PLACEHOLDER_TITLE, "system": system or None,
                 "created_at": now, "updated_at": now}
         with self._lock:
+            self._check_room(client_id)
             self._db.execute(
                 "INSERT INTO conversations (id, client_id, title, title_set, system, created_at, updated_at)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (conv["id"], client_id, conv["title"], bool(title), conv["system"], now, now))
         return conv
+
+    def _check_room(self, client_id: str) -> None:
+        """too_large when ``client_id`` already has as many conversations as the server keeps."""
+        count = self._one("SELECT count(*) FROM conversations WHERE client_id = ?", (client_id,))[0]
+        if self.max_conversations and count >= self.max_conversations:
+            raise ProtocolError("too_large", f"you have {count} conversations, the most this server keeps "
+                                             "for one client; delete some to start a new one")
 
     def owns(self, client_id: str | None, conv_id) -> bool:
         """Whether the conversation exists and belongs to ``client_id``."""
@@ -189,6 +198,7 @@ class Store:
                 " ORDER BY updated_at DESC, rowid DESC", (client_id,)).fetchall()
         return [dict(r) for r in rows]
 
+    @_guarded
     def rename(self, client_id: str | None, conv_id, title: str) -> bool:
         """Set the title; False if the conversation is not this client's."""
         with self._lock:
@@ -198,6 +208,7 @@ class Store:
                              (title, time.time(), conv_id))
         return True
 
+    @_guarded
     def delete(self, client_id: str | None, conv_id) -> bool:
         """Delete the conversation and its messages; False if it is not this client's."""
         if not client_id or not _valid(conv_id):
@@ -222,14 +233,7 @@ class Store:
         self._db.execute("UPDATE conversations SET active_id = ? WHERE id = ?", (message_id, conv_id))
         return message_id
 
-    def _on_path(self, conv_id: str, message_id, role: str) -> sqlite3.Row:
-        """The message of ``role`` on the active path, or bad_message (never another conversation's)."""
-        if _valid(message_id):
-            for row in tree.path(self._db, conv_id):
-                if row["id"] == message_id and row["role"] == role:
-                    return row
-        raise ProtocolError("bad_message", f"message_id is not one of the {role} messages on this conversation's active path")
-
+    @_guarded
     def add_user_message(self, client_id: str | None, conv_id, content: str, attachments=None,
                          replaces: str | None = None) -> dict | None:
         """Append a user message to the active path, or with ``replaces`` add it as a new version
@@ -242,6 +246,10 @@ class Store:
         with self._lock:
             if not self._owned(client_id, conv_id):
                 return None
+            count = self._one("SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,))[0]
+            if self.max_messages and count + 2 > self.max_messages:  # room for the question and its answer
+                raise ProtocolError("too_large", f"this conversation has reached {count} messages, the most "
+                                                 "this server keeps in one; start a new conversation")
             with self._transaction():
                 parent = (self._on_path(conv_id, replaces, "user")["parent_id"] if replaces is not None
                           else tree.active_leaf(self._db, conv_id))
@@ -251,6 +259,7 @@ class Store:
                                  (_title_from(content), conv_id))
         return msg
 
+    @_guarded
     def start_assistant(self, conv_id: str, parent_id: str | None = None) -> str:
         """Add an empty 'streaming' assistant message under ``parent_id`` (default: the active
         leaf), make it active and return its id."""
@@ -263,72 +272,14 @@ class Store:
         """Who writes a streaming answer: this Store in this process on this host."""
         return f"{socket.gethostname()}:{os.getpid()}:{self._token}"
 
-    def user_message(self, client_id: str | None, conv_id, message_id) -> dict | None:
-        """For edit: the user message ``message_id`` on the active path (bad_message when it is
-        not one); None if the conversation is not this client's."""
-        with self._lock:
-            if not self._owned(client_id, conv_id):
-                return None
-            return self._message(self._on_path(conv_id, message_id, "user"))
-
-    def question_for(self, client_id: str | None, conv_id, message_id: str | None = None) -> dict | None:
-        """For regenerate: the user message that ``message_id`` (an assistant message on the
-        active path; default the last message) answers. None if not this client's; bad_message
-        when there is nothing to answer."""
-        with self._lock:
-            if not self._owned(client_id, conv_id):
-                return None
-            rows = tree.path(self._db, conv_id)
-            if message_id is not None:
-                answer = self._on_path(conv_id, message_id, "assistant")
-                rows = rows[:[r["id"] for r in rows].index(answer["id"])]
-            elif rows and rows[-1]["role"] == "assistant":
-                rows = rows[:-1]
-        if not rows or rows[-1]["role"] != "user":
-            raise ProtocolError("bad_message", "the conversation has no user message to answer")
-        return self._message(rows[-1])
-
-    def continuable(self, client_id: str | None, conv_id) -> dict | None:
-        """For continue: the last message of the active path when it is an answer cut short
-        (length, cancelled, timeout, shutdown, interrupted). None if not this client's."""
-        with self._lock:
-            if not self._owned(client_id, conv_id):
-                return None
-            rows = tree.path(self._db, conv_id, limit=1)
-        last = self._message(rows[-1]) if rows else None
-        if last is None or last["role"] != "assistant":
-            raise ProtocolError("bad_message", "the conversation does not end with an answer to continue")
-        # A streaming answer is left to the caller's busy check: it may well end cut short.
-        if last["status"] not in ("interrupted", "streaming") and last["reason"] not in CONTINUABLE:
-            raise ProtocolError("bad_message", f"the last answer ended with {last['reason']!r}; only an answer "
-                                               "cut short can be continued")
-        return last
-
-    def reopen_assistant(self, message_id: str) -> None:
-        """Mark a finished answer 'streaming' again, to be extended in place by ``continue``."""
-        with self._lock:
-            self._db.execute("UPDATE messages SET status = 'streaming', owner = ? WHERE id = ?",
-                             (self._owner, message_id))
-
-    def set_active(self, client_id: str | None, conv_id, message_id) -> dict | None:
-        """Make the path through ``message_id`` (down to its newest descendant) active and return
-        the conversation; None if not this client's, bad_message if not its message."""
-        with self._lock:
-            if not self._owned(client_id, conv_id):
-                return None
-            with self._transaction():
-                leaf = tree.newest_descendant(self._db, conv_id, message_id) if _valid(message_id) else None
-                if leaf is None:
-                    raise ProtocolError("bad_message", "message_id is not a message of this conversation")
-                self._db.execute("UPDATE conversations SET active_id = ? WHERE id = ?", (leaf, conv_id))
-        return self.get_conversation(client_id, conv_id)
-
+    @_guarded
     def save_partial(self, message_id: str, content: str) -> None:
         """Checkpoint the text streamed so far, so a crash loses little of it."""
         with self._lock:
             self._db.execute("UPDATE messages SET content = ? WHERE id = ? AND status = 'streaming'",
                              (content, message_id))
 
+    @_guarded
     def finish_assistant(self, message_id: str, content: str, reason: str,
                          usage: dict | None = None, timings: dict | None = None) -> None:
         """Store the final text; 'complete' for stop/length, otherwise 'partial'."""
@@ -343,6 +294,18 @@ class Store:
             self._db.execute(
                 "UPDATE conversations SET updated_at = ?"
                 " WHERE id = (SELECT conversation_id FROM messages WHERE id = ?)", (now, message_id))
+
+    @_guarded
+    def forget_client(self, client_id: str) -> int:
+        """Delete every conversation of ``client_id``; return how many."""
+        with self._lock:
+            return self._db.execute("DELETE FROM conversations WHERE client_id = ?", (client_id,)).rowcount
+
+    def expire_clients(self, prefix: str, idle_s: float) -> int:
+        """Delete conversations of clients named ``prefix...`` idle for ``idle_s``; return how many."""
+        with self._lock:
+            return self._db.execute("DELETE FROM conversations WHERE substr(client_id, 1, ?) = ?"
+                                    " AND updated_at < ?", (len(prefix), prefix, time.time() - idle_s)).rowcount
 
     def history(self, conv_id: str, upto: str | None = None, limit: int | None = None) -> list[dict]:
         """The prompt messages: the system prompt (if any), then the non-empty turns of the active
@@ -364,13 +327,15 @@ class Store:
         with self._lock:
             return fts.search(self._db, client_id, text)
 
-    def import_conversation(self, client_id: str, body, max_content_chars: int, max_messages: int = 0) -> str:
+    @_guarded
+    def import_conversation(self, client_id: str, body, max_content_chars: int) -> str:
         """Create a conversation of ``client_id`` from an export or a ``messages`` list; its id."""
-        data = transfer.parse_import(body, max_content_chars, max_messages)
+        data = transfer.parse_import(body, max_content_chars, self.max_messages)
         first = next((m["content"] for m in data["messages"] if m["role"] == "user"), "")
         conv_id, now = new_id(), time.time()
         created = data["created_at"] or now
         with self._lock, self._transaction():
+            self._check_room(client_id)
             self._db.execute(
                 "INSERT INTO conversations (id, client_id, title, title_set, system, created_at, updated_at)"
                 " VALUES (?, ?, ?, 1, ?, ?, ?)",

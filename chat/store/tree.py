@@ -1,9 +1,17 @@
 """Versions: a conversation's message tree, its active path and the siblings at each level."""
 from __future__ import annotations
 
+import re
+
 MESSAGE_COLUMNS = ("m.id, m.conversation_id, m.parent_id, m.role, m.content, m.attachments, m.status,"
                    " m.reason, m.usage, m.timings, m.created_at")
 _DEEPEST = 2 ** 62
+_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def valid(*ids) -> bool:
+    """Whether every value has the shape of an id the store hands out."""
+    return all(isinstance(i, str) and _ID.fullmatch(i) for i in ids)
 
 
 def path(db, conv_id: str, leaf: str | None = None, limit: int | None = None) -> list:

@@ -1,9 +1,15 @@
-"""Errors become responses here, once: JSON for the API routes (404 and 500 included), pages untouched."""
+"""Errors become responses here, once: JSON for the API routes (404 and 500 included), pages untouched.
+
+Nothing internal reaches a client: an unplanned error answers with a request id, and the
+log line under that id has the traceback.
+"""
 from __future__ import annotations
 
 import logging
+import uuid
 
 from flask import jsonify, request
+from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException, InternalServerError
 
 from ..errors import ChatError
@@ -16,24 +22,40 @@ _CODES = {400: "bad_message", 401: "unauthorized", 403: "forbidden", 404: "not_f
           405: "method_not_allowed", 413: "too_large", 429: "rate_limited", 503: "overloaded"}
 
 
+class SafeJSONProvider(DefaultJSONProvider):
+    """Flask's JSON, with too-deep nesting reported as invalid JSON instead of a RecursionError."""
+
+    def loads(self, s, **kwargs):
+        try:
+            return super().loads(s, **kwargs)
+        except RecursionError:
+            raise ValueError("JSON nested too deeply") from None
+
+
+def request_id() -> str:
+    """A short id that ties a client-facing error to its log line."""
+    return uuid.uuid4().hex[:12]
+
+
 def _is_api() -> bool:
     return request.path.startswith(API_PREFIXES) or request.path in ("/api", "/v1")
 
 
-def response(exc: ChatError):
+def response(exc: ChatError, extra: dict | None = None):
     """The JSON response for ``exc``: OpenAI's shape on /v1, ``{"error": {code, message}}`` elsewhere."""
-    if request.path.startswith("/v1"):
-        out = jsonify(openai_api.error_body(exc))
-        if exc.status == 401:
-            out.headers["WWW-Authenticate"] = "Bearer"
-    else:
-        out = jsonify({"error": {"code": exc.code, "message": exc.message}})
+    v1 = request.path.startswith("/v1")
+    body = openai_api.error_body(exc) if v1 else {"error": {"code": exc.code, "message": exc.message}}
+    body["error"].update(extra or {})
+    out = jsonify(body)
+    if v1 and exc.status == 401:
+        out.headers["WWW-Authenticate"] = "Bearer"
     out.status_code = exc.status
     return out
 
 
 def init_app(app) -> None:
-    """Install the app-wide handlers."""
+    """Install the JSON provider and the app-wide handlers."""
+    app.json = SafeJSONProvider(app)
 
     @app.errorhandler(ChatError)
     def _chat_error(exc: ChatError):
@@ -48,7 +70,8 @@ def init_app(app) -> None:
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.path)
+        rid = request_id()
+        log.error("request %s %s %s failed", rid, request.method, request.path, exc_info=exc)
         if not _is_api():
             return InternalServerError()
-        return response(ChatError("internal server error"))
+        return response(ChatError(f"internal server error (request id {rid})"), {"request_id": rid})

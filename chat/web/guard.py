@@ -1,29 +1,23 @@
 """Who may connect: the origin check, the API key, and the client identity a request carries."""
 from __future__ import annotations
 
-import hmac
-
 from flask import request
 
 from ..errors import RequestError
 from . import identity
+from .limits import address_of
 
 
 def origin_allowed(origin: str, host: str, scheme: str, allowed) -> bool:
-    """The page's own origin (scheme + Host) or one listed in CHAT_ALLOWED_ORIGINS."""
+    """The page's own origin (exactly its scheme + Host) or one listed in CHAT_ALLOWED_ORIGINS."""
     origin = origin.rstrip("/")
-    own = {f"{scheme}://{host}", f"http://{host}", f"https://{host}"} if scheme == "https" else \
-        {f"{scheme}://{host}"}
-    return origin in own or origin in allowed or "*" in allowed
+    return origin == f"{scheme}://{host}" or origin in allowed or "*" in allowed
 
 
-def bearer_ok(key: str, allow_query: bool = True) -> bool:
-    """Whether the request carries the API key (``Authorization: Bearer``, or ``?token=``)."""
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    given = given.strip() if scheme.lower() == "bearer" else ""
-    if not given and allow_query:
-        given = request.args.get("token", "")
-    return bool(given) and hmac.compare_digest(given.encode(), key.encode())
+def bearer_ok(key: str, socket: bool = True) -> bool:
+    """Whether the request carries the API key (``Authorization: Bearer``; on the socket also a
+    ``bearer.`` subprotocol or ``?token=``)."""
+    return identity.has_key(request, key, socket)
 
 
 def check_origin(settings) -> None:
@@ -37,22 +31,24 @@ def check_origin(settings) -> None:
         raise RequestError("forbidden", "cross-origin WebSocket refused", 403)
 
 
-def key_ok(settings, cookie: bool, query: bool) -> bool:
-    """Without CHAT_API_KEY, always; with it, whether the request has the key (or, if ``cookie``,
+def key_ok(settings, socket: bool) -> bool:
+    """Without CHAT_API_KEY, always; with it, whether the request has the key (or, on the socket,
     the page's signed identity cookie)."""
     key = settings.api_key
-    return not key or (cookie and identity.current_client() is not None) or bearer_ok(key, query)
+    return not key or (socket and identity.browser_client() is not None) or bearer_ok(key, socket)
 
 
-def socket_client(settings) -> str:
-    """The identity of a WebSocket client: its cookie, else a fresh anonymous one."""
-    client = identity.current_client()
-    if client is None and settings.api_key and bearer_ok(settings.api_key):
-        # A program that proved the key may name its own identity with an unsigned cookie.
-        client = identity.client_id(request)
-    return client or "anon-" + identity.new_client_id()
+def socket_client() -> str:
+    """The identity of a WebSocket client: its cookie (a key-holder's own namespace), else a fresh
+    anonymous one, whose conversations are deleted when the connection ends."""
+    return identity.current_client() or identity.ANONYMOUS + identity.new_client_id()
 
 
 def remote_ip(settings) -> str:
     """The caller's address, as far as trusted proxies vouch for it."""
     return identity.remote_ip(request, settings.trusted_proxies)
+
+
+def address(settings) -> str:
+    """The address the caller's limits count against (IPv6 by its /64)."""
+    return address_of(remote_ip(settings))

@@ -20,8 +20,8 @@ def readyz():
     engine = current_app.extensions["chat"].engine
     if engine.ready:
         return jsonify({"status": "ready", "model": engine.model_name})
-    if engine.error:
-        return jsonify({"status": "failed", "error": engine.error}), 503
+    if engine.error:  # the reason (paths, backend URL) is in the server log, not for anyone who asks
+        return jsonify({"status": "failed"}), 503
     return jsonify({"status": "loading"}), 503
 
 

@@ -1,14 +1,25 @@
-"""Client identity: the ``chat_client`` cookie, and which proxy headers to believe."""
+"""Client identity: the identity cookie, the API key, and which proxy headers to believe."""
 from __future__ import annotations
 
 import base64
 import hashlib
 import hmac
+import logging
 import re
 import secrets
 
+log = logging.getLogger(__name__)
+
 COOKIE = "chat_client"
-_VALID = re.compile(r"^[A-Za-z0-9_-]{16,64}$")
+# Over https the cookie carries the __Host- prefix: the browser then accepts it only from this
+# exact host, Secure, Path=/, so a sibling subdomain cannot plant an identity.
+HOST_COOKIE = "__Host-chat_client"
+ANONYMOUS = "anon:"  # a connection without a cookie; ':' never occurs in a cookie id
+KEY_HOLDER = "key:"  # programs that proved the API key name identities in their own namespace
+SUBPROTOCOL = "chat.v1"
+KEY_SUBPROTOCOL = "bearer."  # Sec-WebSocket-Protocol: chat.v1, bearer.<key> (browsers cannot set headers)
+_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
+_SIG = re.compile(r"[A-Za-z0-9_-]{24}")
 ONE_YEAR = 365 * 24 * 3600
 
 
@@ -27,15 +38,47 @@ def cookie_value(client: str, secret: str = "") -> str:
     return f"{client}.{_signature(client, secret)}" if secret else client
 
 
-def client_id(request, secret: str = "") -> str | None:
-    """The identity in the request's cookie, or None when absent, malformed or badly signed."""
-    value = request.cookies.get(COOKIE, "")
-    client, _, sig = value.partition(".")
-    if not _VALID.match(client):
+def cookie_name(secure: bool) -> str:
+    """``__Host-chat_client`` over https, ``chat_client`` over plain http."""
+    return HOST_COOKIE if secure else COOKIE
+
+
+def parse_cookie(value: str, secret: str = "") -> str | None:
+    """The identity in a cookie value, or None when malformed or badly signed."""
+    client, dot, sig = value.partition(".")
+    if not _ID.fullmatch(client):
         return None
-    if secret and not hmac.compare_digest(sig, _signature(client, secret)):
+    if not secret:
+        return client  # an unsigned server ignores a signature left from a keyed past
+    # Shape first: compare_digest refuses non-ASCII str, and bytes of equal form are cheap to compare.
+    if not dot or not _SIG.fullmatch(sig):
         return None
-    return client
+    return client if hmac.compare_digest(sig.encode(), _signature(client, secret).encode()) else None
+
+
+def client_id(request, secret: str = "", secure: bool = False) -> str | None:
+    """The browser identity in the request's cookie (the name that fits the scheme), or None."""
+    return parse_cookie(request.cookies.get(cookie_name(secure), ""), secret)
+
+
+def presented_key(request, socket: bool = True) -> str:
+    """The API key the request carries: ``Authorization: Bearer``, or (``socket``) a ``bearer.``
+    subprotocol or ``?token=``."""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and given.strip():
+        return given.strip()
+    if not socket:
+        return ""
+    for offered in request.headers.get("Sec-WebSocket-Protocol", "").split(","):
+        if offered.strip().startswith(KEY_SUBPROTOCOL):
+            return offered.strip()[len(KEY_SUBPROTOCOL):]
+    return request.args.get("token", "")
+
+
+def has_key(request, key: str, socket: bool = True) -> bool:
+    """Whether the request carries the API key (see ``presented_key``)."""
+    given = presented_key(request, socket)
+    return bool(key) and bool(given) and hmac.compare_digest(given.encode(), key.encode())
 
 
 def _forwarded(request, header: str, trusted_proxies: int) -> str | None:
@@ -66,13 +109,44 @@ def public_host(request, trusted_proxies: int) -> str:
     return _forwarded(request, "Host", trusted_proxies) or request.host
 
 
+class ProxyWarning:
+    """Warns once when requests carry ``X-Forwarded-For`` that CHAT_TRUSTED_PROXIES=0 ignores."""
+
+    def __init__(self):
+        self.warned = False
+
+    def check(self, request, trusted_proxies: int) -> None:
+        if self.warned or trusted_proxies or "X-Forwarded-For" not in request.headers:
+            return
+        self.warned = True
+        log.warning("a request arrived with X-Forwarded-For while CHAT_TRUSTED_PROXIES=0: every user "
+                    "behind the proxy looks like %s and shares one set of per-address limits; set "
+                    "CHAT_TRUSTED_PROXIES to the number of proxies in front", request.remote_addr)
+
+
 def set_cookie(response, value: str, secure: bool) -> None:
-    """Attach the identity cookie (HttpOnly, SameSite=Lax, Secure over https)."""
-    response.set_cookie(COOKIE, value, max_age=ONE_YEAR, httponly=True,
+    """Attach the identity cookie (HttpOnly, SameSite=Lax; Secure with the __Host- name over https)."""
+    response.set_cookie(cookie_name(secure), value, max_age=ONE_YEAR, httponly=True,
                         samesite="Lax", secure=secure, path="/")
 
 
-def current_client() -> str | None:
-    """The identity of the Flask request being served."""
+def browser_client() -> str | None:
+    """The identity of the Flask request being served, from its cookie alone."""
     from flask import current_app, request
-    return client_id(request, current_app.extensions["chat"].settings.api_key)
+    settings = current_app.extensions["chat"].settings
+    return client_id(request, settings.api_key, is_https(request, settings.trusted_proxies))
+
+
+def current_client() -> str | None:
+    """The identity of the Flask request being served: its cookie, or a key-holder's own name.
+
+    With CHAT_API_KEY set, a program holding the key may name itself with an unsigned
+    cookie; that name lives in its own namespace, so it never reaches a browser's conversations.
+    """
+    from flask import current_app, request
+    settings = current_app.extensions["chat"].settings
+    client = browser_client()
+    if client is None and settings.api_key and has_key(request, settings.api_key):
+        named = parse_cookie(request.cookies.get(HOST_COOKIE) or request.cookies.get(COOKIE, ""))
+        return KEY_HOLDER + named if named else None
+    return client

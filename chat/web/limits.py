@@ -1,49 +1,180 @@
-"""Request rate and per-address connection limits (in memory, per worker process)."""
+"""One registry of who may do what: connections, request rate and running answers, per client and per address.
+
+A new cookie (or none) must not reset a limit, so every limit that a client could
+escape by becoming someone else is also counted per address; IPv6 addresses are
+grouped by /64, the block one subscriber usually gets. Answers are counted from
+admission until their generation emits ``Done`` (or ``Refused``), so answers that
+outlive their socket for the resume grace still count. In memory, per worker process.
+"""
 from __future__ import annotations
 
+import ipaddress
+import math
 import time
 
+from ..concurrency import real_lock
+from ..engine.events import END, Started
+from ..errors import ProtocolError
+from .identity import ANONYMOUS
 
-class RateLimiter:
-    """A token bucket per key: ``per_min`` requests a minute, bursts up to the same."""
+IDLE_BUCKETS = 10_000  # past this many buckets, forget the ones idle for a while
+IDLE_S = 120.0
+
+
+def address_of(ip: str) -> str:
+    """The address a limit counts: IPv4 as is, IPv6 by its /64 (IPv4-mapped IPv6 as IPv4)."""
+    try:
+        parsed = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if parsed.version == 6:
+        if parsed.ipv4_mapped is not None:
+            return str(parsed.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{parsed}/64", strict=False))
+    return str(parsed)
+
+
+class Buckets:
+    """Token buckets by key: ``per_min`` a minute, bursts up to the same; 0 means unlimited."""
 
     def __init__(self, per_min: int):
         self.per_min = per_min
-        self.buckets: dict = {}
+        self.state: dict = {}
 
-    def allow(self, key: str) -> bool:
-        """Take one token for ``key``; False when its bucket is empty (0 per minute: no limit)."""
+    def _level(self, key: str, now: float) -> float:
+        tokens, last = self.state.get(key, (float(self.per_min), now))
+        return min(float(self.per_min), tokens + (now - last) * self.per_min / 60.0)
+
+    def has(self, key: str, now: float) -> bool:
+        return not self.per_min or self._level(key, now) >= 1
+
+    def take(self, key: str, now: float) -> None:
         if not self.per_min:
-            return True
+            return
+        self.state[key] = (self._level(key, now) - 1, now)
+        if len(self.state) > IDLE_BUCKETS:
+            self.state = {k: v for k, v in self.state.items() if now - v[1] < IDLE_S}
+
+
+def _decrement(counts: dict, key: str) -> None:
+    counts[key] -= 1
+    if not counts[key]:
+        del counts[key]
+
+
+class Ticket:
+    """One admitted answer: counted against its client and address until released."""
+
+    def __init__(self, limits: "Limits", client: str, address: str):
+        self.limits, self.client, self.address = limits, client, address
+        self.waiting = True  # until the engine starts it
+        self.released = False
+
+    def started(self) -> None:
+        with self.limits.lock:
+            if self.waiting and not self.released:
+                self.waiting = False
+                _decrement(self.limits.waiting, self.address)
+
+    def release(self) -> None:
+        """Stop counting this answer; safe to call twice, from any thread."""
+        limits = self.limits
+        with limits.lock:
+            if self.released:
+                return
+            self.released = True
+            if self.waiting:
+                _decrement(limits.waiting, self.address)
+            if self.client is not None:
+                _decrement(limits.by_client, self.client)
+            _decrement(limits.by_address, self.address)
+
+
+class Limits:
+    """Admission for connections and answers; shared by the WebSocket and ``/v1``."""
+
+    def __init__(self, settings):
+        self.max_connections = settings.max_connections_per_ip
+        self.max_per_client = settings.max_active_per_connection
+        self.max_per_address = settings.max_active_per_ip
+        self.batch = settings.max_batch
+        self.client_rate = Buckets(settings.rate_limit_per_min)
+        self.address_rate = Buckets(settings.rate_limit_per_ip_per_min)
+        self.lock = real_lock()  # tickets are released from engine threads
+        self.connections: dict = {}
+        self.by_client: dict = {}
+        self.by_address: dict = {}
+        self.waiting: dict = {}
+
+    # ---- connections
+
+    def connection_allowed(self, address: str) -> bool:
+        """Whether ``address`` may open one more socket."""
+        with self.lock:
+            return not self.max_connections or self.connections.get(address, 0) < self.max_connections
+
+    def connect(self, address: str) -> None:
+        with self.lock:
+            self.connections[address] = self.connections.get(address, 0) + 1
+
+    def disconnect(self, address: str) -> None:
+        with self.lock:
+            left = self.connections.get(address, 1) - 1
+            if left > 0:
+                self.connections[address] = left
+            else:
+                self.connections.pop(address, None)
+
+    # ---- answers
+
+    def admit(self, address: str, client: str | None = None, rid: str | None = None) -> Ticket:
+        """A ticket for one more answer, or the protocol error that refuses it (in protocol order).
+
+        ``client`` None (``/v1``) counts only against the address.
+        """
         now = time.monotonic()
-        tokens, last = self.buckets.get(key, (float(self.per_min), now))
-        tokens = min(float(self.per_min), tokens + (now - last) * self.per_min / 60.0)
-        if tokens < 1:
-            self.buckets[key] = (tokens, now)
-            return False
-        self.buckets[key] = (tokens - 1, now)
-        if len(self.buckets) > 10000:  # forget idle clients
-            self.buckets = {k: v for k, v in self.buckets.items() if now - v[1] < 120}
-        return True
+        # A connection without a cookie is a new client each time: its rate is its address's.
+        rate_key = None if client is None else \
+            "anon@" + address if client.startswith(ANONYMOUS) else client
+        with self.lock:
+            active = self.by_address.get(address, 0)
+            if client is not None and self.by_client.get(client, 0) >= self.max_per_client:
+                raise ProtocolError("busy", f"at most {self.max_per_client} answers at once per client", rid)
+            if self.max_per_address and active >= self.max_per_address:
+                raise ProtocolError("busy", f"at most {self.max_per_address} answers at once per address", rid)
+            if not ((rate_key is None or self.client_rate.has(rate_key, now)) and
+                    self.address_rate.has(address, now)):
+                raise ProtocolError("rate_limited", "too many requests; slow down", rid)
+            if active >= self.fair_share() and self._others_waiting(address):
+                raise ProtocolError("overloaded", "this address has its share of the server while others "
+                                                  "wait; try again when one of its answers ends", rid)
+            if rate_key is not None:
+                self.client_rate.take(rate_key, now)
+            self.address_rate.take(address, now)
+            if client is not None:
+                self.by_client[client] = self.by_client.get(client, 0) + 1
+            self.by_address[address] = active + 1
+            self.waiting[address] = self.waiting.get(address, 0) + 1
+            return Ticket(self, client, address)
+
+    def fair_share(self) -> int:
+        """Batch slots for each address that has answers running or waiting."""
+        return max(1, math.ceil(self.batch / max(1, len(self.by_address))))
+
+    def _others_waiting(self, address: str) -> bool:
+        return any(count for addr, count in self.waiting.items() if addr != address)
+
+    def track(self, ticket: Ticket, gen) -> None:
+        """Follow ``gen``'s events as the engine emits them: started on ``Started``, released at the end.
+
+        Watching the engine's side (not the consumer's) keeps the count right for answers whose
+        client is gone, or whose channel was closed after a failed store write.
+        """
+        gen.observe(lambda event: _observe(ticket, event))
 
 
-class ConnectionCounts:
-    """Open WebSocket connections per address, against ``CHAT_MAX_CONNECTIONS_PER_IP``."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.by_ip: dict[str, int] = {}
-
-    def full(self, ip: str) -> bool:
-        """Whether ``ip`` may open no more connections (0: no limit)."""
-        return bool(self.limit) and self.by_ip.get(ip, 0) >= self.limit
-
-    def opened(self, ip: str) -> None:
-        self.by_ip[ip] = self.by_ip.get(ip, 0) + 1
-
-    def closed(self, ip: str) -> None:
-        left = self.by_ip.get(ip, 1) - 1
-        if left > 0:
-            self.by_ip[ip] = left
-        else:
-            self.by_ip.pop(ip, None)
+def _observe(ticket: Ticket, event) -> None:
+    if isinstance(event, Started):
+        ticket.started()
+    elif isinstance(event, END):
+        ticket.release()

@@ -32,15 +32,14 @@ def _state():
 @bp.before_request
 def _authorize():
     """With CHAT_API_KEY set, every /v1 call needs ``Authorization: Bearer <key>``."""
-    if not guard.key_ok(_state().settings, cookie=False, query=False):
+    if not guard.key_ok(_state().settings, socket=False):
         raise RequestError("invalid_api_key", "missing or invalid API key (use Authorization: Bearer <key>)", 401)
 
 
 def _engine_ready():
     engine = _state().engine
-    if not engine.ready:
-        detail = f": {engine.error}" if engine.error else ""
-        raise RequestError("model_not_ready", f"the model is not ready yet{detail}", 503)
+    if not engine.ready:  # the load error names paths and URLs: it stays in the log
+        raise RequestError("model_not_ready", "the model is not ready yet", 503)
     return engine
 
 
@@ -122,10 +121,20 @@ def _content(value, name: str) -> str:
     raise _bad(name, "must be a string or a list of text parts")
 
 
+def _top_k(value, name, settings):
+    return max(0, _integer(-1)(value, name, settings))  # -1, other servers' "off", means off here too
+
+
+def _too_large(name: str, message: str) -> RequestError:
+    return RequestError("too_large", f"'{name}' {message}", 413, name)
+
+
 def _messages(value, name, settings):
     if not isinstance(value, list) or not value:
         raise _bad(name, "must be a non-empty list")
-    out = []
+    if settings.max_messages and len(value) > settings.max_messages:
+        raise _too_large(name, f"holds more than {settings.max_messages} messages")
+    out, chars = [], 0
     for i, message in enumerate(value):
         where = f"{name}[{i}]"
         if not isinstance(message, dict):
@@ -135,8 +144,10 @@ def _messages(value, name, settings):
             raise _bad(f"{where}.role", f"must be one of {', '.join(_ROLES)}, not {role!r}")
         text = _content(message.get("content"), f"{where}.content")
         if len(text) > settings.max_content_chars:
-            raise RequestError("too_large", f"'{where}.content' is longer than {settings.max_content_chars} "
-                               "characters", 413, f"{where}.content")
+            raise _too_large(f"{where}.content", f"is longer than {settings.max_content_chars} characters")
+        chars += len(text)
+        if chars > settings.max_request_chars:
+            raise _too_large(name, f"hold more than {settings.max_request_chars} characters in all")
         out.append({"role": _ROLES[role], "content": text})
     return out
 
@@ -154,6 +165,8 @@ FIELDS = {
     "model": _string,
     "temperature": _number(0.0, 2.0),
     "top_p": _number(0.0, 1.0, low_open=True),
+    "top_k": _top_k,
+    "min_p": _number(0.0, 1.0),
     "max_tokens": _integer(1),
     "max_completion_tokens": _integer(1),
     "seed": _integer(*SEED_RANGE),
@@ -183,7 +196,7 @@ def parse_request(body, settings) -> dict:
 
 def gen_params(values: dict) -> dict:
     """The request's sampling values under the engine's names (the service fills in defaults)."""
-    out = {k: values[k] for k in ("temperature", "top_p", "seed", "stop") if k in values}
+    out = {k: values[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop") if k in values}
     wanted = values.get("max_completion_tokens", values.get("max_tokens"))
     if wanted is not None:
         out["max_new_tokens"] = wanted
@@ -197,6 +210,8 @@ def _read_json():
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError("invalid_json", f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError("invalid_json", "the request body nests too deeply") from None
 
 
 # ---- routes
@@ -226,7 +241,7 @@ def chat_completions():
     state = _state()
     values = parse_request(_read_json(), state.settings)
     engine = _engine_ready()
-    gen = state.turns.answer("v1:" + guard.remote_ip(state.settings), values["messages"], gen_params(values))
+    gen = state.turns.answer(guard.address(state.settings), values["messages"], gen_params(values))
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
     if values.get("stream"):
         include_usage = values.get("stream_options", {}).get("include_usage", False)
@@ -240,13 +255,17 @@ def _usage(done: Done) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _failure(end: Done | Refused) -> ChatError:
-    """An answer refused by the engine, or ended by shutdown or an engine error."""
+def _failure(end: Done | Refused, request_id: str) -> ChatError:
+    """An answer refused by the engine, or ended by shutdown or an engine error.
+
+    An engine failure's own message may carry the backend's URL or body: the client gets a
+    generic message with the request id; ``TurnService.record`` logs the details under that id.
+    """
     if isinstance(end, Refused):
         return EngineError(end.message, end.code, PROTOCOL_STATUS.get(end.code, 400))
     if end.reason == "shutdown":
         return RequestError("shutdown", "the server is shutting down", 503)
-    return ChatError(end.message or "the engine failed while generating")
+    return ChatError(f"the engine failed while generating (request id {request_id})")
 
 
 def _complete(gen, meta: dict, turns):
@@ -264,7 +283,7 @@ def _complete(gen, meta: dict, turns):
         gen.close()
     turns.record(end, "v1", meta["id"])
     if not isinstance(end, Done) or end.reason not in _FINISH:
-        raise _failure(end)
+        raise _failure(end, meta["id"])
     return jsonify({**meta, "object": "chat.completion",
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(texts)},
                                  "logprobs": None, "finish_reason": _FINISH[end.reason]}],
@@ -301,7 +320,7 @@ def _stream(gen, meta: dict, include_usage: bool, turns):
             if include_usage:
                 yield _sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage(end)})
         else:
-            yield _sse(error_body(_failure(end)))
+            yield _sse(error_body(_failure(end, meta["id"])))
         yield "data: [DONE]\n\n"
     finally:
         if end is None:

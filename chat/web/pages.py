@@ -8,7 +8,7 @@ from . import identity
 bp = Blueprint("pages", __name__)
 
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-       "connect-src 'self' ws: wss:; font-src 'self'; object-src 'none'; base-uri 'self'; "
+       "connect-src 'self'; font-src 'self'; object-src 'none'; base-uri 'self'; "
        "frame-ancestors 'none'; form-action 'self'")
 
 
@@ -17,11 +17,20 @@ def index():
     """The chat page; gives a new visitor a random identity cookie."""
     settings = current_app.extensions["chat"].settings
     response = current_app.make_response(render_template("index.html"))
-    if identity.current_client() is None:
+    if identity.browser_client() is None:
         value = identity.cookie_value(identity.new_client_id(), settings.api_key)
         identity.set_cookie(response, value, identity.is_https(request, settings.trusted_proxies))
     response.headers["Cache-Control"] = "no-store"
     return response
+
+
+_proxy_warning = identity.ProxyWarning()
+
+
+@bp.before_app_request
+def warn_about_untrusted_proxy():
+    """Tell the operator once that a proxy's X-Forwarded-For is being ignored."""
+    _proxy_warning.check(request, current_app.extensions["chat"].settings.trusted_proxies)
 
 
 @bp.after_app_request

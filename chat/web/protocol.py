@@ -10,7 +10,7 @@ from .. import attachments as files
 from ..errors import PROTOCOL_STATUS, ChatError, ProtocolError
 
 PROTOCOL = "chat.v1"
-ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # always fullmatch: "$" would let a trailing newline in
 
 
 @dataclass
@@ -38,7 +38,7 @@ def _is_number(v) -> bool:
 
 
 def _req_id(v) -> str | None:
-    if not isinstance(v, str) or not ID.match(v):
+    if not isinstance(v, str) or not ID.fullmatch(v):
         return "must be 1-64 characters of A-Z, a-z, 0-9, _ or -"
     return None
 
@@ -97,6 +97,8 @@ def _param_rules(max_new_tokens: int) -> dict:
     return {
         "temperature": (lambda v: _is_number(v) and 0 <= v <= 2, "a number from 0 to 2"),
         "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number greater than 0 and at most 1"),
+        "top_k": (lambda v: _is_int(v) and 0 <= v <= 1_000_000, "an integer from 0 (off) to 1000000"),
+        "min_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number from 0 (off) to 1"),
         "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= max_new_tokens,
                            f"an integer from 1 to {max_new_tokens}"),
         "seed": (lambda v: _is_int(v) and -(2 ** 63) <= v < 2 ** 64, "an integer"),
@@ -113,7 +115,7 @@ def parse(raw, max_content_chars: int, max_new_tokens: int) -> Request:
         raise ProtocolError("bad_json", "the message is not valid JSON") from None
     if not isinstance(msg, dict):
         raise ProtocolError("bad_message", "the message must be a JSON object")
-    rid = msg.get("id") if isinstance(msg.get("id"), str) and ID.match(msg.get("id", "")) else None
+    rid = msg.get("id") if isinstance(msg.get("id"), str) and ID.fullmatch(msg.get("id", "")) else None
     kind = msg.get("type")
     if not isinstance(kind, str):
         raise ProtocolError("bad_message", "field 'type' is required and must be a string", rid)

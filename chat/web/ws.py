@@ -10,7 +10,7 @@ from flask_sock import Sock
 from simple_websocket import ConnectionClosed
 
 from ..errors import ChatError, ProtocolError, RequestError
-from . import guard
+from . import backpressure, guard, identity
 from .protocol import PROTOCOL, error_frame, parse
 
 log = logging.getLogger(__name__)
@@ -34,9 +34,9 @@ def handshake():
     state, settings = _state(), _state().settings
     try:
         guard.check_origin(settings)
-        if not guard.key_ok(settings, cookie=True, query=True):
+        if not guard.key_ok(settings, socket=True):
             raise RequestError("unauthorized", "an API key is required", 401)
-        if state.connections.full(guard.remote_ip(settings)):
+        if not state.limits.connection_allowed(guard.address(settings)):
             raise ProtocolError("rate_limited", "too many connections from this address")
     except ChatError as exc:  # counted here, answered as JSON by the app's error handler
         state.metrics.errors.labels(exc.code).inc()
@@ -47,24 +47,26 @@ def handshake():
 def websocket(ws):
     """Serve one connection until it closes."""
     state = _state()
-    ip = guard.remote_ip(state.settings)
-    state.connections.opened(ip)
+    address = guard.address(state.settings)
+    state.limits.connect(address)
     state.metrics.connections.inc()
-    session = Session(ws, state, guard.socket_client(state.settings))
+    session = Session(ws, state, guard.socket_client(), address)
     state.sessions.add(session)
     try:
         session.serve()
     finally:
+        if session.client.startswith(identity.ANONYMOUS):
+            state.turns.forget_anonymous(session.client, list(session.runs.values()))
         state.sessions.discard(session)
         state.metrics.connections.dec()
-        state.connections.closed(ip)
+        state.limits.disconnect(address)
 
 
 class Session:
     """One WebSocket connection: parse → dispatch to the turn service → send frames."""
 
-    def __init__(self, ws, state, client: str):
-        self.ws, self.state, self.client = ws, state, client
+    def __init__(self, ws, state, client: str, address: str = "?"):
+        self.ws, self.state, self.client, self.address = ws, state, client, address
         self.settings, self.turns = state.settings, state.turns
         self.runs: dict = {}  # request id -> Run attached to this connection
         self.send_lock = threading.Lock()
@@ -75,9 +77,15 @@ class Session:
         if not self.open:
             return False
         try:
-            with self.send_lock:
+            with self.send_lock, backpressure.within(self.settings.send_timeout_s):
                 self.ws.send(json.dumps(frame, ensure_ascii=False))
             return True
+        except backpressure.SendTimeout:
+            log.info("client %s stopped reading for %ss: socket dropped", self.address,
+                     self.settings.send_timeout_s)
+            self.open = False
+            backpressure.cut(self.ws)
+            return False
         except Exception:  # ConnectionClosed, or the socket died under us
             self.open = False
             return False
@@ -120,16 +128,16 @@ class Session:
         self.send({"type": "pong", "t": req.t} if req.t is not None else {"type": "pong"})
 
     def on_chat(self, req) -> None:
-        self.turns.chat(self.client, req, self.active(), self)
+        self.turns.chat(self.client, self.address, req, self)
 
     def on_regenerate(self, req) -> None:
-        self.turns.regenerate(self.client, req, self.active(), self)
+        self.turns.regenerate(self.client, self.address, req, self)
 
     def on_edit(self, req) -> None:
-        self.turns.edit(self.client, req, self.active(), self)
+        self.turns.edit(self.client, self.address, req, self)
 
     def on_continue(self, req) -> None:
-        self.turns.continue_(self.client, req, self.active(), self)
+        self.turns.continue_(self.client, self.address, req, self)
 
     def on_cancel(self, req) -> None:
         self.turns.cancel(self.client, req.id)
@@ -146,10 +154,6 @@ class Session:
         self.close(1000, "stop")
         return False
 
-    def active(self) -> int:
-        """How many of this connection's answers are still running."""
-        return sum(1 for r in self.runs.values() if not r.finished)
-
     def adopt(self, run) -> None:
         """A run now sends its frames here."""
         self.runs[run.id] = run
@@ -162,9 +166,10 @@ class Session:
     def close(self, code: int, reason: str) -> None:
         self.open = False
         try:
-            self.ws.close(code, reason)
-        except Exception:  # already gone
-            pass
+            with backpressure.within(self.settings.send_timeout_s):
+                self.ws.close(code, reason)
+        except Exception:  # already gone, or a stalled reader (SendTimeout): tear it down
+            backpressure.cut(self.ws)
 
 
 def graceful_shutdown(state, timeout: float) -> None:

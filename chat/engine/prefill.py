@@ -1,0 +1,63 @@
+"""Prompts being prefilled, a chunk at a time, in their own buffer until they join the batch."""
+from __future__ import annotations
+
+import torch
+
+from .kv import KVBuffer
+
+
+class PrefillJob:
+    """Prompts prefilled together (left-padded, one forward per chunk), or one continuing reused KV.
+
+    ``dims`` is (layers, heads, head dim, dtype, device); ``reused`` is (keys, values, n)
+    from the prefix cache for a single prompt whose first ``n`` tokens are already done.
+    """
+
+    def __init__(self, prompts: list, dims, reused=None):
+        layers, heads, dim, dtype, device = dims
+        self.slots: list = []  # the engine's rows-to-be, in prompt order
+        self.fresh = reused is None
+        width = max(len(ids) for ids in prompts)
+        self.kv = KVBuffer(layers, heads, dim, dtype, device, rows=len(prompts), capacity=width + 64)
+        if reused is not None:
+            keys, values, start = reused
+            self.kv.add_row(keys, values)
+            ids = prompts[0]
+            self.tokens = torch.tensor([ids[start:]], device=device)
+            self.positions = torch.arange(start, len(ids), device=device)[None, :]
+            self.pads = [0]
+        else:
+            self.kv.n = len(prompts)
+            self.tokens = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+            self.positions = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+            self.pads = [width - len(ids) for ids in prompts]
+            for r, (ids, pad) in enumerate(zip(prompts, self.pads)):
+                self.tokens[r, pad:] = torch.tensor(ids, device=device)
+                self.positions[r, pad:] = torch.arange(len(ids), device=device)
+        self.real = (torch.arange(self.tokens.shape[1], device=device)[None, :]
+                     >= torch.tensor(self.pads, device=device)[:, None]).long()
+        self.done = 0
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def remaining(self) -> int:
+        return self.tokens.shape[1] - self.done
+
+    def step(self, forward, columns: int):
+        """Prefill the next ``columns`` prompt positions; the last position's logits once finished, else None."""
+        kv, begin = self.kv, self.done
+        end = min(begin + columns, self.tokens.shape[1])
+        q = end - begin
+        kv.reserve(q)
+        kv.mask[:kv.n, kv.length:kv.length + q] = self.real[:, begin:end]
+        logits = forward(self.tokens[:, begin:end], kv, self.positions[:, begin:end])
+        for r, pad in enumerate(self.pads):
+            if pad > begin:  # padding attends to nothing; keep its never-read KV finite
+                for t in kv.keys + kv.values:
+                    t[r, :, kv.length:kv.length + min(pad, end) - begin] = 0
+        kv.length += q
+        self.done = end
+        return logits if self.done == self.tokens.shape[1] else None

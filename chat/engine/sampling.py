@@ -1,0 +1,97 @@
+"""Batched sampling: one vectorized pass over a batch's logits, with a seeded generator per row.
+
+Order of the filters: temperature, then top-k, then top-p over what top-k kept
+(renormalized), then min-p (relative to the most likely token). Candidates are
+narrowed to the ``narrow`` most likely tokens before anything is sorted; that is
+exact, not an approximation: probabilities are normalized over the whole
+vocabulary first, and a row whose nucleus does not fit in the candidates is
+redone with 16 times as many, then with the whole vocabulary. Each row draws one uniform number from its own
+generator, so a seeded answer does not depend on who else is in the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+NARROW = 64  # topk of 64 of 49,152 logits x 8 rows: ~1.3 ms here; of 256: ~6 ms
+
+
+def sample(logits, params: list, generators: list, narrow: int = NARROW) -> list[int]:
+    """Next token of every row: ``logits`` (rows, vocab), one GenParams and torch.Generator per row."""
+    hot = [i for i, p in enumerate(params) if p.temperature > 0]
+    # Greedy rows stay argmax.
+    tokens = logits.argmax(dim=-1).tolist() if len(hot) < len(params) else [0] * len(params)
+    if not hot:
+        return tokens
+    # Exactly one draw per sampled row and step, from the row's own generator.
+    draws = {i: torch.rand(1, generator=generators[i]) for i in hot}
+    plain = [i for i in hot if _untruncated(params[i])]
+    cut = [i for i in hot if not _untruncated(params[i])]
+    if plain:
+        _fill(tokens, plain, _sample_full(logits, params, draws, plain))
+    if cut:
+        _fill(tokens, cut, _sample_truncated(logits, params, draws, cut, narrow))
+    return tokens
+
+
+def _untruncated(p) -> bool:
+    return p.top_p >= 1.0 and not p.top_k and not p.min_p
+
+
+def _fill(tokens: list, rows: list, chosen: list) -> None:
+    for i, token in zip(rows, chosen):
+        tokens[i] = token
+
+
+def _scaled(logits, params, rows):
+    """(logits ÷ temperature, log of each row's normalizer over the whole vocabulary)."""
+    index = torch.tensor(rows, device=logits.device)
+    temps = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=logits.dtype)
+    x = logits.index_select(0, index) / temps[:, None]
+    return x, torch.logsumexp(x, dim=-1, keepdim=True)
+
+
+def _uniforms(draws: dict, rows, device):
+    return torch.cat([draws[i] for i in rows]).to(device)[:, None]
+
+
+def _pick(weights, u):
+    """Index of each row's choice by inverse CDF (zero weights are never picked)."""
+    cdf = torch.cumsum(weights, dim=-1)
+    choice = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return choice.clamp_(max=weights.shape[1] - 1)
+
+
+def _sample_full(logits, params, draws, rows) -> list[int]:
+    """Temperature only: the whole vocabulary, unsorted."""
+    x, lse = _scaled(logits, params, rows)
+    return _pick(torch.exp(x - lse), _uniforms(draws, rows, x.device)).squeeze(1).tolist()
+
+
+def _sample_truncated(logits, params, draws, rows, narrow) -> list[int]:
+    """Top-k / top-p / min-p among the most likely candidates; rows they cannot settle get a full sort."""
+    x, lse = _scaled(logits, params, rows)
+    vocab = x.shape[1]
+    top_k = torch.tensor([params[i].top_k or 0 for i in rows], device=x.device)
+    width = min(vocab, max(narrow, int(top_k.max())))
+    values, candidates = torch.topk(x, width, dim=-1)  # sorted, most likely first
+    probs = torch.exp(values - lse)
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    keep = torch.arange(width, device=x.device)[None, :] < k
+    # top-p is over what top-k kept; without top-k the mass is the whole vocabulary's (exactly 1).
+    mass = torch.where(k <= width, (probs * keep).sum(-1, keepdim=True), torch.ones_like(lse))
+    top_p = torch.tensor([params[i].top_p for i in rows], device=x.device, dtype=x.dtype)[:, None]
+    min_p = torch.tensor([params[i].min_p or 0.0 for i in rows], device=x.device, dtype=x.dtype)[:, None]
+    before = (torch.cumsum(probs * keep, dim=-1) - probs) / mass
+    floor = min_p * probs[:, :1]
+    keep &= (before < top_p) & (probs >= floor)
+    keep[:, 0] = True
+    # Settled: the kept set ends inside the candidates (by top-k, by top-p's mass, or by min-p).
+    settled = (k <= width) | (before[:, -1:] + probs[:, -1:] / mass >= top_p) | (probs[:, -1:] < floor)
+    chosen = _pick(probs * keep, _uniforms(draws, rows, x.device))
+    tokens = candidates.gather(1, chosen).squeeze(1).tolist()
+    unsettled = [j for j, ok in enumerate(settled.squeeze(1).tolist()) if not ok]
+    if unsettled and width < vocab:  # wider, then the whole vocabulary (a full sort is ~15 ms a row)
+        again = _sample_truncated(logits, params, draws, [rows[j] for j in unsettled], width * 16)
+        for j, token in zip(unsettled, again):
+            tokens[j] = token
+    return tokens

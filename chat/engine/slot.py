@@ -1,0 +1,54 @@
+"""One request's state in the engine: its prompt, sampler, decoder and when it must end."""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from .base import Generation
+from .decoding import IncrementalDecoder, StopMatcher
+
+
+class Slot:
+    """One request being prefilled or decoded."""
+
+    def __init__(self, gen: Generation, ids: list[int], tokenizer, settings):
+        self.gen = gen
+        self.params = gen.params
+        self.prompt_ids = ids
+        self.out_ids: list[int] = []
+        self.pos = len(ids)  # position id of the next token fed to the model
+        self.last = None  # last sampled token, fed at the next step
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.stopper = StopMatcher(self.params.stop)
+        self.generator = torch.Generator()
+        seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
+        self.generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+        self.deadline = time.monotonic() + settings.generation_timeout_s
+        self.max_new = min(self.params.max_new_tokens, settings.max_new_tokens)
+        self.context = settings.context_tokens
+        self.first_delta_at = None
+        self.reused = 0
+        self.hit_stop = False
+
+    def take(self, token: int, eos_ids) -> tuple[str, str | None]:
+        """(text this token completes, reason the answer ends or None)."""
+        if token in eos_ids:
+            return "", "stop"
+        self.out_ids.append(token)
+        self.last = token
+        text, hit = self.stopper.push(self.decoder.push(token))
+        if hit:
+            self.hit_stop = True
+            return text, "stop"
+        if len(self.out_ids) >= self.max_new or self.pos + 1 >= self.context:
+            return text, "length"
+        return text, None
+
+    def flush(self) -> str:
+        """Text still held back when the answer ends (nothing after a stop sequence)."""
+        if self.hit_stop:
+            return ""
+        text, hit = self.stopper.push(self.decoder.flush())
+        return text if hit else text + self.stopper.flush()
