@@ -146,6 +146,18 @@ def run_in_thread(fn, *args):
     connection of the worker; without gevent it simply runs here.
     """
     if gevent_active():
-        import gevent
-        return gevent.get_hub().threadpool.apply(fn, args)
+        return _tokenizer_pool().apply(fn, args)
     return fn(*args)
+
+
+_pool = None
+
+
+def _tokenizer_pool():
+    """One dedicated thread: the work is short next to a model step and holds the GIL anyway,
+    and the hub's own pool would grow a thread per concurrent caller and keep them."""
+    global _pool
+    if _pool is None:
+        from gevent.threadpool import ThreadPool
+        _pool = ThreadPool(1)
+    return _pool
