@@ -50,9 +50,12 @@ class KVBuffer:
         self.cache.layers = [_BufferLayer(self, i) for i in range(layers)]
 
     def _allocate(self, rows: int, capacity: int) -> None:
+        # Uninitialized: zeroing (and so faulting in) the whole capacity cost a running batch a
+        # long stall when a long prompt joined. Every column the model reads is written first, or
+        # zeroed where it is padding (see add_row), so masked attention never meets a NaN.
         shape = (rows, self.heads, capacity, self.dim)
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self.keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self.values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
         self.mask = torch.zeros((rows, capacity), dtype=torch.long, device=self.device)
 
     @property
@@ -109,13 +112,17 @@ class KVBuffer:
             live = self.length - self.start
             self._move(new_rows, max(self.capacity, 64, 2 * (max(live, count) + 1)), max(count - live, 0))
         r, begin = self.n, self.length - count
+        start = min(self.start, begin) if self.n else begin
         for store, part in ((self.keys, keys), (self.values, values)):
             for layer, t in zip(store, part):
                 layer[r, :, begin:self.length] = t[0]
+                layer[r, :, start:begin] = 0  # the new row's padding
+                if self.n and begin < self.start:  # columns the other rows now see as padding
+                    layer[:self.n, :, begin:self.start] = 0
         self.mask[r].zero_()
         self.mask[r, begin:self.length] = 1
         self.n += 1
-        self.start = min(self.start, begin) if self.n > 1 else begin
+        self.start = start
         return r
 
     def remove_row(self, r: int) -> None:
