@@ -46,7 +46,7 @@ def _release_memory() -> None:
 class LocalEngine(Engine):
     """Runs the model on its own OS thread with continuous batching."""
 
-    def __init__(self, settings, autostart: bool = True):
+    def __init__(self, settings):
         self.settings = settings
         self.model_name = settings.model_name or "loading"
         self.ready = False
@@ -65,8 +65,7 @@ class LocalEngine(Engine):
         self.trimmed = True
         self.tokens_generated = 0
         self.prefilling = 0  # rows in self.jobs, kept by the engine thread for other threads to read
-        if autostart:
-            start_real_thread(self._run, name="engine")
+        start_real_thread(self._run, name="engine")
 
     # ---- called from the web layer (any greenlet or thread) ----
 
@@ -227,7 +226,7 @@ class LocalEngine(Engine):
 
     def _admit(self) -> None:
         """Start prefilling waiters while the batch has room; tell the rest their position."""
-        room = self.settings.max_batch - len(self.rows) - sum(len(j.slots) for j in self.jobs)
+        room = self.settings.max_batch - len(self.rows) - self.prefilling
         fresh = []
         while self.waiting and room > 0:
             gen = self.waiting.popleft()
@@ -267,8 +266,7 @@ class LocalEngine(Engine):
         """Spend this iteration's prompt budget, oldest job first; finished jobs join the batch."""
         # A chunk per decode step bounds the running rows' stall; when more users wait for their
         # first token than are decoding, they get proportionally more (the stall then hurts fewer).
-        starting = sum(len(j.slots) for j in self.jobs)
-        budget = self.settings.prefill_chunk * max(1, starting // max(1, len(self.rows)))
+        budget = self.settings.prefill_chunk * max(1, self.prefilling // max(1, len(self.rows)))
         while self.jobs and budget > 0:
             job = self.jobs[0]
             if all(s.gen.cancel_reason for s in job.slots):
