@@ -69,4 +69,6 @@ def _greenlets() -> int:
         from greenlet import greenlet
     except ImportError:
         return 0
-    return sum(1 for o in gc.get_objects() if isinstance(o, greenlet) and not o.dead)
+    # type(), not isinstance(): isinstance falls back to ``__class__``, which raises on a dead
+    # weakref proxy or a context-bound werkzeug LocalProxy and would turn /metrics into a 500
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), greenlet) and not o.dead)

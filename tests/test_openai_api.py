@@ -347,10 +347,11 @@ STORY = [{"role": "user", "content": "Tell me a long story."}]
 def metric(server, name: str) -> float:
     """One unlabelled sample from the server's /metrics."""
     from conftest import http_get
-    for line in http_get(server.url + "/metrics")[2].decode().splitlines():
+    status, _, body = http_get(server.url + "/metrics")
+    for line in body.decode().splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
+    raise AssertionError(f"{name} not in /metrics ({status}): {body[:300]!r}")
 
 
 def live_sdk(server, key="unused"):

@@ -198,3 +198,29 @@ def test_soak_leaves_no_leaks_and_consistent_conversations(server_factory):
         assert answer["status"] in ("complete", "partial"), answer
         assert answer["reason"] in ("stop", "length", "cancelled")
         assert (answer["status"] == "complete") == (answer["reason"] in ("stop", "length"))
+
+
+def test_metrics_render_with_objects_whose_class_lookup_raises():
+    """Counting greenlets walks every object: a dead weakref proxy (whose ``__class__`` raises) must not
+    turn /metrics into a 500 -- seen once in CI as a metric missing mid-test."""
+    import weakref
+
+    import gevent
+
+    from chat.metrics import Metrics
+    from fakes import FakeEngine
+
+    class Thing:
+        pass
+
+    thing = Thing()
+    dead = weakref.proxy(thing)
+    del thing
+    running = gevent.spawn(gevent.sleep, 5)
+    try:
+        body = Metrics(FakeEngine()).render().decode()
+        greenlets = float(re.search(r"^chat_greenlets (\S+)$", body, re.M).group(1))
+        assert greenlets >= 1 and "chat_active_generations 0.0" in body
+    finally:
+        running.kill()
+        del dead
