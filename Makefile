@@ -27,13 +27,15 @@ $(DEV): $(RUNTIME) requirements-dev.txt
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements-dev.txt
 	touch $@
 
-# Browser and proxy tests need Debian's chromium and nginx; install them when we can.
+# Browser, proxy and scale-out tests need Debian's chromium, nginx, redis-server and postgresql.
+SYSTEM_PACKAGES := chromium nginx-light redis-server postgresql
 system-deps:
-	@if ! command -v chromium >/dev/null || ! test -x /usr/sbin/nginx; then \
+	@if ! command -v chromium >/dev/null || ! test -x /usr/sbin/nginx || ! command -v redis-server >/dev/null \
+			|| ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
 		if [ "$$(id -u)" = 0 ]; then \
-			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium nginx-light >/dev/null; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
 		else \
-			echo "need Debian packages chromium and nginx-light (sudo apt-get install chromium nginx-light)"; exit 1; \
+			echo "need Debian packages $(SYSTEM_PACKAGES) (sudo apt-get install $(SYSTEM_PACKAGES))"; exit 1; \
 		fi; \
 	fi
 
