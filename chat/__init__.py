@@ -16,15 +16,17 @@ ANONYMOUS_STALE_S = 24 * 3600
 class AppState:
     """What the blueprints share, all declared here: settings, engine, store, the turn service, limits."""
 
-    def __init__(self, settings: Settings, engine, store):
+    def __init__(self, settings: Settings, engine, store, shared=None):
         from .turns import TurnService
         from .web.limits import Limits
         self.settings = settings
         self.engine = engine
         self.store = store
+        self.shared = shared  # state.SharedState with CHAT_STATE_URL, else None: all in this process
         self.metrics = Metrics(engine)
-        self.limits = Limits(settings)
-        self.turns = TurnService(settings, engine, store, self.metrics, self.limits)
+        self.limits = shared.limits if shared else Limits(settings)
+        self.turns = TurnService(settings, engine, store, self.metrics, self.limits,
+                                 shared.runs if shared else None)
         self.sessions: set = set()  # open WebSocket sessions, closed at shutdown
 
 
@@ -39,6 +41,10 @@ def create_app(settings: Settings | None = None, engine=None, store=None) -> Fla
         "max_message_size": settings.max_message_bytes,
         "subprotocols": [identity.SUBPROTOCOL],  # echoed when offered; a bearer.<key> offer never is
     }
+    shared = None
+    if settings.state_url:
+        from .state import SharedState
+        shared = SharedState(settings)
     if store is None:
         from .store import Store
         store = Store(settings.db_path, settings.max_conversations, settings.max_messages, settings.db_max_mb)
@@ -48,7 +54,9 @@ def create_app(settings: Settings | None = None, engine=None, store=None) -> Fla
     if engine is None:
         from .engine import make_engine
         engine = make_engine(settings)
-    app.extensions["chat"] = AppState(settings, engine, store)
+    app.extensions["chat"] = AppState(settings, engine, store, shared)
+    if shared is not None:
+        shared.start(store)
 
     from . import web
     web.init_app(app)

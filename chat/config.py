@@ -41,6 +41,13 @@ def _bind(raw: str) -> str:
     return raw.strip()
 
 
+def _state_url(raw: str) -> str:
+    value = raw.strip()
+    if value and not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("expected a redis://, rediss:// or unix:// URL")
+    return value
+
+
 def _setting(env: str, default, parse=None, *, low=None, high=None, doc="", section="", shown=""):
     """A dataclass field that knows its environment variable, how to parse it and how to document it.
 
@@ -217,6 +224,13 @@ class Settings:
     log_content: bool = _setting(
         "CHAT_LOG_CONTENT", False, _bool,
         doc="When on, each answer's log line also contains the text: the user's message and the answer.")
+
+    state_url: str = _setting(
+        "CHAT_STATE_URL", "", _state_url, section="Scaling out",
+        doc="Redis for state every worker and host shares, for example `redis://127.0.0.1:6379/0`: running "
+            "answers and their event streams (so `resume` and `cancel` work on any worker), busy "
+            "conversations, rate limits and per-address counts. Empty: all of it in this process, which is "
+            "right for one worker. See [Scaling out](../README.md#scaling-out).")
 
     backend: str = _setting(
         "CHAT_BACKEND", "local", _choice("local", "openai"), section="Remote backend",

@@ -34,34 +34,65 @@ class Subscriber(Protocol):
 
 
 class Runs:
-    """Every run by (client, request id), and which conversations are busy."""
+    """Every run by (client, request id), and which conversations are busy.
 
-    def __init__(self):
+    In memory for this worker; with ``shared`` (Redis) also what every worker sees:
+    runs owned elsewhere (for ``resume`` and ``cancel``) and busy conversations.
+    """
+
+    def __init__(self, shared=None):
         self.by_id: dict = {}
-        self.by_conversation: dict = {}
+        self.claims: dict = {}  # conversation -> (client, rid) answering it
+        self.shared = shared
 
     def get(self, client: str, rid: str) -> "Run | None":
-        return self.by_id.get((client, rid))
+        run = self.by_id.get((client, rid))
+        if run is None and self.shared is not None:
+            return self.shared.remote(client, rid)
+        return run
 
     def active(self, client: str, rid: str) -> bool:
-        run = self.get(client, rid)
-        return run is not None and not run.finished
+        run = self.by_id.get((client, rid))
+        if run is not None:
+            return not run.finished
+        return self.shared is not None and self.shared.active(client, rid)
 
     def busy(self, conversation_id: str) -> bool:
-        run = self.by_conversation.get(conversation_id)
-        return run is not None and not run.finished
+        return conversation_id in self.claims or (self.shared is not None and self.shared.busy(conversation_id))
+
+    def claim(self, conversation_id: str, client: str, rid: str) -> bool:
+        """Mark the conversation busy for this request; False when another request has it."""
+        if conversation_id in self.claims:
+            return False
+        if self.shared is not None and not self.shared.claim(conversation_id, client, rid):
+            return False
+        self.claims[conversation_id] = (client, rid)
+        return True
+
+    def unclaim(self, conversation_id: str, client: str, rid: str) -> None:
+        if self.claims.get(conversation_id) == (client, rid):
+            del self.claims[conversation_id]
+            if self.shared is not None:
+                self.shared.unclaim(conversation_id)
 
     def add(self, run: "Run") -> None:
         self.by_id[(run.client, run.id)] = run
-        self.by_conversation[run.conversation_id] = run
+        if self.shared is not None:
+            self.shared.publish(run)
 
     def release(self, run: "Run") -> None:
-        if self.by_conversation.get(run.conversation_id) is run:
-            del self.by_conversation[run.conversation_id]
+        """The run ended: its conversation is free (the run stays resumable until ``forget``)."""
+        if self.shared is not None:
+            self.shared.finished(run)
+        self.unclaim(run.conversation_id, run.client, run.id)
 
     def forget(self, run: "Run") -> None:
         if self.by_id.get((run.client, run.id)) is run:
             del self.by_id[(run.client, run.id)]
+
+    def followed(self, run: "Run") -> bool:
+        """Whether a socket on another worker follows ``run``."""
+        return self.shared is not None and self.shared.followed(run)
 
     def all_active(self) -> list:
         return [r for r in list(self.by_id.values()) if not r.finished]
@@ -80,6 +111,7 @@ class Run:
         self.started = False
         self.finished = False
         self.subscriber = subscriber
+        self.mirror = None  # with shared state: appends each frame to the run's stream
         self.lock = threading.RLock()
         self.finished_event = threading.Event()
         self.last_checkpoint = time.monotonic()
@@ -163,6 +195,8 @@ class Run:
         self.service.runs.forget(self)
 
     def forward(self, frame: dict) -> None:
+        if self.mirror is not None:
+            self.mirror(frame)
         subscriber = self.subscriber
         if subscriber is not None and not subscriber.send(frame):
             self.detach(subscriber)
@@ -192,7 +226,19 @@ class Run:
         if not self.finished:
             spawn(self._cancel_unless_resumed)
 
+    def hand_over(self) -> None:
+        """A socket on another worker resumed this run: stop sending to the one here."""
+        with self.lock:
+            old, self.subscriber = self.subscriber, None
+        if old is not None:
+            old.forget(self)
+        if not self.finished:
+            spawn(self._cancel_unless_resumed)
+
     def _cancel_unless_resumed(self) -> None:
+        runs = self.service.runs
         time.sleep(self.service.settings.resume_grace_s)
+        while self.subscriber is None and not self.finished and runs.followed(self):
+            time.sleep(self.service.settings.resume_grace_s or 1)
         if self.subscriber is None and not self.finished:
             self.gen.cancel("cancelled")

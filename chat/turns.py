@@ -23,10 +23,10 @@ log = logging.getLogger(__name__)
 class TurnService:
     """Turns for every client of one process: checks, the engine, the store, the runs."""
 
-    def __init__(self, settings, engine, store, metrics, limits):
+    def __init__(self, settings, engine, store, metrics, limits, shared_runs=None):
         self.settings, self.engine, self.store = settings, engine, store
         self.metrics, self.limits = metrics, limits
-        self.runs = Runs()
+        self.runs = Runs(shared_runs)
 
     # ---- building a turn
 
@@ -168,10 +168,16 @@ class TurnService:
 
     def _start(self, client: str, address: str, req, conv_id: str, messages: list, write, subscriber,
                parent_id: str | None = None, extend: dict | None = None) -> Run:
-        """Submit, then store; a store failure (quota, full disk) cancels the generation instead of
-        orphaning it. The answer is a new message under ``parent_id`` (default: the active leaf),
-        or with ``extend`` that stored answer, whose text the deltas continue."""
-        gen = self._submit(address, client, req.id, messages, self.params(req.params), key=conv_id)
+        """Claim the conversation, submit, then store; a store failure (quota, full disk) cancels the
+        generation instead of orphaning it. The answer is a new message under ``parent_id`` (default:
+        the active leaf), or with ``extend`` that stored answer, whose text the deltas continue."""
+        if not self.runs.claim(conv_id, client, req.id):  # the check above raced another request
+            raise ProtocolError("busy", "this conversation is already answering", req.id)
+        try:
+            gen = self._submit(address, client, req.id, messages, self.params(req.params), key=conv_id)
+        except BaseException:
+            self.runs.unclaim(conv_id, client, req.id)
+            raise
         try:
             if write is not None:
                 write()
@@ -179,6 +185,7 @@ class TurnService:
         except BaseException:
             gen.cancel("error")
             gen.close()
+            self.runs.unclaim(conv_id, client, req.id)
             raise
         run = Run(self, client, req.id, conv_id, message_id, gen, subscriber,
                   prefix=extend["content"] if extend else "")

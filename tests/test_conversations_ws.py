@@ -16,8 +16,12 @@ def server(app_server):
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
 
 
-def resume_after_forced_drops(server) -> None:
-    """Drop the socket four times mid-answer; resuming loses and repeats nothing (shared with test_e2e.py)."""
+def resume_after_forced_drops(server, others=()) -> None:
+    """Drop the socket four times mid-answer; resuming loses and repeats nothing (shared with test_e2e.py).
+
+    With ``others`` (servers sharing state), each reconnection goes to the next server in turn.
+    """
+    servers = [server, *others]
     cookie = cookie_for(server)
     client = WS(server.ws_url, cookie=cookie)
     client.send({"type": "chat", "id": "res", "content": "go on", "params": {**LONG, "max_new_tokens": 400}})
@@ -38,7 +42,7 @@ def resume_after_forced_drops(server) -> None:
         if frame["type"] == "done":
             break
         client.conn.sock.close()  # no close frame: like a network loss
-        client = WS(server.ws_url, cookie=cookie)
+        client = WS(servers[(drop + 1) % len(servers)].ws_url, cookie=cookie)
         client.send({"type": "resume", "id": "res", "from": len(got)})
     if frame["type"] != "done":
         frames = client.until(lambda f: f["type"] == "done")

@@ -56,6 +56,26 @@ class Buckets:
             self.state = {k: v for k, v in self.state.items() if now - v[1] < IDLE_S}
 
 
+def rate_key(client: str | None, address: str) -> str | None:
+    """Whose request rate a request spends: the client's, or for a connection without a cookie
+    (a new client each time) its address's; None for ``/v1`` (counted per address only)."""
+    if client is None:
+        return None
+    return "anon@" + address if client.startswith(ANONYMOUS) else client
+
+
+def refusal(reason: str, limits, rid: str | None) -> ProtocolError:
+    """The error for an admission refused because of ``reason`` (client, address, rate, share)."""
+    if reason == "client":
+        return ProtocolError("busy", f"at most {limits.max_per_client} answers at once per client", rid)
+    if reason == "address":
+        return ProtocolError("busy", f"at most {limits.max_per_address} answers at once per address", rid)
+    if reason == "rate":
+        return ProtocolError("rate_limited", "too many requests; slow down", rid)
+    return ProtocolError("overloaded", "this address has its share of the server while others wait; try "
+                                       "again when one of its answers ends", rid)
+
+
 def _decrement(counts: dict, key: str) -> None:
     counts[key] -= 1
     if not counts[key]:
@@ -133,23 +153,19 @@ class Limits:
         ``client`` None (``/v1``) counts only against the address.
         """
         now = time.monotonic()
-        # A connection without a cookie is a new client each time: its rate is its address's.
-        rate_key = None if client is None else \
-            "anon@" + address if client.startswith(ANONYMOUS) else client
+        key = rate_key(client, address)
         with self.lock:
             active = self.by_address.get(address, 0)
             if client is not None and self.by_client.get(client, 0) >= self.max_per_client:
-                raise ProtocolError("busy", f"at most {self.max_per_client} answers at once per client", rid)
+                raise refusal("client", self, rid)
             if self.max_per_address and active >= self.max_per_address:
-                raise ProtocolError("busy", f"at most {self.max_per_address} answers at once per address", rid)
-            if not ((rate_key is None or self.client_rate.has(rate_key, now)) and
-                    self.address_rate.has(address, now)):
-                raise ProtocolError("rate_limited", "too many requests; slow down", rid)
+                raise refusal("address", self, rid)
+            if not ((key is None or self.client_rate.has(key, now)) and self.address_rate.has(address, now)):
+                raise refusal("rate", self, rid)
             if active >= self.fair_share() and self._others_waiting(address):
-                raise ProtocolError("overloaded", "this address has its share of the server while others "
-                                                  "wait; try again when one of its answers ends", rid)
-            if rate_key is not None:
-                self.client_rate.take(rate_key, now)
+                raise refusal("share", self, rid)
+            if key is not None:
+                self.client_rate.take(key, now)
             self.address_rate.take(address, now)
             if client is not None:
                 self.by_client[client] = self.by_client.get(client, 0) + 1

@@ -1,0 +1,205 @@
+"""``web.limits.Limits`` kept in Redis, so every worker and host counts the same requests.
+
+Running answers and open sockets are members of sorted sets scored by a lease
+deadline, which the owning worker's heartbeat renews: a worker that dies takes
+its counts with it within a lease. Admission is one Lua script, so two workers
+cannot both take the last slot. Rate limits are token buckets in hashes.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+from ..web.limits import Limits, rate_key, refusal
+from .shared import LEASE_S, Shared, best_effort, required
+
+# KEYS: client set, address set, client bucket, address bucket, addresses, waiting
+# ARGV: now, ticket, max per client, max per address, client/min, address/min, batch,
+#       counts client (0/1), has a client bucket (0/1), address, lease
+_ADMIT = """
+local now, lease = tonumber(ARGV[1]), tonumber(ARGV[11])
+local function level(key, per_min)
+  if per_min == 0 then return nil end
+  local b = redis.call('HMGET', key, 't', 'ts')
+  local tokens, ts = tonumber(b[1]) or per_min, tonumber(b[2]) or now
+  return math.min(per_min, tokens + math.max(0, now - ts) * per_min / 60)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local active = redis.call('ZCARD', KEYS[2])
+if ARGV[8] == '1' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+  if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 'client' end
+end
+local max_address = tonumber(ARGV[4])
+if max_address > 0 and active >= max_address then return 'address' end
+local client_level = nil
+if ARGV[9] == '1' then client_level = level(KEYS[3], tonumber(ARGV[5])) end
+local address_level = level(KEYS[4], tonumber(ARGV[6]))
+if (client_level and client_level < 1) or (address_level and address_level < 1) then return 'rate' end
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
+local addresses = redis.call('ZCARD', KEYS[5])
+local share = math.max(1, math.ceil(tonumber(ARGV[7]) / math.max(1, addresses)))
+if active >= share then
+  local mine = ARGV[10] .. '|'
+  for _, member in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
+    if string.sub(member, 1, #mine) ~= mine then return 'share' end
+  end
+end
+if client_level then
+  redis.call('HSET', KEYS[3], 't', client_level - 1, 'ts', now)
+  redis.call('EXPIRE', KEYS[3], 120)
+end
+if address_level then
+  redis.call('HSET', KEYS[4], 't', address_level - 1, 'ts', now)
+  redis.call('EXPIRE', KEYS[4], 120)
+end
+local deadline = now + lease
+if ARGV[8] == '1' then
+  redis.call('ZADD', KEYS[1], deadline, ARGV[2])
+  redis.call('EXPIRE', KEYS[1], lease)
+end
+redis.call('ZADD', KEYS[2], deadline, ARGV[2])
+redis.call('EXPIRE', KEYS[2], lease)
+redis.call('ZADD', KEYS[5], 'GT', deadline, ARGV[10])
+redis.call('ZADD', KEYS[6], deadline, ARGV[10] .. '|' .. ARGV[2])
+return 'ok'
+"""
+
+# KEYS: client set, address set, addresses, waiting; ARGV: ticket, address
+_RELEASE = """
+if KEYS[1] ~= '' then redis.call('ZREM', KEYS[1], ARGV[1]) end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[2] .. '|' .. ARGV[1])
+if redis.call('ZCARD', KEYS[2]) == 0 then redis.call('ZREM', KEYS[3], ARGV[2]) end
+return 0
+"""
+
+
+class SharedTicket:
+    """One admitted answer, counted in Redis until released; safe to end from any thread."""
+
+    def __init__(self, limits: "SharedLimits", client: str | None, address: str, id: str):
+        self.limits, self.client, self.address, self.id = limits, client, address, id
+        self.waiting = True
+        self.released = False
+        self.lock = threading.Lock()
+
+    def started(self) -> None:
+        with self.lock:
+            if not self.waiting or self.released:
+                return
+            self.waiting = False
+        self.limits.shared.call_soon(self.limits.started, self)
+
+    def release(self) -> None:
+        with self.lock:
+            if self.released:
+                return
+            self.released = True
+        self.limits.shared.call_soon(self.limits.release, self)
+
+
+class SharedLimits:
+    """The same admission rules as ``Limits``, counted across every worker (see the module doc)."""
+
+    track = Limits.track
+
+    def __init__(self, shared: Shared, settings):
+        self.shared, self.redis = shared, shared.redis
+        self.max_connections = settings.max_connections_per_ip
+        self.max_per_client = settings.max_active_per_connection
+        self.max_per_address = settings.max_active_per_ip
+        self.batch = settings.max_batch
+        self.client_per_min = settings.rate_limit_per_min
+        self.address_per_min = settings.rate_limit_per_ip_per_min
+        self.serial = itertools.count(1)
+        self.tickets: set = set()  # live tickets of this worker (renewed by the heartbeat)
+        self.sockets: dict = {}  # address -> this worker's socket members there
+        self._admit = self.redis.register_script(_ADMIT)
+        self._release = self.redis.register_script(_RELEASE)
+        shared.renewers.append(self._renew)
+
+    def _key(self, *parts: str) -> str:
+        return self.shared.key("lim", *parts)
+
+    def _member(self) -> str:
+        return f"{self.shared.worker}:{next(self.serial)}"
+
+    # ---- connections
+
+    @required
+    def connection_allowed(self, address: str) -> bool:
+        if not self.max_connections:
+            return True
+        key = self._key("conn", address)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zremrangebyscore(key, "-inf", time.time())
+        pipe.zcard(key)
+        return pipe.execute()[1] < self.max_connections
+
+    @best_effort
+    def connect(self, address: str) -> None:
+        member = self._member()
+        self.sockets.setdefault(address, []).append(member)
+        key = self._key("conn", address)
+        self.redis.zadd(key, {member: time.time() + LEASE_S})
+        self.redis.expire(key, LEASE_S)
+
+    @best_effort
+    def disconnect(self, address: str) -> None:
+        members = self.sockets.get(address)
+        if not members:
+            return
+        member = members.pop()
+        if not members:
+            del self.sockets[address]
+        self.redis.zrem(self._key("conn", address), member)
+
+    # ---- answers
+
+    @required
+    def admit(self, address: str, client: str | None = None, rid: str | None = None) -> SharedTicket:
+        """A ticket for one more answer, or the protocol error that refuses it (as ``Limits.admit``)."""
+        ticket = SharedTicket(self, client, address, self._member())
+        bucket = rate_key(client, address)
+        verdict = self._admit(keys=self._keys(ticket) + [
+            self._key("rate", bucket or "-"), self._key("rate", "@" + address), self._key("addresses"),
+            self._key("waiting")],
+            args=[time.time(), ticket.id, self.max_per_client, self.max_per_address, self.client_per_min,
+                  self.address_per_min, self.batch, int(client is not None), int(bucket is not None),
+                  address, LEASE_S])
+        if verdict != "ok":
+            raise refusal(verdict, self, rid)
+        self.tickets.add(ticket)
+        return ticket
+
+    def _client_key(self, client: str | None) -> str:
+        return self._key("client", client) if client is not None else ""
+
+    def _keys(self, ticket: SharedTicket) -> list:
+        return [self._client_key(ticket.client), self._key("active", ticket.address)]
+
+    def started(self, ticket: SharedTicket) -> None:
+        self.redis.zrem(self._key("waiting"), f"{ticket.address}|{ticket.id}")
+
+    def release(self, ticket: SharedTicket) -> None:
+        self.tickets.discard(ticket)
+        self._release(keys=self._keys(ticket) + [self._key("addresses"), self._key("waiting")],
+                      args=[ticket.id, ticket.address])
+
+    def _renew(self, pipe, now: float) -> None:
+        deadline = now + LEASE_S
+        for ticket in list(self.tickets):
+            if ticket.client is not None:
+                pipe.zadd(self._client_key(ticket.client), {ticket.id: deadline}, xx=True)
+                pipe.expire(self._client_key(ticket.client), LEASE_S)
+            pipe.zadd(self._key("active", ticket.address), {ticket.id: deadline}, xx=True)
+            pipe.expire(self._key("active", ticket.address), LEASE_S)
+            pipe.zadd(self._key("addresses"), {ticket.address: deadline}, gt=True)
+            if ticket.waiting:
+                pipe.zadd(self._key("waiting"), {f"{ticket.address}|{ticket.id}": deadline}, xx=True)
+        for address, members in list(self.sockets.items()):
+            pipe.zadd(self._key("conn", address), {m: deadline for m in members})
+            pipe.expire(self._key("conn", address), LEASE_S)

@@ -1,0 +1,154 @@
+"""Shared state in a real redis-server: two apps (two workers, as far as they can tell) share runs,
+busy conversations and limits; losing Redis refuses new requests but not running answers."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import WS, conv_of, cookie_for, text_of, wait_settled
+from fakes import AppServer, FakeEngine
+from redis_server import RedisServer
+from test_conversations_ws import resume_after_forced_drops
+
+LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def pair(redis_server, tmp_path):
+    """Two apps on one database and one Redis, like two workers; settings apply to both."""
+    from chat import create_app
+    from chat.config import Settings
+    from chat.store import Store
+    import redis
+    redis.Redis.from_url(redis_server.url).flushall()
+    servers = []
+
+    def start(**settings):
+        settings = {"max_new_tokens": 4096, "context_tokens": 8192, "resume_grace_s": 2,
+                    "rate_limit_per_min": 0, "rate_limit_per_ip_per_min": 0, "max_active_per_ip": 0,
+                    "max_active_per_connection": 8, "data_dir": str(tmp_path), "state_url": redis_server.url,
+                    **settings}
+        for _ in range(2):
+            engine = FakeEngine(answer_words=100_000, delay=0.002, seeded=True)
+            store = Store(tmp_path / "chat.db")
+            servers.append(AppServer(create_app(Settings(**settings), engine=engine, store=store)))
+        return servers
+
+    yield start
+    for srv in servers:
+        srv.state.engine.shutdown()
+        srv.state.shared.close()
+        srv.close()
+
+
+def test_resume_on_the_other_worker_loses_and_repeats_nothing(pair):
+    a, b = pair()
+    resume_after_forced_drops(a, [b])
+
+
+def test_a_finished_answer_resumes_from_the_other_worker(pair):
+    a, b = pair()
+    cookie = cookie_for(a)
+    client = WS(a.ws_url, cookie=cookie)
+    frames = client.chat("short", rid="fin", params={"temperature": 0, "max_new_tokens": 12})
+    client.close()
+    again = WS(b.ws_url, cookie=cookie)
+    again.send({"type": "resume", "id": "fin", "from": 4})
+    replay = again.until(lambda f: f["type"] == "done")
+    deltas = [f for f in frames if f["type"] == "delta"]
+    assert [f["index"] for f in replay[:-1]] == list(range(4, len(deltas)))
+    assert replay[-1] == frames[-1]
+    again.close()
+
+
+def test_cancel_and_stop_reach_the_worker_that_runs_the_answer(pair):
+    a, b = pair()
+    cookie = cookie_for(a)
+    runner = WS(a.ws_url, cookie=cookie)
+    runner.send({"type": "chat", "id": "long", "content": "go", "params": LONG})
+    runner.until(lambda f: f["type"] == "delta")
+    other = WS(b.ws_url, cookie=cookie)
+    other.send({"type": "cancel", "id": "long"})
+    done = runner.until(lambda f: f["type"] == "done")[-1]
+    assert done["reason"] == "cancelled"
+    # stop on the other worker, for an answer that socket resumed there
+    runner.send({"type": "chat", "id": "again", "content": "go", "params": LONG})
+    runner.until(lambda f: f["type"] == "delta")
+    runner.conn.sock.close()
+    follower = WS(b.ws_url, cookie=cookie)
+    follower.send({"type": "resume", "id": "again", "from": 0})
+    follower.until(lambda f: f["type"] == "delta")
+    follower.send({"type": "stop"})
+    frames = follower.until(lambda f: f["type"] == "done")
+    assert frames[-1]["reason"] == "cancelled"
+    assert not a.state.turns.runs.all_active()
+
+
+def test_busy_and_duplicate_ids_hold_across_workers(pair):
+    a, b = pair()
+    cookie = cookie_for(a)
+    first = WS(a.ws_url, cookie=cookie)
+    first.send({"type": "chat", "id": "one", "content": "go", "params": LONG})
+    conv = first.until(lambda f: f["type"] == "start")[-1]["conversation_id"]
+    second = WS(b.ws_url, cookie=cookie)
+    assert second.chat("more", rid="two", conversation_id=conv)[-1]["code"] == "busy"
+    assert second.chat("other", rid="one")[-1]["code"] == "duplicate_id"
+    first.send({"type": "cancel", "id": "one"})
+    first.until(lambda f: f["type"] == "done")
+    follow = second.chat("more", rid="three", conversation_id=conv, params={"max_new_tokens": 3})
+    assert follow[-1]["type"] == "done" and conv_of(follow) == conv
+    first.close()
+    second.close()
+
+
+def test_limits_count_requests_on_every_worker(pair):
+    a, b = pair(rate_limit_per_min=2, max_active_per_connection=1)
+    cookie = cookie_for(a)
+    one, two = WS(a.ws_url, cookie=cookie), WS(b.ws_url, cookie=cookie)
+    one.send({"type": "chat", "id": "r1", "content": "go", "params": LONG})
+    one.until(lambda f: f["type"] == "start")
+    assert two.chat("x", rid="r2")[-1]["code"] == "busy"  # one answer at once for this client
+    one.send({"type": "cancel", "id": "r1"})
+    one.until(lambda f: f["type"] == "done")
+    for _ in range(50):  # the release reaches Redis from the engine's thread, soon after done
+        frames = two.chat("x", rid="r3", params={"max_new_tokens": 2})
+        if frames[-1]["type"] == "done":
+            break
+        time.sleep(0.05)
+    assert frames[-1]["type"] == "done"
+    assert one.chat("x", rid="r4")[-1]["code"] == "rate_limited"  # 2 per minute, spent on both workers
+    one.close()
+    two.close()
+
+
+def test_losing_redis_refuses_new_requests_and_keeps_running_answers(pair, redis_server):
+    a, b = pair()
+    cookie = cookie_for(a)
+    client = WS(a.ws_url, cookie=cookie)
+    client.send({"type": "chat", "id": "running", "content": "go",
+                 "params": {**LONG, "max_new_tokens": 300}})
+    frames = client.until(lambda f: f["type"] == "delta")
+    redis_server.stop()
+    try:
+        refused = client.chat("new", rid="new")
+        assert refused[-1]["type"] == "error" and refused[-1]["code"] == "overloaded"
+        assert "shared state" in refused[-1]["message"]
+        frames += refused[:-1] + client.until(lambda f: f.get("id") == "running" and f["type"] == "done")
+    finally:
+        redis_server.start()
+    assert frames[-1]["reason"] == "length"
+    deltas = [f["index"] for f in frames if f["type"] == "delta"]
+    assert deltas == list(range(len(deltas))) and len(deltas) > 100
+    stored = wait_settled(a, cookie, conv_of(frames))["messages"][-1]
+    assert stored["content"] == text_of(frames) and stored["status"] == "complete"
+    again = client.chat("back", rid="back", params={"max_new_tokens": 3})
+    assert again[-1]["type"] == "done"
+    client.close()
