@@ -8,9 +8,9 @@ cannot both take the last slot. Rate limits are token buckets in hashes.
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 
+from ..concurrency import real_lock
 from ..web.limits import Limits, rate_key, refusal
 from .shared import LEASE_S, Shared, best_effort, required
 
@@ -84,7 +84,7 @@ class SharedTicket:
         self.limits, self.client, self.address, self.id = limits, client, address, id
         self.waiting = True
         self.released = False
-        self.lock = threading.Lock()
+        self.lock = real_lock()  # engine threads end tickets
 
     def started(self) -> None:
         with self.lock:

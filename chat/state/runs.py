@@ -222,12 +222,21 @@ class RemoteRun:
                             return
                         if frame["type"] in TERMINAL:
                             return
-                if not reply and not self.redis.exists(self.runs._run_key(self.client, self.id)):
-                    return  # the owner died: its lease lapsed with no end written
+                if not reply and not self.runs.shared.alive(self.worker):
+                    self._owner_died()
+                    return
         except redis.RedisError as exc:
             log.warning("shared state: lost run %s while following it: %s", self.id, exc)
         finally:
             self._end()
+
+    def _owner_died(self) -> None:
+        """The worker running the answer is gone with no end written: end it here as an error
+        (the store marks its partial text interrupted)."""
+        log.warning("run %s: its worker %s died; ended as an error", self.id, self.worker)
+        subscriber = self.subscriber
+        if subscriber is not None:
+            subscriber.send({"type": "done", "id": self.id, "reason": "error", "usage": {}, "timings": {}})
 
     def _end(self) -> None:
         self.finished = True

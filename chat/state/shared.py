@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
 ALIVE_TTL_S = 10  # a process silent this long is taken for dead
 LEASE_S = 30  # what a heartbeat renews: a dead worker's leases lapse within this
+CONFIRM_DEAD_S = 20  # a process silent this long (after ALIVE_TTL_S) is dead
 
 
 class StateUnavailable(ProtocolError):
@@ -74,6 +75,7 @@ class Shared:
         self.worker = f"{process_key()}:{uuid.uuid4().hex[:8]}"
         self.handlers: dict = {}  # control op -> fn(message)
         self.renewers: list = []  # fn(pipeline, now), called on every heartbeat
+        self.silent_since: dict = {}  # host:pid -> when its heartbeat was first found missing
         self.closed = False
         self.calls = Channel()  # work from engine threads, done on this hub (see call_soon)
 
@@ -93,15 +95,25 @@ class Shared:
     # ---- liveness
 
     def alive(self, owner: str | None) -> bool:
-        """Whether the process that wrote ``owner`` (``host:pid:...``) still beats; True when unsure."""
+        """Whether the process that wrote ``owner`` (``host:pid:...``) may still be running.
+
+        False only once it has missed its heartbeat for CONFIRM_DEAD_S: a Redis restart wipes
+        every beat for a moment, and a live writer's answer must never be marked interrupted.
+        """
         host, _, rest = (owner or "").partition(":")
         pid = rest.split(":", 1)[0]
         if not host or not pid.isdigit():
             return False
+        process = f"{host}:{pid}"
         try:
-            return bool(self.redis.exists(self.key("alive", host, pid)))
+            beating = bool(self.redis.exists(self.key("alive", process)))
         except redis.RedisError:
             return True  # never mark another's answer interrupted on a guess
+        now = time.monotonic()
+        if beating:
+            self.silent_since.pop(process, None)
+            return True
+        return now - self.silent_since.setdefault(process, now) < CONFIRM_DEAD_S
 
     def _heartbeat(self) -> None:
         while not self.closed:

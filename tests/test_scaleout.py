@@ -1,0 +1,128 @@
+"""Scaled out for real: an engine process, two web instances of two gevent workers each (remote
+backend, shared Redis, one database), round-robin nginx in front with no stickiness."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from conftest import WS, conv_of, conversation, cookie_for, http_get, text_of, wait_settled
+from redis_server import RedisServer
+from test_conversations_ws import resume_after_forced_drops
+
+LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
+RATE = 12  # chats per client per minute on the web tier
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(server_factory, redis_server, tmp_path_factory):
+    """(engine, [web a, web b], web env) sharing Redis and one database."""
+    engine = server_factory("engine", CHAT_MAX_NEW_TOKENS=4096, CHAT_CONTEXT_TOKENS=8192, CHAT_MAX_BATCH=8)
+    db = tmp_path_factory.mktemp("db") / "chat.db"
+    env = dict(CHAT_BACKEND="openai", CHAT_BACKEND_URL=engine.url + "/v1", CHAT_WORKERS=2,
+               CHAT_STATE_URL=redis_server.url, CHAT_DB=str(db), CHAT_MAX_NEW_TOKENS=4096,
+               CHAT_RESUME_GRACE_S=3, CHAT_MAX_ACTIVE_PER_CONNECTION=8, CHAT_RATE_LIMIT_PER_MIN=RATE)
+    webs = [server_factory(f"web-{name}", **env) for name in "ab"]
+    return engine, webs, env
+
+
+def engine_active(engine) -> float:
+    body = http_get(engine.url + "/metrics")[2].decode()
+    return float(next(line.split()[1] for line in body.splitlines()
+                      if line.startswith("chat_active_generations ")))
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_resume_on_the_other_instance_loses_and_repeats_nothing(cluster):
+    _, (a, b), _ = cluster
+    resume_after_forced_drops(a, [b])
+
+
+def test_cancel_and_stop_from_the_other_instance(cluster):
+    engine, (a, b), _ = cluster
+    cookie = cookie_for(a)
+    runner = WS(a.ws_url, cookie=cookie)
+    runner.send({"type": "chat", "id": "c1", "content": "go", "params": LONG})
+    runner.until(lambda f: f["type"] == "delta")
+    other = WS(b.ws_url, cookie=cookie)
+    other.send({"type": "cancel", "id": "c1"})
+    assert runner.until(lambda f: f["type"] == "done")[-1]["reason"] == "cancelled"
+    runner.send({"type": "chat", "id": "c2", "content": "go", "params": LONG})
+    runner.until(lambda f: f["type"] == "delta")
+    runner.conn.sock.close()
+    follower = WS(b.ws_url, cookie=cookie)
+    follower.send({"type": "resume", "id": "c2", "from": 0})
+    follower.until(lambda f: f["type"] == "delta")
+    follower.send({"type": "stop"})
+    assert follower.until(lambda f: f["type"] == "done")[-1]["reason"] == "cancelled"
+    assert wait_for(lambda: engine_active(engine) == 0, 10), "the engine kept generating"
+    other.close()
+
+
+def test_the_rate_limit_holds_across_instances(cluster):
+    _, (a, b), _ = cluster
+    cookie = cookie_for(a)
+    sockets = [WS(a.ws_url, cookie=cookie), WS(b.ws_url, cookie=cookie)]
+    outcomes = []
+    for i in range(RATE + 1):
+        frames = sockets[i % 2].chat("hi", rid=f"q{i}", params={"max_new_tokens": 1})
+        outcomes.append(frames[-1].get("code") or frames[-1]["type"])
+    assert outcomes[:RATE] == ["done"] * RATE and outcomes[RATE] == "rate_limited", outcomes
+    for s in sockets:
+        s.close()
+
+
+def test_killing_an_instance_mid_answer_keeps_the_conversation_consistent(cluster, server_factory):
+    _, (a, b), env = cluster
+    doomed = server_factory("web-doomed", **env)
+    cookie = cookie_for(doomed)
+    client = WS(doomed.ws_url, cookie=cookie)
+    client.send({"type": "chat", "id": "k", "content": "go", "params": LONG})
+    frames = client.until(lambda f: f["type"] == "delta" and f["index"] >= 20)
+    time.sleep(1.5)  # at least one checkpoint
+    doomed.stop(signal.SIGKILL)
+    conv = conv_of(frames)
+    received = text_of(frames)
+    status, data = conversation(b, cookie, conv)
+    assert status == 200 and data["messages"][-1]["content"]
+    # a socket that resumes on a live instance gets the replay, then an end once the owner is known dead
+    again = WS(a.ws_url, cookie=cookie)
+    again.send({"type": "resume", "id": "k", "from": 0})
+    replay = again.until(lambda f: f["type"] == "done")
+    assert text_of(replay).startswith(received) and replay[-1]["reason"] == "error"
+    assert wait_for(lambda: conversation(b, cookie, conv)[1]["messages"][-1]["status"] == "interrupted", 60)
+    stored = conversation(b, cookie, conv)[1]["messages"][-1]["content"]
+    assert stored and text_of(replay).startswith(stored)
+    again.close()
+
+
+def test_redis_restarted_mid_answer_loses_nothing(cluster, redis_server):
+    _, (a, b), _ = cluster
+    cookie = cookie_for(a)
+    client = WS(a.ws_url, cookie=cookie)
+    client.send({"type": "chat", "id": "rr", "content": "go", "params": {**LONG, "max_new_tokens": 300}})
+    frames = client.until(lambda f: f["type"] == "delta" and f["index"] >= 5)
+    redis_server.restart()
+    frames += client.until(lambda f: f.get("id") == "rr" and f["type"] == "done")
+    assert frames[-1]["reason"] == "length"
+    stored = wait_settled(a, cookie, conv_of(frames))["messages"][-1]
+    assert stored["content"] == text_of(frames) and stored["status"] == "complete"
+    time.sleep(2.5)  # heartbeats put every worker back
+    after = WS(b.ws_url, cookie=cookie).chat("still there?", rid="after", params={"max_new_tokens": 3})
+    assert after[-1]["type"] == "done"
