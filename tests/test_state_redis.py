@@ -152,3 +152,33 @@ def test_losing_redis_refuses_new_requests_and_keeps_running_answers(pair, redis
     again = client.chat("back", rid="back", params={"max_new_tokens": 3})
     assert again[-1]["type"] == "done"
     client.close()
+
+
+def test_per_address_limits_count_on_every_worker(pair):
+    a, b = pair(max_active_per_ip=1, max_connections_per_ip=2)
+    one = WS(a.ws_url, cookie=cookie_for(a))
+    one.send({"type": "chat", "id": "r1", "content": "go", "params": LONG})
+    one.until(lambda f: f["type"] == "start")
+    two = WS(b.ws_url, cookie=cookie_for(b))  # another client, same address
+    assert two.chat("x", rid="r2")[-1]["code"] == "busy"
+    with pytest.raises(Exception) as refused:  # a third socket from this address, on either worker
+        WS(a.ws_url)
+    assert getattr(refused.value, "status_code", None) == 429
+    one.close()
+    two.close()
+
+
+def test_a_dead_workers_counts_lapse_with_its_lease(redis_server):
+    from chat.config import Settings
+    from chat.state import SharedState
+    import redis
+    redis.Redis.from_url(redis_server.url).flushall()
+    settings = Settings(state_url=redis_server.url, max_active_per_ip=1, rate_limit_per_ip_per_min=0)
+    dead, alive = SharedState(settings), SharedState(settings)
+    dead.limits.lease_s = alive.limits.lease_s = 1
+    dead.limits.admit("10.0.0.1")  # never released, and no heartbeat renews it: the worker "died"
+    with pytest.raises(Exception) as err:
+        alive.limits.admit("10.0.0.1")
+    assert err.value.code == "busy"
+    time.sleep(1.2)
+    alive.limits.admit("10.0.0.1").release()

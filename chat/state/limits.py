@@ -58,10 +58,10 @@ end
 local deadline = now + lease
 if ARGV[8] == '1' then
   redis.call('ZADD', KEYS[1], deadline, ARGV[2])
-  redis.call('EXPIRE', KEYS[1], lease)
+  redis.call('EXPIRE', KEYS[1], math.ceil(lease) + 1)
 end
 redis.call('ZADD', KEYS[2], deadline, ARGV[2])
-redis.call('EXPIRE', KEYS[2], lease)
+redis.call('EXPIRE', KEYS[2], math.ceil(lease) + 1)
 redis.call('ZADD', KEYS[5], 'GT', deadline, ARGV[10])
 redis.call('ZADD', KEYS[6], deadline, ARGV[10] .. '|' .. ARGV[2])
 return 'ok'
@@ -114,6 +114,7 @@ class SharedLimits:
         self.batch = settings.max_batch
         self.client_per_min = settings.rate_limit_per_min
         self.address_per_min = settings.rate_limit_per_ip_per_min
+        self.lease_s = LEASE_S  # how long a dead worker's counts outlive it
         self.serial = itertools.count(1)
         self.tickets: set = set()  # live tickets of this worker (renewed by the heartbeat)
         self.sockets: dict = {}  # address -> this worker's socket members there
@@ -144,8 +145,8 @@ class SharedLimits:
         member = self._member()
         self.sockets.setdefault(address, []).append(member)
         key = self._key("conn", address)
-        self.redis.zadd(key, {member: time.time() + LEASE_S})
-        self.redis.expire(key, LEASE_S)
+        self.redis.zadd(key, {member: time.time() + self.lease_s})
+        self.redis.expire(key, int(self.lease_s) + 1)
 
     @best_effort
     def disconnect(self, address: str) -> None:
@@ -169,7 +170,7 @@ class SharedLimits:
             self._key("waiting")],
             args=[time.time(), ticket.id, self.max_per_client, self.max_per_address, self.client_per_min,
                   self.address_per_min, self.batch, int(client is not None), int(bucket is not None),
-                  address, LEASE_S])
+                  address, self.lease_s])
         if verdict != "ok":
             raise refusal(verdict, self, rid)
         self.tickets.add(ticket)
@@ -190,16 +191,16 @@ class SharedLimits:
                       args=[ticket.id, ticket.address])
 
     def _renew(self, pipe, now: float) -> None:
-        deadline = now + LEASE_S
+        deadline, ttl = now + self.lease_s, int(self.lease_s) + 1
         for ticket in list(self.tickets):
             if ticket.client is not None:
                 pipe.zadd(self._client_key(ticket.client), {ticket.id: deadline}, xx=True)
-                pipe.expire(self._client_key(ticket.client), LEASE_S)
+                pipe.expire(self._client_key(ticket.client), ttl)
             pipe.zadd(self._key("active", ticket.address), {ticket.id: deadline}, xx=True)
-            pipe.expire(self._key("active", ticket.address), LEASE_S)
+            pipe.expire(self._key("active", ticket.address), ttl)
             pipe.zadd(self._key("addresses"), {ticket.address: deadline}, gt=True)
             if ticket.waiting:
                 pipe.zadd(self._key("waiting"), {f"{ticket.address}|{ticket.id}": deadline}, xx=True)
         for address, members in list(self.sockets.items()):
             pipe.zadd(self._key("conn", address), {m: deadline for m in members})
-            pipe.expire(self._key("conn", address), LEASE_S)
+            pipe.expire(self._key("conn", address), ttl)

@@ -150,12 +150,20 @@ class Mirror:
         self.key = runs._stream_key(run.client, run.id)
         self.maxlen = runs.max_frames
         self.broken = False
+        self.fresh = True
         self.run_id = run.id
 
     def __call__(self, frame: dict) -> None:
         if self.broken:
             return
         try:
+            if self.fresh:  # the stream is born here: give it its lease at once, not at the next beat
+                self.fresh = False
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.xadd(self.key, {"f": json.dumps(frame, ensure_ascii=False)})
+                pipe.expire(self.key, LEASE_S)
+                pipe.execute()
+                return
             self.redis.xadd(self.key, {"f": json.dumps(frame, ensure_ascii=False)}, maxlen=self.maxlen,
                             approximate=True)
         except redis.RedisError as exc:
@@ -170,6 +178,7 @@ class _Cancel:
     def __init__(self, run: "RemoteRun"):
         self.run = run
 
+    @required
     def cancel(self, reason: str = "cancelled") -> None:
         run = self.run
         if not run.finished:
@@ -191,6 +200,7 @@ class RemoteRun:
         self.stream = runs._stream_key(client, rid)
         self.follow_key = runs.shared.key("follow", client, rid)
 
+    @required
     def attach(self, subscriber, start: int) -> None:
         """Replay deltas from ``start`` (and the end, if it came), then follow live."""
         self.redis.set(self.follow_key, self.runs.shared.worker, ex=FOLLOW_TTL_S)
