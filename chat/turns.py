@@ -62,10 +62,15 @@ class TurnService:
         messages = self.prompt(history + [asked], req.system if new else None)
 
         def write() -> None:
-            if new:
-                self.store.create_conversation(client, system=req.system or self.settings.system_prompt,
-                                               id=conv_id)
-            self.store.add_user_message(client, conv_id, req.content, req.attachments)
+            if not new:
+                self.store.add_user_message(client, conv_id, req.content, req.attachments)
+                return
+            self.store.create_conversation(client, system=req.system or self.settings.system_prompt, id=conv_id)
+            try:
+                self.store.add_user_message(client, conv_id, req.content, req.attachments)
+            except BaseException:  # no empty "New chat" left behind by a refused first message
+                self.store.delete(client, conv_id)
+                raise
         return self._start(client, address, req, conv_id, messages, write, subscriber)
 
     def edit(self, client: str, address: str, req, subscriber: Subscriber) -> Run:

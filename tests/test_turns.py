@@ -1,9 +1,10 @@
 """The turn service through the socket: the key known at submit, cheap refusals first, no orphans."""
 from __future__ import annotations
 
+import json
 import sqlite3
 
-from conftest import WS, conv_of
+from conftest import WS, conv_of, cookie_for, http_get
 from fakes import FakeEngine
 
 NOWHERE = "0123456789abcdef0123456789abcdef"
@@ -36,11 +37,14 @@ def test_a_store_failure_cancels_the_generation(app_factory, monkeypatch):
         raise sqlite3.OperationalError("disk I/O error")
 
     monkeypatch.setattr(srv.state.store, "add_user_message", broken)
-    client = WS(srv.ws_url)
+    cookie = cookie_for(srv)
+    client = WS(srv.ws_url, cookie=cookie)
     error = client.chat("hi", rid="lost")[-1]
     assert (error["type"], error["code"], error["id"]) == ("error", "internal", "lost")
     assert engine.history[-1].cancel_reason == "error"  # not left running with nobody to read it
     assert not srv.state.turns.runs.all_active()
+    listed = json.loads(http_get(srv.url + "/api/conversations", headers={"Cookie": cookie})[2])
+    assert listed == []  # the refused first message left no empty "New chat"
     monkeypatch.undo()
     assert client.chat("hi", rid="lost", params={"max_new_tokens": 2})[-1]["type"] == "done"
     client.close()
