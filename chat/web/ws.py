@@ -163,10 +163,10 @@ class Session:
         if self.runs.get(run.id) is run:
             del self.runs[run.id]
 
-    def close(self, code: int, reason: str) -> None:
+    def close(self, code: int, reason: str, timeout: float | None = None) -> None:
         self.open = False
         try:
-            with backpressure.within(self.settings.send_timeout_s):
+            with backpressure.within(self.settings.send_timeout_s if timeout is None else timeout):
                 self.ws.close(code, reason)
         except Exception:  # already gone, or a stalled reader (SendTimeout): tear it down
             backpressure.cut(self.ws)
@@ -176,5 +176,5 @@ def graceful_shutdown(state, timeout: float) -> None:
     """Let answers finish within ``timeout`` (the rest end with ``shutdown`` and are stored),
     then close the sockets (1001) so the worker can exit before its graceful timeout."""
     state.turns.shutdown(timeout)
-    for session in list(state.sessions):
-        session.close(1001, "server shutting down")
+    for session in list(state.sessions):  # a reader that stalls gets 1 s, not CHAT_SEND_TIMEOUT_S
+        session.close(1001, "server shutting down", timeout=1.0)
