@@ -96,10 +96,12 @@ class Limits:
     def __init__(self, settings):
         self.max_connections = settings.max_connections_per_ip
         self.max_per_client = settings.max_active_per_connection
-        self.max_per_address = settings.max_active_per_ip
+        # An engine-only process hears a few web hosts, which limit their own users: no per-address limits.
+        self.per_address = not settings.engine_only
+        self.max_per_address = settings.max_active_per_ip if self.per_address else 0
         self.batch = settings.max_batch
         self.client_rate = Buckets(settings.rate_limit_per_min)
-        self.address_rate = Buckets(settings.rate_limit_per_ip_per_min)
+        self.address_rate = Buckets(settings.rate_limit_per_ip_per_min if self.per_address else 0)
         self.lock = real_lock()  # tickets are released from engine threads
         self.connections: dict = {}
         self.by_client: dict = {}
@@ -145,7 +147,7 @@ class Limits:
             if not ((rate_key is None or self.client_rate.has(rate_key, now)) and
                     self.address_rate.has(address, now)):
                 raise ProtocolError("rate_limited", "too many requests; slow down", rid)
-            if active >= self.fair_share() and self._others_waiting(address):
+            if self.per_address and active >= self.fair_share() and self._others_waiting(address):
                 raise ProtocolError("overloaded", "this address has its share of the server while others "
                                                   "wait; try again when one of its answers ends", rid)
             if rate_key is not None:
