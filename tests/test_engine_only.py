@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import runpy
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ from chat.engine.events import Started
 from chat.errors import ProtocolError
 from chat.web.limits import Limits
 from conftest import ROOT, WS, conv_of, cookie_for, http_get, in_threads, text_of, wait_settled
-from fakes import AppServer, FakeEngine
+from fakes import FakeEngine
 
 # Per-address limits low enough that 20 requests from one address would hit every one of them.
 TIGHT = {"max_active_per_ip": 2, "rate_limit_per_ip_per_min": 5, "rate_limit_per_min": 0, "max_batch": 4}
@@ -23,20 +24,9 @@ WEB_A, WEB_B = "10.0.0.11", "10.0.0.12"
 
 
 @pytest.fixture
-def serve(tmp_path):
-    """Serve create_app(Settings(data_dir=tmp, **settings), engine) in process; closed after the test."""
-    servers = []
-
-    def start(engine=None, **settings) -> AppServer:
-        engine = engine or FakeEngine(answer_words=5)
-        srv = AppServer(create_app(Settings(data_dir=str(tmp_path / "data"), **settings), engine=engine))
-        servers.append(srv)
-        return srv
-
-    yield start
-    for srv in servers:
-        srv.state.engine.shutdown()
-        srv.close()
+def serve(app_factory):
+    """An in-process app (fake engine: 5 words) with these settings."""
+    return lambda engine=None, **settings: app_factory(engine or FakeEngine(answer_words=5), **settings)
 
 
 def post(url: str, body: dict, headers=None):
@@ -85,11 +75,11 @@ def test_no_page_and_no_import(serve):
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
 
 
-def test_opens_no_database(serve, tmp_path):
+def test_opens_no_database(serve):
     srv = serve(engine_only=True)
     assert srv.state.store is None
     assert completion(srv)[0] == 200
-    assert not list(tmp_path.rglob("*.db*"))
+    assert not list(Path(srv.state.settings.data_dir).rglob("*.db*"))
 
 
 def test_the_api_key_still_guards_v1(serve):
