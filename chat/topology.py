@@ -19,5 +19,6 @@ def warnings(settings) -> list[str]:
         advice.append(
             f"CHAT_WORKERS={workers} without CHAT_STATE_URL: resume, Stop from another tab, the "
             "one-answer-per-conversation check and every rate and concurrency limit are per worker. "
-            "Make nginx sticky by the identity cookie, or set CHAT_STATE_URL=redis://... to share them")
+            "Set CHAT_STATE_URL=redis://... to share them, or run one worker per instance behind nginx "
+            "made sticky by the identity cookie (README: Scaling out)")
     return advice
