@@ -1,4 +1,4 @@
-"""gunicorn settings: the gevent worker, one model copy per worker, streams never killed."""
+"""gunicorn settings: the gevent worker, one model copy per worker (local backend), streams never killed."""
 import logging
 import os
 import re
@@ -17,7 +17,7 @@ except ConfigError as exc:
 
 bind = _settings.bind
 worker_class = "gevent"
-workers = _settings.workers  # each worker loads its own model copy
+workers = _settings.workers  # with the local backend each loads its own model copy (see on_starting)
 worker_connections = 1000
 # The model never runs on the event loop, so the heartbeat stays fresh during long answers;
 # this only catches a truly wedged worker.
@@ -48,6 +48,14 @@ errorlog = "-"
 loglevel = _settings.log_level
 # X-Forwarded-* headers are judged by the app itself (CHAT_TRUSTED_PROXIES), never by gunicorn.
 forwarded_allow_ips = ""
+
+
+def on_starting(server):
+    """Say once, in the master, what several workers imply (model copies, per-worker state)."""
+    from chat.topology import warnings
+
+    for line in warnings(_settings):
+        server.log.warning(line)
 
 
 def post_worker_init(worker):

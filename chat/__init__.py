@@ -42,15 +42,18 @@ def create_app(settings: Settings | None = None, engine=None, store=None) -> Fla
         "subprotocols": [identity.SUBPROTOCOL],  # echoed when offered; a bearer.<key> offer never is
     }
     shared = None
-    if settings.state_url:
+    if settings.state_url and not settings.engine_only:  # an engine process keeps no runs of its own
         from .state import SharedState
         shared = SharedState(settings)
-    if store is None:
+    if settings.engine_only:
+        store = None  # /v1 stores nothing: an engine process opens no database
+    elif store is None:
         from .store import Store
         store = Store(settings.db_path, settings.max_conversations, settings.max_messages, settings.db_max_mb)
-    # Conversations of cookie-less connections are unreachable once the socket is gone; each
-    # is deleted when its connection ends, and a crash's leftovers here, once surely stale.
-    store.expire_clients(identity.ANONYMOUS, ANONYMOUS_STALE_S)
+    if store is not None:
+        # Conversations of cookie-less connections are unreachable once the socket is gone; each
+        # is deleted when its connection ends, and a crash's leftovers here, once surely stale.
+        store.expire_clients(identity.ANONYMOUS, ANONYMOUS_STALE_S)
     if engine is None:
         from .engine import make_engine
         engine = make_engine(settings)
@@ -59,5 +62,5 @@ def create_app(settings: Settings | None = None, engine=None, store=None) -> Fla
         shared.start(store)
 
     from . import web
-    web.init_app(app)
+    web.init_app(app, engine_only=settings.engine_only)
     return app

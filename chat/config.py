@@ -129,7 +129,9 @@ class Settings:
         "CHAT_MAX_BATCH", 16, int, low=1, high=256, section="Capacity",
         doc="Generations decoded together (16 measured to serve the most users at a readable speed; see "
             "the README's Benchmark section). Further requests wait in the queue. With the remote backend, the "
-            "most concurrent upstream calls is `CHAT_MAX_BATCH + CHAT_MAX_QUEUE`.")
+            "most concurrent upstream calls per worker is `CHAT_MAX_BATCH + CHAT_MAX_QUEUE`. An engine "
+            "serving several workers refuses (503) what passes its own `CHAT_MAX_BATCH + CHAT_MAX_QUEUE`: give "
+            "it a queue that holds what all workers may send.")
     prefill_chunk: int = _setting(
         "CHAT_PREFILL_CHUNK", 128, int, low=1, high=1_000_000,
         doc="Prompt tokens prefilled between two decode steps while other answers stream, so a long prompt "
@@ -174,7 +176,17 @@ class Settings:
         doc="Where gunicorn listens: `HOST:PORT` or `unix:PATH`.")
     workers: int = _setting(
         "CHAT_WORKERS", 1, int, low=1, high=64,
-        doc="gunicorn worker processes. Each loads its own model copy.")
+        doc="gunicorn worker processes. With the local backend each loads its own model copy: for several "
+            "workers, run one engine process (`CHAT_ENGINE_ONLY`) and point the workers at it with "
+            "`CHAT_BACKEND=openai`. See [Scaling out](../README.md#scaling-out).")
+    engine_only: bool = _setting(
+        "CHAT_ENGINE_ONLY", False, _bool,
+        doc="Serve only the OpenAI-compatible `/v1` API with `/healthz`, `/readyz` and `/metrics`: no page, no "
+            "`/ws`, no conversations API, and no database is opened. This is the one engine process per host "
+            "that web workers reach with `CHAT_BACKEND=openai`. Per-address limits "
+            "(`CHAT_MAX_ACTIVE_PER_IP`, `CHAT_RATE_LIMIT_PER_IP_PER_MIN` and the fair share) are off, since "
+            "every request comes from a few web hosts that limit their users themselves; `CHAT_MAX_BATCH`, "
+            "`CHAT_MAX_QUEUE` and `CHAT_API_KEY` still apply.")
     graceful_timeout_s: float = _setting(
         "CHAT_GRACEFUL_TIMEOUT_S", 20.0, float, low=0.0, high=3600,
         doc="On SIGTERM, running answers get this long, less a 3 s margin, to finish (gunicorn's "

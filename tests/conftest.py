@@ -207,7 +207,8 @@ def app_factory(tmp_path_factory):
                     "rate_limit_per_min": 0, "rate_limit_per_ip_per_min": 0, "max_active_per_ip": 0,
                     "max_active_per_connection": 8, "data_dir": str(data), **settings}
         engine = engine or FakeEngine(answer_words=100_000, delay=0.001, seeded=True)
-        srv = AppServer(create_app(Settings(**settings), engine=engine, store=Store(data / "chat.db")))
+        store = None if settings.get("engine_only") else Store(data / "chat.db")  # an engine opens none
+        srv = AppServer(create_app(Settings(**settings), engine=engine, store=store))
         servers.append(srv)
         return srv
 

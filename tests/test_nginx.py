@@ -1,11 +1,7 @@
 """deploy/nginx.conf in front of the real gunicorn server: streams stay streams, static files are cached."""
 from __future__ import annotations
 
-import http.client
 import json
-import os
-import socket
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -14,107 +10,22 @@ from urllib.parse import urlsplit
 import pytest
 
 from chat.client import Session
+from services import Nginx
 
 ROOT = Path(__file__).resolve().parent.parent
-NGINX = os.environ.get("NGINX", "/usr/sbin/nginx")
 SITE = ROOT / "deploy" / "nginx.conf"
-
-MAIN_CONF = """\
-{user}
-worker_processes 1;
-pid {tmp}/nginx.pid;
-error_log {tmp}/error.log info;
-events {{ worker_connections 256; }}
-http {{
-    include {mime};
-    default_type application/octet-stream;
-    access_log {tmp}/access.log;
-    client_body_temp_path {tmp}/body;
-    proxy_temp_path {tmp}/proxy;
-    fastcgi_temp_path {tmp}/fastcgi;
-    uwsgi_temp_path {tmp}/uwsgi;
-    scgi_temp_path {tmp}/scgi;
-    include {tmp}/site.conf;
-}}
-"""
-
-
-def render_site(upstream: str, port: int) -> str:
-    """deploy/nginx.conf with this test's ports and this checkout's path substituted."""
-    text = SITE.read_text()
-    for placeholder in ("listen 80;", "127.0.0.1:8000", "/srv/chat/"):
-        assert placeholder in text, f"deploy/nginx.conf no longer contains {placeholder!r}"
-    text = text.replace("listen 80;", f"listen 127.0.0.1:{port};")
-    text = text.replace("listen [::]:80;", "")
-    text = text.replace("127.0.0.1:8000", upstream)
-    return text.replace("/srv/chat/", f"{ROOT}/")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Nginx:
-    """A real nginx, configured from deploy/nginx.conf, in front of ``upstream``."""
-
-    def __init__(self, tmp: Path, upstream: str):
-        if not os.path.exists(NGINX):
-            pytest.fail(f"nginx is not installed at {NGINX} (apt-get install nginx-light, "
-                        "or set NGINX=/path/to/nginx); these tests need a real one")
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.ws_url = f"ws://127.0.0.1:{self.port}/ws"
-        self.tmp = tmp
-        (tmp / "site.conf").write_text(render_site(upstream, self.port))
-        mime = "/etc/nginx/mime.types" if os.path.exists("/etc/nginx/mime.types") else "mime.types"
-        # As root, nginx's workers default to user "nobody", who may not read the checkout.
-        user = "user root;" if os.geteuid() == 0 else ""
-        (tmp / "nginx.conf").write_text(MAIN_CONF.format(tmp=tmp, mime=mime, user=user))
-        check = subprocess.run([NGINX, "-t", "-p", str(tmp), "-c", str(tmp / "nginx.conf")],
-                               capture_output=True, text=True)
-        assert check.returncode == 0, f"nginx -t rejected the config:\n{check.stderr}"
-        self.proc = subprocess.Popen([NGINX, "-p", str(tmp), "-c", str(tmp / "nginx.conf"),
-                                      "-g", "daemon off;"], stderr=open(tmp / "stderr.log", "wb"))
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                break
-            except OSError:
-                assert self.proc.poll() is None, f"nginx exited: {self.log()}"
-                assert time.monotonic() < deadline, f"nginx did not start listening: {self.log()}"
-                time.sleep(0.05)
-
-    def log(self) -> str:
-        return "".join((self.tmp / name).read_text(errors="replace")
-                       for name in ("stderr.log", "error.log") if (self.tmp / name).exists())
-
-    def request(self, method: str, path: str, body=None, headers=None) -> http.client.HTTPResponse:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        conn.request(method, path, body=body, headers=headers or {})
-        return conn.getresponse()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture
 def nginx(server, tmp_path):
     """nginx on a free port, proxying to the live gunicorn server."""
-    proxy = Nginx(tmp_path, urlsplit(server.url).netloc)
+    proxy = Nginx(tmp_path, SITE, [urlsplit(server.url).netloc])
     yield proxy
     proxy.stop()
 
 
 def test_config_renders_and_passes_nginx_t(tmp_path):
-    Nginx(tmp_path, "127.0.0.1:9").stop()
+    Nginx(tmp_path, SITE, ["127.0.0.1:9"]).stop()
 
 
 def test_hsts_is_offered_for_the_https_block_only():

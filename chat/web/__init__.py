@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 
-def init_app(app) -> None:
-    """Register every blueprint, the WebSocket route and the error handlers."""
+def init_app(app, engine_only: bool = False) -> None:
+    """Register the blueprints, the WebSocket route and the error handlers.
+
+    ``engine_only``: only ``/v1`` and health, for web workers that use this process as their backend.
+    """
     from . import conversations, errors, health, openai_api, pages, ws
-    app.register_blueprint(pages.bp)
     app.register_blueprint(health.bp)
-    app.register_blueprint(conversations.bp)
     app.register_blueprint(openai_api.bp)
-    ws.init_app(app)
+    if engine_only:  # the page's app-wide hooks (hardening headers, proxy warning), without the page
+        app.before_request(pages.warn_about_untrusted_proxy)
+        app.after_request(pages.security_headers)
+    else:
+        app.register_blueprint(pages.bp)
+        app.register_blueprint(conversations.bp)
+        ws.init_app(app)
     errors.init_app(app)

@@ -116,10 +116,12 @@ class Limits:
     def __init__(self, settings):
         self.max_connections = settings.max_connections_per_ip
         self.max_per_client = settings.max_active_per_connection
-        self.max_per_address = settings.max_active_per_ip
+        # An engine-only process hears a few web hosts, which limit their own users: no per-address limits.
+        self.per_address = not settings.engine_only
+        self.max_per_address = settings.max_active_per_ip if self.per_address else 0
         self.batch = settings.max_batch
         self.client_rate = Buckets(settings.rate_limit_per_min)
-        self.address_rate = Buckets(settings.rate_limit_per_ip_per_min)
+        self.address_rate = Buckets(settings.rate_limit_per_ip_per_min if self.per_address else 0)
         self.lock = real_lock()  # tickets are released from engine threads
         self.connections: dict = {}
         self.by_client: dict = {}
@@ -162,7 +164,7 @@ class Limits:
                 raise refusal("address", self, rid)
             if not ((key is None or self.client_rate.has(key, now)) and self.address_rate.has(address, now)):
                 raise refusal("rate", self, rid)
-            if active >= self.fair_share() and self._others_waiting(address):
+            if self.per_address and active >= self.fair_share() and self._others_waiting(address):
                 raise refusal("share", self, rid)
             if key is not None:
                 self.client_rate.take(key, now)
