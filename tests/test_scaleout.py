@@ -2,13 +2,15 @@
 backend, shared Redis, one database), round-robin nginx in front with no stickiness."""
 from __future__ import annotations
 
+import json
 import signal
 import time
 
 import pytest
 
-from conftest import WS, conv_of, conversation, cookie_for, http_get, text_of, wait_settled
+from conftest import ROOT, WS, conv_of, conversation, cookie_for, http_get, text_of, wait_settled
 from redis_server import RedisServer
+from services import Nginx
 from test_conversations_ws import resume_after_forced_drops
 
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
@@ -25,13 +27,42 @@ def redis_server():
 @pytest.fixture(scope="module")
 def cluster(server_factory, redis_server, tmp_path_factory):
     """(engine, [web a, web b], web env) sharing Redis and one database."""
-    engine = server_factory("engine", CHAT_MAX_NEW_TOKENS=4096, CHAT_CONTEXT_TOKENS=8192, CHAT_MAX_BATCH=8)
+    engine = server_factory("engine", CHAT_ENGINE_ONLY=1, CHAT_MAX_NEW_TOKENS=4096, CHAT_CONTEXT_TOKENS=8192,
+                            CHAT_MAX_BATCH=8)
     db = tmp_path_factory.mktemp("db") / "chat.db"
     env = dict(CHAT_BACKEND="openai", CHAT_BACKEND_URL=engine.url + "/v1", CHAT_WORKERS=2,
                CHAT_STATE_URL=redis_server.url, CHAT_DB=str(db), CHAT_MAX_NEW_TOKENS=4096,
-               CHAT_RESUME_GRACE_S=3, CHAT_MAX_ACTIVE_PER_CONNECTION=8, CHAT_RATE_LIMIT_PER_MIN=RATE)
+               CHAT_RESUME_GRACE_S=3, CHAT_MAX_ACTIVE_PER_CONNECTION=8, CHAT_RATE_LIMIT_PER_MIN=RATE,
+               CHAT_TRUSTED_PROXIES=1)
     webs = [server_factory(f"web-{name}", **env) for name in "ab"]
     return engine, webs, env
+
+
+@pytest.fixture(scope="module")
+def nginx(cluster, tmp_path_factory):
+    """deploy/nginx-scaleout.conf, round robin over the two web instances."""
+    _, webs, _ = cluster
+    proxy = Nginx(tmp_path_factory.mktemp("nginx"), ROOT / "deploy" / "nginx-scaleout.conf",
+                  [web.port for web in webs])
+    yield proxy
+    proxy.stop()
+
+
+def test_through_nginx_a_resumed_answer_loses_and_repeats_nothing(nginx):
+    resume_after_forced_drops(nginx)
+
+
+def test_through_nginx_the_sidebar_and_chats_work_on_any_instance(nginx):
+    cookie = cookie_for(nginx)
+    convs = []
+    for i in range(4):  # four sockets, round robin over two instances of two workers each
+        client = WS(nginx.ws_url, cookie=cookie)
+        convs.append(conv_of(client.chat(f"hello {i}", rid=f"n{i}", params={"max_new_tokens": 3})))
+        client.close()
+    for _ in range(4):
+        status, _, body = http_get(nginx.url + "/api/conversations", headers={"Cookie": cookie})
+        listed = {c["id"] for c in json.loads(body)}
+        assert status == 200 and set(convs) <= listed
 
 
 def engine_active(engine) -> float:
