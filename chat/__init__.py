@@ -40,8 +40,8 @@ def create_app(settings: Settings | None = None, engine=None, store=None) -> Fla
         "subprotocols": [identity.SUBPROTOCOL],  # echoed when offered; a bearer.<key> offer never is
     }
     if store is None:
-        from .store import Store
-        store = Store(settings.db_path, settings.max_conversations, settings.max_messages, settings.db_max_mb)
+        from .store import open_store
+        store = open_store(settings)
     # Conversations of cookie-less connections are unreachable once the socket is gone; each
     # is deleted when its connection ends, and a crash's leftovers here, once surely stale.
     store.expire_clients(identity.ANONYMOUS, ANONYMOUS_STALE_S)

@@ -1,4 +1,5 @@
-"""Full-text search (SQLite FTS5) over one client's messages: plain snippets with offsets."""
+"""Full-text search over one client's messages, plain snippets with offsets: SQLite FTS5, or
+PostgreSQL's tsvector with the 'simple' configuration (no stemming, no stop words)."""
 from __future__ import annotations
 
 import re
@@ -21,6 +22,13 @@ def match_query(text: str) -> str | None:
     return " ".join(terms)
 
 
+def ts_query(text: str) -> str | None:
+    """The same query for PostgreSQL's to_tsquery: quoted words (only word characters, so
+    tsquery syntax stays inert) joined by &, the last one a prefix."""
+    words = _WORD.findall(text or "")[:16]
+    return " & ".join(f"'{w}'" for w in words) + ":*" if words else None
+
+
 def highlights(marked: str) -> tuple[str, list[list[int]]]:
     """(plain snippet, [[start, end], ...] character offsets of the matches) from a marked snippet."""
     out, spans, start = [], [], None
@@ -36,18 +44,8 @@ def highlights(marked: str) -> tuple[str, list[list[int]]]:
     return "".join(out), spans
 
 
-def search(db, client_id: str, text: str, limit: int = MAX_RESULTS) -> list[dict]:
-    """This client's messages matching ``text``, best first; never another client's."""
-    query = match_query(text)
-    if not client_id or query is None:
-        return []
-    rows = db.execute(
-        f"""SELECT m.conversation_id, c.title, m.id AS message_id, m.role,
-               snippet(messages_fts, 0, '{_OPEN}', '{_CLOSE}', '…', {SNIPPET_TOKENS}) AS marked
-        FROM messages_fts JOIN messages m ON m.seq = messages_fts.rowid
-        JOIN conversations c ON c.id = m.conversation_id
-        WHERE messages_fts MATCH ? AND c.client_id = ?
-        ORDER BY bm25(messages_fts), m.seq DESC LIMIT ?""", (query, client_id, limit)).fetchall()
+def _results(rows) -> list[dict]:
+    """The API's result shape from rows carrying a marked snippet."""
     results = []
     for row in rows:
         snippet, spans = highlights(row["marked"])
@@ -55,3 +53,39 @@ def search(db, client_id: str, text: str, limit: int = MAX_RESULTS) -> list[dict
                         "message_id": row["message_id"], "role": row["role"],
                         "snippet": snippet, "highlights": spans})
     return results
+
+
+def search_fts5(db, client_id: str, text: str, limit: int = MAX_RESULTS) -> list[dict]:
+    """This client's messages matching ``text``, best first; never another client's."""
+    query = match_query(text)
+    if not client_id or query is None:
+        return []
+    return _results(db.execute(
+        f"""SELECT m.conversation_id, c.title, m.id AS message_id, m.role,
+               snippet(messages_fts, 0, '{_OPEN}', '{_CLOSE}', '…', {SNIPPET_TOKENS}) AS marked
+        FROM messages_fts JOIN messages m ON m.seq = messages_fts.rowid
+        JOIN conversations c ON c.id = m.conversation_id
+        WHERE messages_fts MATCH ? AND c.client_id = ?
+        ORDER BY bm25(messages_fts), m.seq DESC LIMIT ?""", (query, client_id, limit)).fetchall())
+
+
+# The expression of the GIN index messages_search (see pg_schema.py): the planner uses the
+# index only for this very expression and the index's WHERE status <> 'streaming'.
+_TSV = "to_tsvector('simple', m.content)"
+_HEADLINE = (f"StartSel={_OPEN}, StopSel={_CLOSE}, MaxWords={SNIPPET_TOKENS}, "
+             f"MinWords={SNIPPET_TOKENS // 2}, ShortWord=0")
+
+
+def search_tsvector(db, client_id: str, text: str, limit: int = MAX_RESULTS) -> list[dict]:
+    """``search_fts5`` on PostgreSQL: ranked by ts_rank, snippets from ts_headline."""
+    query = ts_query(text)
+    if not client_id or query is None:
+        return []
+    return _results(db.execute(
+        f"""SELECT m.conversation_id, c.title, m.id AS message_id, m.role,
+               ts_headline('simple', m.content, q, ?) AS marked
+        FROM messages m JOIN conversations c ON c.id = m.conversation_id,
+             to_tsquery('simple', ?) AS q
+        WHERE {_TSV} @@ q AND m.status <> 'streaming' AND c.client_id = ?
+        ORDER BY ts_rank({_TSV}, q) DESC, m.seq DESC LIMIT ?""",
+        (_HEADLINE, query, client_id, limit)).fetchall())
