@@ -97,8 +97,11 @@ def test_text_with_nul_is_stored(url):
 
 
 GEVENT_SCRIPT = textwrap.dedent("""
+    import sys
+    if sys.argv[2] == "psycopg-first":  # psycopg then chose its C wait, blind to gevent
+        import psycopg
     from gevent import monkey; monkey.patch_all()
-    import json, sys, time, gevent
+    import json, time, gevent
     from gevent import get_hub
     from chat.store import Store
 
@@ -130,8 +133,9 @@ GEVENT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_slow_query_does_not_stop_the_hub(url):
-    done = subprocess.run([sys.executable, "-c", GEVENT_SCRIPT, url], cwd=ROOT, capture_output=True,
+@pytest.mark.parametrize("order", ["patch-first", "psycopg-first"])
+def test_a_slow_query_does_not_stop_the_hub(url, order):
+    done = subprocess.run([sys.executable, "-c", GEVENT_SCRIPT, url, order], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)

@@ -3,7 +3,9 @@ conversations.py translated from SQLite's ``?`` placeholders.
 
 Under gevent, psycopg waits on its socket with the patched ``select`` when it is imported after
 monkey-patching (gunicorn's gevent worker imports the app after patching): a query suspends
-only its greenlet. Real OS threads (engine threads, gevent's thread pool) wait on their own.
+only its greenlet. Imported before, it keeps its C wait, which blocks the whole hub for the
+query; ``_green`` switches it to the patched one. Real OS threads (engine threads, gevent's
+thread pool) wait on their own.
 """
 from __future__ import annotations
 
@@ -11,12 +13,20 @@ import functools
 import time
 from contextlib import contextmanager
 
-from ..concurrency import real_lock
+from ..concurrency import gevent_active, real_lock
 from . import pg_schema, search as fts
 
 POOL_SIZE = 8  # connections one Store opens at most; more callers wait their turn
 WAIT_S = 0.005
 DISK_FULL = "53100"
+
+
+def _green(psycopg) -> None:
+    """Make psycopg wait through the patched ``select.poll`` when it chose its C wait before
+    gevent patched the process (psycopg looks up ``waiting.wait`` on each query)."""
+    waiting = psycopg.waiting
+    if gevent_active() and waiting.wait is waiting.wait_c:
+        waiting.wait = waiting.wait_poll
 
 
 def is_url(target: str) -> bool:
@@ -79,6 +89,7 @@ class PostgreSQL:
 
     def __init__(self, url: str, pool_size: int = POOL_SIZE):
         import psycopg  # here, not at module level: imported only when configured, after patching
+        _green(psycopg)
         self._psycopg = psycopg
         self.url, self.pool_size = url, pool_size
         self._lock = real_lock()  # guards the lists only, never held across a query
