@@ -153,7 +153,7 @@ class PostgreSQL:
 
     @staticmethod
     def search(db, client_id: str, text: str) -> list[dict]:
-        return fts.search_tsvector(db, client_id, text)
+        return fts.search(db, fts.TSVECTOR, fts.ts_query(text), client_id)
 
     def close(self) -> None:
         with self._lock:

@@ -74,7 +74,7 @@ class SQLite:
 
     @staticmethod
     def search(db, client_id: str, text: str) -> list[dict]:
-        return fts.search_fts5(db, client_id, text)
+        return fts.search(db, fts.FTS5, fts.match_query(text), client_id)
 
     def close(self) -> None:
         with self._lock:
