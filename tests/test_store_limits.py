@@ -1,5 +1,6 @@
 """Bounded storage: per-client quotas, a full disk refused without losing anything, expiry
 (on SQLite and PostgreSQL, see conftest.backend)."""
+import threading
 import time
 
 import pytest
@@ -50,6 +51,29 @@ def test_conversation_quota_per_client(db_path):
     store.create_conversation(ALICE)
     assert len(store.list_conversations(ALICE)) == 2
     store.close()
+
+
+def test_quota_holds_for_writers_in_several_processes(db_path):
+    stores = [Store(db_path, max_conversations=3) for _ in range(4)]  # a connection each, as processes
+    made, refused = [], []
+    barrier = threading.Barrier(12)
+
+    def create(i):
+        barrier.wait()
+        try:
+            made.append(stores[i % 4].create_conversation(ALICE))
+        except ProtocolError:
+            refused.append(i)
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert (len(made), len(refused)) == (3, 9)
+    assert len(stores[0].list_conversations(ALICE)) == 3
+    for s in stores:
+        s.close()
 
 
 def test_message_cap_per_conversation(db_path):

@@ -124,7 +124,7 @@ class Store(Versions):
         now = time.time()
         conv = {"id": id or new_id(), "title": title or PLACEHOLDER_TITLE, "system": system or None,
                 "created_at": now, "updated_at": now}
-        with self._conn() as db:
+        with self._conn() as db, db.transaction():
             self._check_room(db, client_id)
             db.execute(
                 "INSERT INTO conversations (id, client_id, title, title_set, system, created_at, updated_at)"
@@ -133,7 +133,9 @@ class Store(Versions):
         return conv
 
     def _check_room(self, db, client_id: str) -> None:
-        """too_large when ``client_id`` already has as many conversations as the server keeps."""
+        """too_large when ``client_id`` already has as many conversations as the server keeps; the
+        caller's transaction keeps it true until its insert (on PostgreSQL: a lock per client)."""
+        db.lock(client_id)
         count = db.execute("SELECT count(*) FROM conversations WHERE client_id = ?", (client_id,)).fetchone()[0]
         if self.max_conversations and count >= self.max_conversations:
             raise ProtocolError("too_large", f"you have {count} conversations, the most this server keeps "
@@ -213,17 +215,17 @@ class Store(Versions):
         with self._conn() as db:
             if not self._owned(db, client_id, conv_id):
                 return None
-            count = db.execute("SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,)).fetchone()[0]
-            if self.max_messages and count + 2 > self.max_messages:  # room for the question and its answer
-                raise ProtocolError("too_large", f"this conversation has reached {count} messages, the most "
-                                                 "this server keeps in one; start a new conversation")
             with db.transaction():
-                parent = (self._on_path(db, conv_id, replaces, "user")["parent_id"] if replaces is not None
-                          else tree.active_leaf(db, conv_id))
+                leaf = tree.active_leaf(db, conv_id)  # first: it locks the conversation on PostgreSQL
+                count = db.execute("SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,)).fetchone()[0]
+                if self.max_messages and count + 2 > self.max_messages:  # room for the question and its answer
+                    raise ProtocolError("too_large", f"this conversation has reached {count} messages, the most "
+                                                     "this server keeps in one; start a new conversation")
+                parent = self._on_path(db, conv_id, replaces, "user")["parent_id"] if replaces is not None else leaf
                 msg["id"], msg["parent_id"] = self._insert(db, conv_id, parent, msg), parent
                 db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conv_id))
                 db.execute("UPDATE conversations SET title = ?, title_set = 1 WHERE id = ? AND title_set = 0",
-                                 (_title_from(content), conv_id))
+                           (_title_from(content), conv_id))
         return msg
 
     @_guarded

@@ -80,6 +80,11 @@ class Connection:
     def transaction(self):
         return self.raw.transaction()
 
+    def lock(self, key: str) -> None:
+        """Hold a lock named ``key`` until the transaction ends: a check-then-insert (a quota)
+        stays true for one writer at a time, across processes and hosts."""
+        self.execute("SELECT pg_advisory_xact_lock(hashtextextended(?, 0))", (key,))
+
 
 class PostgreSQL:
     """Connections to one database, lent to one caller at a time and kept for the next."""

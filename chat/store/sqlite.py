@@ -43,6 +43,10 @@ class SQLite:
         with self._lock:
             yield self
 
+    @staticmethod
+    def lock(key: str) -> None:
+        """Nothing: BEGIN IMMEDIATE already made the transaction the only writer."""
+
     @contextmanager
     def transaction(self):
         """BEGIN IMMEDIATE: take the write lock up front, so another process's writer makes
