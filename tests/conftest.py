@@ -203,15 +203,15 @@ def postgres():
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request) -> str:
+def db_backend(request) -> str:
     """Each store test runs on SQLite and on PostgreSQL."""
     return request.param
 
 
 @pytest.fixture
-def db_path(request, backend, tmp_path) -> str:
-    """A fresh database of ``backend``: an SQLite file (in folders not made yet), or a PostgreSQL URL."""
-    return database(request, backend, tmp_path / "nested" / "dir" / "chat.db")
+def db_path(request, db_backend, tmp_path) -> str:
+    """A fresh database of ``db_backend``: an SQLite file (in folders not made yet), or a PostgreSQL URL."""
+    return database(request, db_backend, tmp_path / "nested" / "dir" / "chat.db")
 
 
 @pytest.fixture(scope="session")

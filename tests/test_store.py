@@ -1,4 +1,4 @@
-"""The conversation store on SQLite and PostgreSQL (each test runs on both, see conftest.backend):
+"""The conversation store on SQLite and PostgreSQL (each test runs on both, see conftest.db_backend):
 schema, ownership, streaming checkpoints, recovery, concurrency."""
 import json
 import os
@@ -17,7 +17,7 @@ ALICE = "alice-client-0123456789"
 BOB = "bob-client-0123456789ab"
 
 
-SQLITE_ONLY = pytest.mark.parametrize("backend", ["sqlite"])
+SQLITE_ONLY = pytest.mark.parametrize("db_backend", ["sqlite"])
 
 
 @pytest.fixture
@@ -38,10 +38,10 @@ def conv(store):
     return c
 
 
-def test_schema_is_current(store, backend):
-    assert store.kind == backend
+def test_schema_is_current(store, db_backend):
+    assert store.kind == db_backend
     assert store.schema_version == len(store.migrations) > 0
-    assert store.migrations is MIGRATIONS or backend == "postgresql"
+    assert store.migrations is MIGRATIONS or db_backend == "postgresql"
 
 
 @SQLITE_ONLY

@@ -1,5 +1,5 @@
 """Bounded storage: per-client quotas, a full disk refused without losing anything, expiry
-(on SQLite and PostgreSQL, see conftest.backend)."""
+(on SQLite and PostgreSQL, see conftest.db_backend)."""
 import threading
 import time
 
@@ -89,9 +89,9 @@ def test_message_cap_per_conversation(db_path):
     store.close()
 
 
-def test_full_disk_refuses_writes_and_keeps_what_is_stored(db_path, backend):
+def test_full_disk_refuses_writes_and_keeps_what_is_stored(db_path, db_backend):
     store = Store(db_path, max_mb=1)  # max_mb: SQLite's only; PostgreSQL gets the trigger below
-    if backend == "postgresql":
+    if db_backend == "postgresql":
         squeeze(store, 2**20)
     kept = store.create_conversation(ALICE)
     exchange(store, ALICE, kept["id"], "precious")
@@ -109,7 +109,7 @@ def test_full_disk_refuses_writes_and_keeps_what_is_stored(db_path, backend):
         except StorageFull:
             pass
     assert store.get_conversation(ALICE, kept["id"])["messages"][:2] == before["messages"][:2]
-    if backend == "sqlite":
+    if db_backend == "sqlite":
         with store._conn() as db:
             assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     for conv in store.list_conversations(BOB):  # freeing space makes room again
@@ -122,14 +122,14 @@ def test_full_disk_refuses_writes_and_keeps_what_is_stored(db_path, backend):
     reopened.close()
 
 
-def test_a_full_disk_mid_transaction_rolls_back_cleanly(db_path, backend):
+def test_a_full_disk_mid_transaction_rolls_back_cleanly(db_path, db_backend):
     store = Store(db_path)
     conv = store.create_conversation(ALICE)
     exchange(store, ALICE, conv["id"], "kept")
     squeeze(store)
     with pytest.raises(StorageFull):
         store.add_user_message(ALICE, conv["id"], "y" * 50_000)  # BEGIN ... INSERT fails
-    if backend == "sqlite":
+    if db_backend == "sqlite":
         assert not store._backend.raw.in_transaction
     else:  # the connection went back to the pool idle, not stuck in the failed transaction
         idle = [raw.info.transaction_status.name for raw in store._backend._idle]

@@ -21,7 +21,7 @@ ALICE = "alice-client-0123456789"
 
 @pytest.fixture
 def url(postgres) -> str:
-    return postgres.create_database()
+    return postgres.new_schema()
 
 
 def _streaming(store, owner: str) -> str:
