@@ -72,10 +72,9 @@ class Connection:
     def execute(self, statement: str, args=()):
         return self.raw.execute(_sql(statement), _args(args))
 
-    def executemany(self, statement: str, rows):
+    def executemany(self, statement: str, rows) -> None:
         with self.raw.cursor() as cur:
             cur.executemany(_sql(statement), [_args(r) for r in rows])
-            return cur
 
     def transaction(self):
         return self.raw.transaction()
