@@ -48,8 +48,8 @@ def create_app(settings: Settings | None = None, engine=None, store=None) -> Fla
     if settings.engine_only:
         store = None  # /v1 stores nothing: an engine process opens no database
     elif store is None:
-        from .store import Store
-        store = Store(settings.db_path, settings.max_conversations, settings.max_messages, settings.db_max_mb)
+        from .store import open_store
+        store = open_store(settings, alive=shared.alive if shared else None)
     if store is not None:
         # Conversations of cookie-less connections are unreachable once the socket is gone; each
         # is deleted when its connection ends, and a crash's leftovers here, once surely stale.

@@ -88,7 +88,10 @@ class Settings:
         doc="Folder for the database and the model cache.")
     db: str = _setting(
         "CHAT_DB", "", str,
-        doc="SQLite database file. Empty: `<CHAT_DATA_DIR>/chat.db`.")
+        doc="Where conversations are stored: an SQLite database file, or a PostgreSQL database as a "
+            "`postgresql://user:password@host:5432/dbname` URL (`postgres://` too), which several workers "
+            "and hosts can share; its schema is created and migrated at startup. Empty: "
+            "`<CHAT_DATA_DIR>/chat.db`.")
     warmup: bool = _setting(
         "CHAT_WARMUP", True, _bool,
         doc="Run a tiny generation after loading, before `/readyz` reports ready, so the first user does not "
@@ -169,7 +172,9 @@ class Settings:
     db_max_mb: int = _setting(
         "CHAT_DB_MAX_MB", 0, int, low=0, high=10_000_000,
         doc="Most the SQLite database may grow to, in MiB. Past it (or when the disk is full) new messages are "
-            "refused with `overloaded` and what is stored stays intact. `0`: until the disk is full.")
+            "refused with `overloaded` and what is stored stays intact. `0`: until the disk is full. "
+            "SQLite only: on PostgreSQL, the server's own disk full (SQLSTATE 53100) is refused the same "
+            "way; cap its size there with the server's disk or quotas.")
 
     bind: str = _setting(
         "CHAT_BIND", "127.0.0.1:8000", _bind, section="Server",

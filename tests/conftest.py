@@ -17,6 +17,7 @@ import pytest
 import websocket
 
 from fakes import AppServer, FakeEngine
+from pg import BACKENDS, PostgresServer, database
 from tinymodel import tiny_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,8 +195,29 @@ def server(gunicorn_server) -> LiveServer:
 
 
 @pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL cluster for the session (see pg.py); fails when its binaries are missing."""
+    server = PostgresServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=BACKENDS)
+def db_backend(request) -> str:
+    """Each store test runs on SQLite and on PostgreSQL."""
+    return request.param
+
+
+@pytest.fixture
+def db_path(request, db_backend, tmp_path) -> str:
+    """A fresh database of ``db_backend``: an SQLite file (in folders not made yet), or a PostgreSQL URL."""
+    return database(request, db_backend, tmp_path / "nested" / "dir" / "chat.db")
+
+
+@pytest.fixture(scope="session")
 def app_factory(tmp_path_factory):
-    """Serve ``create_app(settings, engine=FakeEngine(...), store=Store(tmp))`` in this process."""
+    """Serve ``create_app(settings, engine=FakeEngine(...), store=Store(tmp))`` in this process
+    (``db=<postgresql URL>`` puts the store there)."""
     from chat import create_app
     from chat.config import Settings
     from chat.store import Store
@@ -207,8 +229,9 @@ def app_factory(tmp_path_factory):
                     "rate_limit_per_min": 0, "rate_limit_per_ip_per_min": 0, "max_active_per_ip": 0,
                     "max_active_per_connection": 8, "data_dir": str(data), **settings}
         engine = engine or FakeEngine(answer_words=100_000, delay=0.001, seeded=True)
-        store = None if settings.get("engine_only") else Store(data / "chat.db")  # an engine opens none
-        srv = AppServer(create_app(Settings(**settings), engine=engine, store=store))
+        settings = Settings(**settings)
+        store = None if settings.engine_only else Store(settings.db_path)  # an engine opens none
+        srv = AppServer(create_app(settings, engine=engine, store=store))
         servers.append(srv)
         return srv
 

@@ -1,4 +1,4 @@
-"""The HTTP conversation API, on the whole app with a real store and a fake engine."""
+"""The HTTP conversation API, on the whole app with a real store (SQLite and PostgreSQL) and a fake engine."""
 import json
 
 import pytest
@@ -15,8 +15,8 @@ BOB = "bob-client-0123456789ab"
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "x.db")
+def store(db_path):
+    s = Store(db_path)
     yield s
     s.close()
 

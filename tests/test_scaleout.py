@@ -1,5 +1,5 @@
 """Scaled out for real: an engine process, two web instances of two gevent workers each (remote
-backend, shared Redis, one database), round-robin nginx in front with no stickiness."""
+backend, shared Redis, PostgreSQL), round-robin nginx in front with no stickiness."""
 from __future__ import annotations
 
 import json
@@ -25,11 +25,11 @@ def redis_server():
 
 
 @pytest.fixture(scope="module")
-def cluster(server_factory, redis_server, tmp_path_factory):
-    """(engine, [web a, web b], web env) sharing Redis and one database."""
+def cluster(server_factory, redis_server, postgres):
+    """(engine, [web a, web b], web env) sharing Redis and one PostgreSQL database."""
     engine = server_factory("engine", CHAT_ENGINE_ONLY=1, CHAT_MAX_NEW_TOKENS=4096, CHAT_CONTEXT_TOKENS=8192,
                             CHAT_MAX_BATCH=8)
-    db = tmp_path_factory.mktemp("db") / "chat.db"
+    db = postgres.new_schema()
     env = dict(CHAT_BACKEND="openai", CHAT_BACKEND_URL=engine.url + "/v1", CHAT_WORKERS=2,
                CHAT_STATE_URL=redis_server.url, CHAT_DB=str(db), CHAT_MAX_NEW_TOKENS=4096,
                CHAT_RESUME_GRACE_S=3, CHAT_MAX_ACTIVE_PER_CONNECTION=8, CHAT_RATE_LIMIT_PER_MIN=RATE,

@@ -13,11 +13,6 @@ LIMIT = 1000
 
 
 @pytest.fixture
-def db_path(tmp_path):
-    return tmp_path / "chat.db"
-
-
-@pytest.fixture
 def store(db_path):
     s = Store(db_path)
     yield s
@@ -51,7 +46,9 @@ def _code(call, *args, **kwargs):
     return err.value.code
 
 
-def test_migration_turns_old_conversations_into_single_paths(db_path):
+def test_migration_turns_old_conversations_into_single_paths(tmp_path):
+    """SQLite only: PostgreSQL stores began with the tree schema."""
+    db_path = tmp_path / "chat.db"
     old = sqlite3.connect(db_path, isolation_level=None)
     for statement in MIGRATIONS[0]:
         old.execute(statement)
@@ -315,8 +312,8 @@ def test_import_refuses_oversized_bodies(store, body):
     assert store.list_conversations(ALICE) == []
 
 
-def test_import_counts_against_the_quotas(tmp_path):
-    s = Store(tmp_path / "q.db", max_conversations=1, max_messages=4)
+def test_import_counts_against_the_quotas(db_path):
+    s = Store(db_path, max_conversations=1, max_messages=4)
     try:
         two = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
         assert _code(s.import_conversation, ALICE, {"messages": [{"role": "user", "content": "q"}] * 5},

@@ -24,7 +24,12 @@ class SharedState:
         self.shared = Shared(settings.state_url)
         self.runs = SharedRuns(self.shared, settings.resume_grace_s, settings.max_new_tokens + 16)
         self.limits = SharedLimits(self.shared, settings)
-        self.alive = self.shared.alive
+
+    def alive(self, owner: str | None) -> bool:
+        """Whether a streaming answer's writer may be at work: this host's processes are checked
+        directly, other hosts' by their heartbeat in Redis."""
+        from ..store.liveness import local_alive
+        return local_alive(owner, other_hosts=True) and self.shared.alive(owner)
 
     def start(self, store) -> None:
         """Start the heartbeat and control channel, and sweep answers whose writer died elsewhere."""

@@ -1,27 +1,21 @@
-"""The Store: conversations and their message trees in one SQLite file."""
+"""The Store: conversations and their message trees, in SQLite or PostgreSQL (the backend)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
-import socket
-import sqlite3
 import time
 import uuid
-from contextlib import contextmanager
-from pathlib import Path
 
 from .. import attachments as files
-from ..concurrency import real_lock
 from ..errors import ProtocolError
-from . import search as fts, transfer, tree
+from . import liveness, transfer, tree
 from .guard import guarded as _guarded
-from .schema import migrate
 from .tree import valid as _valid
 from .versions import Versions
 
 PLACEHOLDER_TITLE = "New chat"
 TITLE_CHARS = 60
-BUSY_TIMEOUT_MS = 5000
 FINISHED = ("stop", "length")
 
 _CONV = "id, title, system, created_at, updated_at"
@@ -42,98 +36,64 @@ def _title_from(content: str) -> str:
     return (cut[:space] if space >= TITLE_CHARS // 2 else cut).rstrip() + "…"
 
 
-_open_stores: set[str] = set()
-
-
-def _alive(owner: str | None) -> bool:
-    """Whether the Store that started a streaming answer may still be writing it: open in
-    this process, or in another live process on this host (a sibling gunicorn worker)."""
-    host, pid, token = ((owner or "").rsplit(":", 2) + ["", ""])[:3]
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    if int(pid) == os.getpid():
-        return token in _open_stores
-    try:
-        os.kill(int(pid), 0)
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    try:  # a killed worker whose parent died too may linger as a zombie nobody reaps
-        with open(f"/proc/{int(pid)}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+def backend_for(target: str, max_mb: int = 0):
+    """The backend CHAT_DB names: a postgresql:// (or postgres://) URL, else an SQLite file."""
+    from .postgres import PostgreSQL, is_url
+    if is_url(target):
+        return PostgreSQL(target)
+    from .sqlite import SQLite
+    return SQLite(target, max_mb)
 
 
 class Store(Versions):
     """Conversations of many clients; safe to share between greenlets and OS threads."""
 
     def __init__(self, path: str | os.PathLike, max_conversations: int = 0, max_messages: int = 0,
-                 max_mb: int = 0):
-        path = str(path)
+                 max_mb: int = 0, alive=None):
+        """``path``: an SQLite file (``:memory:`` too) or a postgresql:// URL; ``max_mb`` is
+        SQLite's only. ``alive(owner)`` says whether the writer of a streaming answer may still
+        be at work (default: liveness.local_alive; see recover)."""
         self.max_conversations, self.max_messages = max_conversations, max_messages
-        if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        # A real lock, even after monkey-patching: no statement yields to the hub while it is
-        # held, and real engine threads must be able to wait on it without a hub of their own.
-        self._lock = real_lock()
+        self._backend = backend_for(str(path), max_mb)
+        self._alive = alive or functools.partial(liveness.local_alive,
+                                                 other_hosts=self._backend.kind == "postgresql")
         self._token = new_id()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        self._db.execute("PRAGMA journal_mode = WAL")
-        self._db.execute("PRAGMA synchronous = NORMAL")
-        self._db.execute("PRAGMA foreign_keys = ON")
-        if max_mb:  # SQLite refuses to grow past this, exactly as on a full disk
-            page = self._db.execute("PRAGMA page_size").fetchone()[0]
-            self._db.execute(f"PRAGMA max_page_count = {max_mb * 2**20 // page}")
-        self._migrate()
+        self._backend.migrate()
         self.recover()
-        _open_stores.add(self._token)
+        liveness.open_stores.add(self._token)
+
+    @property
+    def kind(self) -> str:
+        """'sqlite' or 'postgresql'."""
+        return self._backend.kind
+
+    @property
+    def migrations(self) -> list:
+        """The backend's list of migrations (schema_version reaches its length)."""
+        return self._backend.migrations
+
+    def _conn(self):
+        """A connection for one operation: SQLite's one, under its lock, or one of the pool."""
+        return self._backend.connection()
 
     def close(self) -> None:
-        """Close the database connection."""
-        _open_stores.discard(self._token)
-        with self._lock:
-            self._db.close()
-
-    def _migrate(self) -> None:
-        """Bring the schema up to date, inside one write transaction."""
-        with self._lock, self._transaction():
-            migrate(self._db)
+        """Close the database connection(s)."""
+        liveness.open_stores.discard(self._token)
+        self._backend.close()
 
     @property
     def schema_version(self) -> int:
-        """The schema version stored in the file."""
-        with self._lock:
-            return self._db.execute("PRAGMA user_version").fetchone()[0]
+        """The schema version stored in the database."""
+        return self._backend.schema_version
 
-    @contextmanager
-    def _transaction(self):
-        """BEGIN IMMEDIATE: take the write lock up front, so another process's writer makes
-        us wait on busy_timeout instead of failing to upgrade a read lock."""
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            if self._db.in_transaction:  # SQLITE_FULL may already have rolled it back
-                self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
-
-    def _one(self, sql: str, args=()) -> sqlite3.Row | None:
-        """The first row of a query, or None."""
-        return self._db.execute(sql, args).fetchone()
-
-    def _owned(self, client_id, conv_id) -> bool:
-        """``owns`` for a caller that already holds the lock."""
+    def _owned(self, db, client_id, conv_id) -> bool:
+        """``owns`` on a connection the caller holds."""
         return (_valid(conv_id) and isinstance(client_id, str) and client_id != "" and
-                self._one("SELECT 1 FROM conversations WHERE id = ? AND client_id = ?",
-                          (conv_id, client_id)) is not None)
+                db.execute("SELECT 1 FROM conversations WHERE id = ? AND client_id = ?",
+                           (conv_id, client_id)).fetchone() is not None)
 
     @staticmethod
-    def _message(row: sqlite3.Row) -> dict:
+    def _message(row) -> dict:
         """A message row as a dict, with its JSON columns decoded."""
         out = dict(row)
         for key in ("usage", "timings"):
@@ -142,12 +102,19 @@ class Store(Versions):
         return out
 
     def recover(self) -> int:
-        """Mark answers left 'streaming' by a dead process as 'interrupted'; return how many."""
-        with self._lock, self._transaction():
-            rows = self._db.execute("SELECT id, owner FROM messages WHERE status = 'streaming'").fetchall()
-            stale = [(r["id"],) for r in rows if not _alive(r["owner"])]
-            self._db.executemany(
-                "UPDATE messages SET status = 'interrupted', reason = 'error' WHERE id = ?", stale)
+        """Mark answers left 'streaming' by a writer that ``alive`` says is gone as
+        'interrupted'; return how many. Cheap enough to call periodically: one indexed read,
+        ``alive`` asked once per owner, and a write only for what it finds stale."""
+        with self._conn() as db:
+            rows = db.execute("SELECT id, owner FROM messages WHERE status = 'streaming'").fetchall()
+            verdicts = {owner: self._alive(owner) for owner in {r["owner"] for r in rows}}
+            # The owner in the WHERE: an answer finished or reopened by someone else meanwhile stays.
+            stale = [(r["id"], r["owner"]) for r in rows if not verdicts[r["owner"]]]
+            if stale:
+                with db.transaction():
+                    db.executemany("UPDATE messages SET status = 'interrupted', reason = 'error'"
+                                   " WHERE id = ? AND status = 'streaming' AND coalesce(owner, '') = ?",
+                                   [(i, owner or "") for i, owner in stale])
         return len(stale)
 
     @_guarded
@@ -157,43 +124,45 @@ class Store(Versions):
         now = time.time()
         conv = {"id": id or new_id(), "title": title or PLACEHOLDER_TITLE, "system": system or None,
                 "created_at": now, "updated_at": now}
-        with self._lock:
-            self._check_room(client_id)
-            self._db.execute(
+        with self._conn() as db, db.transaction():
+            self._check_room(db, client_id)
+            db.execute(
                 "INSERT INTO conversations (id, client_id, title, title_set, system, created_at, updated_at)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (conv["id"], client_id, conv["title"], bool(title), conv["system"], now, now))
+                (conv["id"], client_id, conv["title"], int(bool(title)), conv["system"], now, now))
         return conv
 
-    def _check_room(self, client_id: str) -> None:
-        """too_large when ``client_id`` already has as many conversations as the server keeps."""
-        count = self._one("SELECT count(*) FROM conversations WHERE client_id = ?", (client_id,))[0]
+    def _check_room(self, db, client_id: str) -> None:
+        """too_large when ``client_id`` already has as many conversations as the server keeps; the
+        caller's transaction keeps it true until its insert (on PostgreSQL: a lock per client)."""
+        db.lock(client_id)
+        count = db.execute("SELECT count(*) FROM conversations WHERE client_id = ?", (client_id,)).fetchone()[0]
         if self.max_conversations and count >= self.max_conversations:
             raise ProtocolError("too_large", f"you have {count} conversations, the most this server keeps "
                                              "for one client; delete some to start a new one")
 
     def owns(self, client_id: str | None, conv_id) -> bool:
         """Whether the conversation exists and belongs to ``client_id``."""
-        with self._lock:
-            return self._owned(client_id, conv_id)
+        with self._conn() as db:
+            return self._owned(db, client_id, conv_id)
 
     def get_conversation(self, client_id: str | None, conv_id) -> dict | None:
         """The conversation with its active path (oldest first, each message with its
         ``versions``), or None if not this client's."""
-        with self._lock:
-            if not self._owned(client_id, conv_id):
+        with self._conn() as db:
+            if not self._owned(db, client_id, conv_id):
                 return None
-            conv = dict(self._one(f"SELECT {_CONV} FROM conversations WHERE id = ?", (conv_id,)))
-            conv["messages"] = [self._message(r) for r in tree.path(self._db, conv_id)]
-            tree.versions(self._db, conv_id, conv["messages"])
+            conv = dict(db.execute(f"SELECT {_CONV} FROM conversations WHERE id = ?", (conv_id,)).fetchone())
+            conv["messages"] = [self._message(r) for r in tree.path(db, conv_id)]
+            tree.versions(db, conv_id, conv["messages"])
         return conv
 
     def list_conversations(self, client_id: str | None) -> list[dict]:
         """This client's conversations, most recently updated first, without messages."""
         if not client_id:
             return []
-        with self._lock:
-            rows = self._db.execute(
+        with self._conn() as db:
+            rows = db.execute(
                 f"SELECT {_CONV} FROM conversations WHERE client_id = ?"
                 " ORDER BY updated_at DESC, rowid DESC", (client_id,)).fetchall()
         return [dict(r) for r in rows]
@@ -201,10 +170,10 @@ class Store(Versions):
     @_guarded
     def rename(self, client_id: str | None, conv_id, title: str) -> bool:
         """Set the title; False if the conversation is not this client's."""
-        with self._lock:
-            if not self._owned(client_id, conv_id):
+        with self._conn() as db:
+            if not self._owned(db, client_id, conv_id):
                 return False
-            self._db.execute("UPDATE conversations SET title = ?, title_set = 1, updated_at = ? WHERE id = ?",
+            db.execute("UPDATE conversations SET title = ?, title_set = 1, updated_at = ? WHERE id = ?",
                              (title, time.time(), conv_id))
         return True
 
@@ -213,15 +182,15 @@ class Store(Versions):
         """Delete the conversation and its messages; False if it is not this client's."""
         if not client_id or not _valid(conv_id):
             return False
-        with self._lock:
-            cur = self._db.execute("DELETE FROM conversations WHERE id = ? AND client_id = ?",
+        with self._conn() as db:
+            cur = db.execute("DELETE FROM conversations WHERE id = ? AND client_id = ?",
                                    (conv_id, client_id))
         return cur.rowcount > 0
 
-    def _insert(self, conv_id: str, parent_id: str | None, fields: dict) -> str:
+    def _insert(self, db, conv_id: str, parent_id: str | None, fields: dict) -> str:
         """Insert one message under ``parent_id`` and make it the active leaf; return its id."""
         message_id = new_id()
-        self._db.execute(
+        db.execute(
             "INSERT INTO messages (id, conversation_id, parent_id, role, content, attachments, status, reason,"
             " usage, timings, owner, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (message_id, conv_id, parent_id, fields["role"], fields.get("content", ""),
@@ -230,7 +199,7 @@ class Store(Versions):
              json.dumps(fields["usage"]) if fields.get("usage") is not None else None,
              json.dumps(fields["timings"]) if fields.get("timings") is not None else None,
              fields.get("owner"), fields.get("created_at") or time.time()))
-        self._db.execute("UPDATE conversations SET active_id = ? WHERE id = ?", (message_id, conv_id))
+        db.execute("UPDATE conversations SET active_id = ? WHERE id = ?", (message_id, conv_id))
         return message_id
 
     @_guarded
@@ -243,77 +212,77 @@ class Store(Versions):
         msg = {"conversation_id": conv_id, "role": "user", "content": content, "status": "complete",
                "reason": None, "usage": None, "timings": None, "created_at": now,
                "attachments": files.clean(attachments)}
-        with self._lock:
-            if not self._owned(client_id, conv_id):
+        with self._conn() as db:
+            if not self._owned(db, client_id, conv_id):
                 return None
-            count = self._one("SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,))[0]
-            if self.max_messages and count + 2 > self.max_messages:  # room for the question and its answer
-                raise ProtocolError("too_large", f"this conversation has reached {count} messages, the most "
-                                                 "this server keeps in one; start a new conversation")
-            with self._transaction():
-                parent = (self._on_path(conv_id, replaces, "user")["parent_id"] if replaces is not None
-                          else tree.active_leaf(self._db, conv_id))
-                msg["id"], msg["parent_id"] = self._insert(conv_id, parent, msg), parent
-                self._db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conv_id))
-                self._db.execute("UPDATE conversations SET title = ?, title_set = 1 WHERE id = ? AND title_set = 0",
-                                 (_title_from(content), conv_id))
+            with db.transaction():
+                leaf = tree.active_leaf(db, conv_id)  # first: it locks the conversation on PostgreSQL
+                count = db.execute("SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,)).fetchone()[0]
+                if self.max_messages and count + 2 > self.max_messages:  # room for the question and its answer
+                    raise ProtocolError("too_large", f"this conversation has reached {count} messages, the most "
+                                                     "this server keeps in one; start a new conversation")
+                parent = self._on_path(db, conv_id, replaces, "user")["parent_id"] if replaces is not None else leaf
+                msg["id"], msg["parent_id"] = self._insert(db, conv_id, parent, msg), parent
+                db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conv_id))
+                db.execute("UPDATE conversations SET title = ?, title_set = 1 WHERE id = ? AND title_set = 0",
+                           (_title_from(content), conv_id))
         return msg
 
     @_guarded
     def start_assistant(self, conv_id: str, parent_id: str | None = None) -> str:
         """Add an empty 'streaming' assistant message under ``parent_id`` (default: the active
         leaf), make it active and return its id."""
-        with self._lock, self._transaction():
-            parent = parent_id or tree.active_leaf(self._db, conv_id)
-            return self._insert(conv_id, parent, {"role": "assistant", "status": "streaming", "owner": self._owner})
+        with self._conn() as db, db.transaction():
+            parent = parent_id or tree.active_leaf(db, conv_id)
+            return self._insert(db, conv_id, parent, {"role": "assistant", "status": "streaming", "owner": self._owner})
 
     @property
     def _owner(self) -> str:
         """Who writes a streaming answer: this Store in this process on this host."""
-        return f"{socket.gethostname()}:{os.getpid()}:{self._token}"
+        return liveness.owner_of(self._token)
 
     @_guarded
     def save_partial(self, message_id: str, content: str) -> None:
         """Checkpoint the text streamed so far, so a crash loses little of it."""
-        with self._lock:
-            self._db.execute("UPDATE messages SET content = ? WHERE id = ? AND status = 'streaming'",
-                             (content, message_id))
+        with self._conn() as db:
+            db.execute("UPDATE messages SET content = ? WHERE id = ? AND status = 'streaming'",
+                       (content, message_id))
 
     @_guarded
     def finish_assistant(self, message_id: str, content: str, reason: str,
                          usage: dict | None = None, timings: dict | None = None) -> None:
         """Store the final text; 'complete' for stop/length, otherwise 'partial'."""
         now = time.time()
-        with self._lock, self._transaction():
-            self._db.execute(
+        with self._conn() as db, db.transaction():
+            db.execute(
                 "UPDATE messages SET content = ?, status = ?, reason = ?, usage = ?, timings = ?, owner = NULL"
                 " WHERE id = ?",
                 (content, "complete" if reason in FINISHED else "partial", reason,
                  json.dumps(usage) if usage is not None else None,
                  json.dumps(timings) if timings is not None else None, message_id))
-            self._db.execute(
+            db.execute(
                 "UPDATE conversations SET updated_at = ?"
                 " WHERE id = (SELECT conversation_id FROM messages WHERE id = ?)", (now, message_id))
 
     @_guarded
     def forget_client(self, client_id: str) -> int:
         """Delete every conversation of ``client_id``; return how many."""
-        with self._lock:
-            return self._db.execute("DELETE FROM conversations WHERE client_id = ?", (client_id,)).rowcount
+        with self._conn() as db:
+            return db.execute("DELETE FROM conversations WHERE client_id = ?", (client_id,)).rowcount
 
     def expire_clients(self, prefix: str, idle_s: float) -> int:
         """Delete conversations of clients named ``prefix...`` idle for ``idle_s``; return how many."""
-        with self._lock:
-            return self._db.execute("DELETE FROM conversations WHERE substr(client_id, 1, ?) = ?"
+        with self._conn() as db:
+            return db.execute("DELETE FROM conversations WHERE substr(client_id, 1, ?) = ?"
                                     " AND updated_at < ?", (len(prefix), prefix, time.time() - idle_s)).rowcount
 
     def history(self, conv_id: str, upto: str | None = None, limit: int | None = None) -> list[dict]:
         """The prompt messages: the system prompt (if any), then the non-empty turns of the active
         path (or of the path ending at ``upto``; none for ``""``), attachments as fenced blocks; at
         most the newest ``limit`` turns when given."""
-        with self._lock:
-            conv = self._one("SELECT system FROM conversations WHERE id = ?", (conv_id,))
-            rows = tree.path(self._db, conv_id, upto, limit)
+        with self._conn() as db:
+            conv = db.execute("SELECT system FROM conversations WHERE id = ?", (conv_id,)).fetchone()
+            rows = tree.path(db, conv_id, upto, limit)
         out = [{"role": "system", "content": conv["system"]}] if conv is not None and conv["system"] else []
         for row in rows:
             if row["role"] == "assistant" and row["content"] == "":
@@ -324,8 +293,8 @@ class Store(Versions):
 
     def search(self, client_id: str | None, text: str) -> list[dict]:
         """This client's messages that match ``text``, best first (see search.py)."""
-        with self._lock:
-            return fts.search(self._db, client_id, text)
+        with self._conn() as db:
+            return self._backend.search(db, client_id, text)
 
     @_guarded
     def import_conversation(self, client_id: str, body, max_content_chars: int) -> str:
@@ -334,16 +303,16 @@ class Store(Versions):
         first = next((m["content"] for m in data["messages"] if m["role"] == "user"), "")
         conv_id, now = new_id(), time.time()
         created = data["created_at"] or now
-        with self._lock, self._transaction():
-            self._check_room(client_id)
-            self._db.execute(
+        with self._conn() as db, db.transaction():
+            self._check_room(db, client_id)
+            db.execute(
                 "INSERT INTO conversations (id, client_id, title, title_set, system, created_at, updated_at)"
                 " VALUES (?, ?, ?, 1, ?, ?, ?)",
                 (conv_id, client_id, data["title"] or (_title_from(first) if first else PLACEHOLDER_TITLE),
                  data["system"], created, now))
             parent = None
             for msg in data["messages"]:
-                parent = self._insert(conv_id, parent, {**msg, "created_at": msg["created_at"] or now})
+                parent = self._insert(db, conv_id, parent, {**msg, "created_at": msg["created_at"] or now})
         return conv_id
 
     def export(self, client_id: str | None, conv_id, fmt: str) -> tuple[str, str, str] | None:

@@ -51,6 +51,7 @@ def newest_descendant(db, conv_id: str, message_id: str) -> str | None:
 
 
 def active_leaf(db, conv_id: str) -> str | None:
-    """The last message of the active path, or None for an empty conversation."""
-    row = db.execute("SELECT active_id FROM conversations WHERE id = ?", (conv_id,)).fetchone()
+    """The last message of the active path, or None for an empty conversation; on PostgreSQL
+    the conversation row stays locked until the caller's transaction ends."""
+    row = db.execute("SELECT active_id FROM conversations WHERE id = ?" + db.lock_rows, (conv_id,)).fetchone()
     return row["active_id"] if row is not None else None

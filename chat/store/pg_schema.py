@@ -1,0 +1,66 @@
+"""The PostgreSQL schema as its own append-only list of migrations, applied under an advisory lock."""
+from __future__ import annotations
+
+# Any constant will do: every process migrating the same database takes this one lock.
+MIGRATION_LOCK = 0x63686174  # "chat"
+
+# The logical schema of schema.py (SQLite) in one step: there were no PostgreSQL stores before
+# it. Each entry moves the schema from version N to N + 1; append, never edit.
+MIGRATIONS = [
+    (
+        # rowid: creation order, the tie-break of the listing (SQLite's implicit rowid).
+        """CREATE TABLE conversations (
+            rowid BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
+            id TEXT PRIMARY KEY,
+            client_id TEXT NOT NULL,
+            title TEXT NOT NULL,
+            title_set INTEGER NOT NULL DEFAULT 0,
+            system TEXT,
+            created_at DOUBLE PRECISION NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL,
+            active_id TEXT)""",
+        "CREATE INDEX conversations_by_client ON conversations (client_id, updated_at)",
+        """CREATE TABLE messages (
+            seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            id TEXT NOT NULL UNIQUE,
+            conversation_id TEXT NOT NULL REFERENCES conversations (id) ON DELETE CASCADE,
+            parent_id TEXT,
+            role TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
+            content TEXT NOT NULL DEFAULT '',
+            attachments TEXT,
+            status TEXT NOT NULL,
+            reason TEXT,
+            usage TEXT,
+            timings TEXT,
+            owner TEXT,
+            created_at DOUBLE PRECISION NOT NULL)""",
+        "CREATE INDEX messages_by_conversation ON messages (conversation_id, seq)",
+        "CREATE INDEX messages_streaming ON messages (status) WHERE status = 'streaming'",
+        "CREATE INDEX messages_by_parent ON messages (parent_id)",
+        # Search (search.py): finished text only, so streaming checkpoints never touch the index.
+        """CREATE INDEX messages_search ON messages USING GIN (to_tsvector('simple', content))
+            WHERE status <> 'streaming'""",
+    ),
+]
+
+
+def migrate(db) -> None:
+    """Apply the migrations the database has not seen, in one transaction. The advisory lock
+    makes processes starting together take turns: the first migrates, the others find it done."""
+    with db.transaction():
+        db.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK,))
+        db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        row = db.execute("SELECT version FROM schema_version").fetchone()
+        if row is None:
+            db.execute("INSERT INTO schema_version (version) VALUES (0)")
+        version = row["version"] if row is not None else 0
+        for number, statements in enumerate(MIGRATIONS[version:], start=version + 1):
+            for statement in statements:
+                db.execute(statement)
+            db.execute("UPDATE schema_version SET version = ?", (number,))
+
+
+def version(db) -> int:
+    """The schema version stored in the database."""
+    row = db.execute("SELECT version FROM schema_version").fetchone()
+    return row["version"] if row is not None else 0

@@ -1,0 +1,85 @@
+"""The SQLite backend: one file, one connection shared under a real lock."""
+from __future__ import annotations
+
+import sqlite3
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..concurrency import real_lock
+from . import search as fts
+from .schema import MIGRATIONS, migrate
+
+BUSY_TIMEOUT_MS = 5000
+
+
+class SQLite:
+    """One connection to one file; ``connection()`` lends it (itself: execute, executemany,
+    transaction) to one caller at a time."""
+
+    kind = "sqlite"
+    migrations = MIGRATIONS
+    lock_rows = ""  # BEGIN IMMEDIATE already serializes writers
+
+    def __init__(self, path: str, max_mb: int = 0):
+        if path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        # A real lock, even after monkey-patching: no statement yields to the hub while it is
+        # held, and real engine threads must be able to wait on it without a hub of their own.
+        self._lock = real_lock()
+        self.raw = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self.raw.row_factory = sqlite3.Row
+        self.raw.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        self.raw.execute("PRAGMA journal_mode = WAL")
+        self.raw.execute("PRAGMA synchronous = NORMAL")
+        self.raw.execute("PRAGMA foreign_keys = ON")
+        if max_mb:  # SQLite refuses to grow past this, exactly as on a full disk
+            page = self.raw.execute("PRAGMA page_size").fetchone()[0]
+            self.raw.execute(f"PRAGMA max_page_count = {max_mb * 2**20 // page}")
+        self.execute, self.executemany = self.raw.execute, self.raw.executemany
+
+    @contextmanager
+    def connection(self):
+        """The connection, for the caller alone while the block runs."""
+        with self._lock:
+            yield self
+
+    @staticmethod
+    def lock(key: str) -> None:
+        """Nothing: BEGIN IMMEDIATE already made the transaction the only writer."""
+
+    @contextmanager
+    def transaction(self):
+        """BEGIN IMMEDIATE: take the write lock up front, so another process's writer makes
+        us wait on busy_timeout instead of failing to upgrade a read lock."""
+        self.raw.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            if self.raw.in_transaction:  # SQLITE_FULL may already have rolled it back
+                self.raw.execute("ROLLBACK")
+            raise
+        self.raw.execute("COMMIT")
+
+    def migrate(self) -> None:
+        """Bring the schema up to date, inside one write transaction."""
+        with self.connection(), self.transaction():
+            migrate(self.raw)
+
+    @property
+    def schema_version(self) -> int:
+        with self.connection():
+            return self.raw.execute("PRAGMA user_version").fetchone()[0]
+
+    @staticmethod
+    def is_full(exc: BaseException) -> bool:
+        """SQLite's "database or disk is full" (a real disk, or max_page_count)."""
+        return (isinstance(exc, sqlite3.OperationalError)
+                and getattr(exc, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_FULL)
+
+    @staticmethod
+    def search(db, client_id: str, text: str) -> list[dict]:
+        return fts.search(db, fts.FTS5, fts.match_query(text), client_id)
+
+    def close(self) -> None:
+        with self._lock:
+            self.raw.close()
