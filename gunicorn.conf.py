@@ -7,8 +7,25 @@ import sys
 
 from gunicorn.glogging import Logger
 
-from chat.config import Settings
-from chat.errors import ConfigError
+
+def _share_metrics() -> None:
+    """With several workers, /metrics must count all of them: prometheus_client's multiprocess
+    mode, whose folder has to be in the environment before chat (and prometheus_client) is imported."""
+    try:
+        workers = int(os.environ.get("CHAT_WORKERS") or 1)
+    except ValueError:
+        return  # Settings.from_env reports it below
+    if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        import tempfile
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = _METRICS_DIR[0] = tempfile.mkdtemp(prefix="chat-metrics-")
+
+
+_METRICS_DIR = [None]  # the folder made here, removed on exit
+
+_share_metrics()
+
+from chat.config import Settings  # noqa: E402  (after the metrics folder is set)
+from chat.errors import ConfigError  # noqa: E402
 
 try:
     _settings = Settings.from_env()
@@ -84,6 +101,20 @@ def post_worker_init(worker):
             gevent.sleep(1.0)
 
     gevent.spawn(watch_parent)
+
+
+def on_exit(server):
+    """Remove the metrics folder this master made."""
+    if _METRICS_DIR[0]:
+        import shutil
+        shutil.rmtree(_METRICS_DIR[0], ignore_errors=True)
+
+
+def child_exit(server, worker):
+    """A worker is gone: its live gauges (connections, running answers) no longer count."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+        multiprocess.mark_process_dead(worker.pid)
 
 
 def worker_exit(server, worker):

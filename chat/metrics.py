@@ -1,11 +1,27 @@
-"""Prometheus metrics for one app (its own registry, so tests may build many apps)."""
+"""Prometheus metrics for one app (its own registry, so tests may build many apps).
+
+With several gunicorn workers (gunicorn.conf.py sets PROMETHEUS_MULTIPROC_DIR), every
+worker writes its values to files in that folder and ``/metrics`` on any worker
+reports the sum over all live workers; gauges read from the engine are then
+refreshed every second instead of at scrape time.
+"""
 from __future__ import annotations
 
 import gc
 import os
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for api.py)
+
+from .concurrency import spawn
+
+REFRESH_S = 1.0
+
+
+def multiprocess() -> bool:
+    """Whether this process shares its metrics with sibling workers through files."""
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
 RATE_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 40, 60, 80, 120, 160, 250, 500)
@@ -17,18 +33,25 @@ class Metrics:
     def __init__(self, engine):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.connections = Gauge("chat_ws_connections", "Open WebSocket connections", registry=r)
-        active = Gauge("chat_active_generations", "Generations running in the engine", registry=r)
-        active.set_function(lambda: engine.stats().get("active", 0))
-        queued = Gauge("chat_queue_depth", "Generations waiting for engine capacity", registry=r)
-        queued.set_function(lambda: engine.stats().get("queued", 0))
-        ready = Gauge("chat_ready", "1 once the model is loaded and warmed up", registry=r)
-        ready.set_function(lambda: 1 if engine.ready else 0)
-        ProcessCollector(registry=r)  # resident memory, CPU, open fds
-        threads = Gauge("chat_os_threads", "OS threads in this worker process", registry=r)
-        threads.set_function(_os_threads)
-        greenlets = Gauge("chat_greenlets", "Live greenlets in this worker process", registry=r)
-        greenlets.set_function(_greenlets)
+        self.shared = multiprocess()
+        total = {"multiprocess_mode": "livesum"}  # summed over live workers (when shared)
+        self.connections = Gauge("chat_ws_connections", "Open WebSocket connections", registry=r, **total)
+        self.probes = [  # gauges read from the engine and the process
+            (Gauge("chat_active_generations", "Generations running in the engine", registry=r, **total),
+             lambda: engine.stats().get("active", 0)),
+            (Gauge("chat_queue_depth", "Generations waiting for engine capacity", registry=r, **total),
+             lambda: engine.stats().get("queued", 0)),
+            (Gauge("chat_ready", "1 once the model is loaded and warmed up (every worker's)", registry=r,
+                   multiprocess_mode="livemin"), lambda: 1 if engine.ready else 0),
+            (Gauge("chat_os_threads", "OS threads in the worker processes", registry=r, **total), _os_threads),
+            (Gauge("chat_greenlets", "Live greenlets in the worker processes", registry=r, **total), _greenlets),
+        ]
+        if self.shared:
+            spawn(self._refresh_forever)
+        else:
+            ProcessCollector(registry=r)  # resident memory, CPU, open fds (of this one process)
+            for gauge, probe in self.probes:
+                gauge.set_function(probe)
         self.tokens = Counter("chat_tokens_generated", "Completion tokens generated", registry=r)
         self.prompt_tokens = Counter("chat_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generations = Counter("chat_generations", "Finished generations by done reason",
@@ -54,7 +77,25 @@ class Metrics:
             self.rate.observe(done.timings["tokens_per_s"])
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.shared:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess as mp
+        self._refresh()
+        registry = CollectorRegistry()
+        mp.MultiProcessCollector(registry)
+        return generate_latest(registry)
+
+    def _refresh(self) -> None:
+        for gauge, probe in self.probes:
+            gauge.set(probe())
+
+    def _refresh_forever(self) -> None:
+        while True:
+            try:
+                self._refresh()
+            except Exception:  # a probe failing once must not stop the others for good
+                pass
+            time.sleep(REFRESH_S)
 
 
 def _os_threads() -> int:

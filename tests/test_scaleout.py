@@ -157,3 +157,23 @@ def test_redis_restarted_mid_answer_loses_nothing(cluster, redis_server):
     time.sleep(2.5)  # heartbeats put every worker back
     after = WS(b.ws_url, cookie=cookie).chat("still there?", rid="after", params={"max_new_tokens": 3})
     assert after[-1]["type"] == "done"
+
+
+def test_metrics_count_every_worker_of_an_instance(cluster):
+    """/metrics on whichever worker answers sums both workers (prometheus multiprocess files)."""
+    _, (a, _), _ = cluster
+
+    def sample(name):
+        body = http_get(a.url + "/metrics")[2].decode()
+        return float(next((line.split()[1] for line in body.splitlines() if line.startswith(name + " ")), 0))
+
+    sockets = [WS(a.ws_url) for _ in range(6)]  # gunicorn spreads them over its two workers
+    assert wait_for(lambda: all(sample("chat_ws_connections") == 6 for _ in range(4)), 10)
+    done_before = sample('chat_generations_total{reason="length"}')
+    for i, s in enumerate(sockets):
+        assert s.chat("count", rid=f"m{i}", params={"max_new_tokens": 2})[-1]["reason"] == "length"
+    assert wait_for(lambda: all(sample('chat_generations_total{reason="length"}') == done_before + 6
+                                for _ in range(4)), 10)
+    for s in sockets:
+        s.close()
+    assert wait_for(lambda: all(sample("chat_ws_connections") == 0 for _ in range(4)), 10)
