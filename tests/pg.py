@@ -6,10 +6,11 @@ import glob
 import itertools
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
+
+from services import free_port
 
 BACKENDS = ["sqlite", "postgresql"]
 
@@ -22,11 +23,6 @@ def _bin_dir() -> Path:
     return Path(found[-1]).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class PostgresServer:
     """One cluster, run as the `postgres` user when we are root (PostgreSQL refuses root)."""
@@ -34,7 +30,7 @@ class PostgresServer:
     def __init__(self):
         self.bin = _bin_dir()
         self.root = Path(tempfile.mkdtemp(prefix="chat-pg-"))
-        self.data, self.port = self.root / "data", _free_port()
+        self.data, self.port = self.root / "data", free_port()
         self._as = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
         if self._as:
             shutil.chown(self.root, "postgres", "postgres")

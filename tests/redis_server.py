@@ -7,11 +7,8 @@ import subprocess
 import tempfile
 import time
 
+from services import free_port
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
@@ -23,7 +20,7 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed: `make system-deps` installs it")
         self.binary = binary
         self.dir = tempfile.mkdtemp(prefix="chat-redis-")
-        self.port = _free_port()
+        self.port = free_port()
         self.proc = None
         self.start()
 

@@ -12,6 +12,8 @@ from conftest import ROOT, WS, conv_of, conversation, cookie_for, http_get, text
 from redis_server import RedisServer
 from services import Nginx
 from test_conversations_ws import resume_after_forced_drops
+from test_openai_api import wait_for
+from test_state_redis import cancel_and_stop_from_the_other
 
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
 RATE = 12  # chats per client per minute on the web tier
@@ -48,6 +50,27 @@ def nginx(cluster, tmp_path_factory):
     proxy.stop()
 
 
+def test_metrics_count_every_worker_of_an_instance(cluster):
+    """/metrics on whichever worker answers sums both workers (prometheus multiprocess files)."""
+    _, (a, _), _ = cluster
+
+    def sample(name):
+        body = http_get(a.url + "/metrics")[2].decode()
+        return float(next((line.split()[1] for line in body.splitlines() if line.startswith(name + " ")), 0))
+
+    open_before = sample("chat_ws_connections")
+    sockets = [WS(a.ws_url) for _ in range(6)]  # gunicorn spreads them over its two workers
+    assert wait_for(lambda: all(sample("chat_ws_connections") == open_before + 6 for _ in range(4)), 10)
+    done_before = sample('chat_generations_total{reason="length"}')
+    for i, s in enumerate(sockets):
+        assert s.chat("count", rid=f"m{i}", params={"max_new_tokens": 2})[-1]["reason"] == "length"
+    assert wait_for(lambda: all(sample('chat_generations_total{reason="length"}') == done_before + 6
+                                for _ in range(4)), 10)
+    for s in sockets:
+        s.close()
+    assert wait_for(lambda: all(sample("chat_ws_connections") == open_before for _ in range(4)), 10)
+
+
 def test_through_nginx_a_resumed_answer_loses_and_repeats_nothing(nginx):
     resume_after_forced_drops(nginx)
 
@@ -71,15 +94,6 @@ def engine_active(engine) -> float:
                       if line.startswith("chat_active_generations ")))
 
 
-def wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def test_resume_on_the_other_instance_loses_and_repeats_nothing(cluster):
     _, (a, b), _ = cluster
     resume_after_forced_drops(a, [b])
@@ -87,23 +101,8 @@ def test_resume_on_the_other_instance_loses_and_repeats_nothing(cluster):
 
 def test_cancel_and_stop_from_the_other_instance(cluster):
     engine, (a, b), _ = cluster
-    cookie = cookie_for(a)
-    runner = WS(a.ws_url, cookie=cookie)
-    runner.send({"type": "chat", "id": "c1", "content": "go", "params": LONG})
-    runner.until(lambda f: f["type"] == "delta")
-    other = WS(b.ws_url, cookie=cookie)
-    other.send({"type": "cancel", "id": "c1"})
-    assert runner.until(lambda f: f["type"] == "done")[-1]["reason"] == "cancelled"
-    runner.send({"type": "chat", "id": "c2", "content": "go", "params": LONG})
-    runner.until(lambda f: f["type"] == "delta")
-    runner.conn.sock.close()
-    follower = WS(b.ws_url, cookie=cookie)
-    follower.send({"type": "resume", "id": "c2", "from": 0})
-    follower.until(lambda f: f["type"] == "delta")
-    follower.send({"type": "stop"})
-    assert follower.until(lambda f: f["type"] == "done")[-1]["reason"] == "cancelled"
+    cancel_and_stop_from_the_other(a, b)
     assert wait_for(lambda: engine_active(engine) == 0, 10), "the engine kept generating"
-    other.close()
 
 
 def test_the_rate_limit_holds_across_instances(cluster):
@@ -157,23 +156,3 @@ def test_redis_restarted_mid_answer_loses_nothing(cluster, redis_server):
     time.sleep(2.5)  # heartbeats put every worker back
     after = WS(b.ws_url, cookie=cookie).chat("still there?", rid="after", params={"max_new_tokens": 3})
     assert after[-1]["type"] == "done"
-
-
-def test_metrics_count_every_worker_of_an_instance(cluster):
-    """/metrics on whichever worker answers sums both workers (prometheus multiprocess files)."""
-    _, (a, _), _ = cluster
-
-    def sample(name):
-        body = http_get(a.url + "/metrics")[2].decode()
-        return float(next((line.split()[1] for line in body.splitlines() if line.startswith(name + " ")), 0))
-
-    sockets = [WS(a.ws_url) for _ in range(6)]  # gunicorn spreads them over its two workers
-    assert wait_for(lambda: all(sample("chat_ws_connections") == 6 for _ in range(4)), 10)
-    done_before = sample('chat_generations_total{reason="length"}')
-    for i, s in enumerate(sockets):
-        assert s.chat("count", rid=f"m{i}", params={"max_new_tokens": 2})[-1]["reason"] == "length"
-    assert wait_for(lambda: all(sample('chat_generations_total{reason="length"}') == done_before + 6
-                                for _ in range(4)), 10)
-    for s in sockets:
-        s.close()
-    assert wait_for(lambda: all(sample("chat_ws_connections") == 0 for _ in range(4)), 10)

@@ -69,17 +69,16 @@ def test_a_finished_answer_resumes_from_the_other_worker(pair):
     again.close()
 
 
-def test_cancel_and_stop_reach_the_worker_that_runs_the_answer(pair):
-    a, b = pair()
+def cancel_and_stop_from_the_other(a, b) -> None:
+    """An answer running on ``a``: cancel sent on ``b`` ends it; so does stop on ``b``, on the socket
+    that resumed it there (shared with test_scaleout.py)."""
     cookie = cookie_for(a)
     runner = WS(a.ws_url, cookie=cookie)
     runner.send({"type": "chat", "id": "long", "content": "go", "params": LONG})
     runner.until(lambda f: f["type"] == "delta")
     other = WS(b.ws_url, cookie=cookie)
     other.send({"type": "cancel", "id": "long"})
-    done = runner.until(lambda f: f["type"] == "done")[-1]
-    assert done["reason"] == "cancelled"
-    # stop on the other worker, for an answer that socket resumed there
+    assert runner.until(lambda f: f["type"] == "done")[-1]["reason"] == "cancelled"
     runner.send({"type": "chat", "id": "again", "content": "go", "params": LONG})
     runner.until(lambda f: f["type"] == "delta")
     runner.conn.sock.close()
@@ -87,8 +86,13 @@ def test_cancel_and_stop_reach_the_worker_that_runs_the_answer(pair):
     follower.send({"type": "resume", "id": "again", "from": 0})
     follower.until(lambda f: f["type"] == "delta")
     follower.send({"type": "stop"})
-    frames = follower.until(lambda f: f["type"] == "done")
-    assert frames[-1]["reason"] == "cancelled"
+    assert follower.until(lambda f: f["type"] == "done")[-1]["reason"] == "cancelled"
+    other.close()
+
+
+def test_cancel_and_stop_reach_the_worker_that_runs_the_answer(pair):
+    a, b = pair()
+    cancel_and_stop_from_the_other(a, b)
     assert not a.state.turns.runs.all_active()
 
 
