@@ -29,7 +29,12 @@ _TOKEN = _HEAD + b'[{"index":0,"delta":{"content":"t%d "},"finish_reason":null}]
 _FINISH = _HEAD + b'[{"index":0,"delta":{},"finish_reason":"%s"}]}\n\n'
 _USAGE = _HEAD + b'[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}\n\n'
 _SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-             b"Connection: close\r\n\r\n")
+             b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+
+
+def _chunk(data: bytes) -> bytes:
+    """One HTTP/1.1 chunk: SSE servers (llama.cpp, vLLM) stream chunked, one event a chunk."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 def stamp() -> int:
@@ -94,13 +99,13 @@ class Stub:
         n = int(req.get("max_tokens") or self.tokens)
         finish = "length"
         if req.get("stream"):
-            sock.sendall(_SSE_HEAD + _FIRST)
+            sock.sendall(_SSE_HEAD + _chunk(_FIRST))
             for _ in self.schedule(n):
-                sock.sendall(_TOKEN % stamp())
-            sock.sendall(_FINISH % finish.encode())
+                sock.sendall(_chunk(_TOKEN % stamp()))
+            tail = _FINISH % finish.encode()
             if (req.get("stream_options") or {}).get("include_usage"):
-                sock.sendall(_USAGE % (1, n, n + 1))
-            sock.sendall(b"data: [DONE]\n\n")
+                tail += _USAGE % (1, n, n + 1)
+            sock.sendall(_chunk(tail + b"data: [DONE]\n\n") + b"0\r\n\r\n")
         else:
             text = "".join(f"t{stamp()} " for _ in self.schedule(n))
             _reply(sock, "200 OK", {"id": "chatcmpl-stub", "object": "chat.completion", "created": 0,
