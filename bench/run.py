@@ -485,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--webtier-clients", type=ints, default=[8, 32, 128, 256],
                         help="concurrent WebSocket clients (default 8,32,128,256)")
     parser.add_argument("--webtier-rate", type=float, default=50, help="stub tokens/s per stream (default 50)")
-    parser.add_argument("--webtier-tokens", type=int, default=150, help="tokens per chat (default 150)")
+    parser.add_argument("--webtier-tokens", type=int, default=300, help="tokens per chat (default 300)")
     parser.add_argument("--webtier-chats", type=int, default=2, help="chats per client in a row (default 2)")
     parser.add_argument("--webtier-first-delay", type=float, default=0.02,
                         help="stub seconds before the first token (default 0.02)")

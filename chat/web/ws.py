@@ -89,6 +89,13 @@ def text_frame(text: str) -> bytes:
     return head + data
 
 
+def _send_all(sock, data: bytes) -> None:
+    """``sock.sendall`` without gevent's per-call getsockopt: a frame nearly always goes in one send."""
+    sent = sock.send(data)
+    while sent < len(data):
+        sent += sock.send(data[sent:])
+
+
 def plain_connection(ws):
     """The socket's wsproto connection when frames may be written directly: a server socket
     with no extension negotiated (permessage-deflate must go through wsproto); else None."""
@@ -120,7 +127,7 @@ class Session:
             with self.send_lock, self.send_bound:
                 plain = self.plain
                 if plain is not None and plain.state is ConnectionState.OPEN and self.ws.connected:
-                    self.ws.sock.sendall(text_frame(text))
+                    _send_all(self.ws.sock, text_frame(text))
                 else:  # closing, closed, or compressed: wsproto's own path (it raises or sends nothing)
                     self.ws.send(text)
             return True
