@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 PROBE_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 _FINISH = {"stop": "stop", "length": "length"}
 READ_BYTES = 65536
+_decode = json.JSONDecoder().raw_decode
 MAX_LINE_BYTES = 1 << 20
 
 
@@ -237,7 +238,10 @@ class RemoteEngine(Engine):
         data = line[5:].strip()
         if data == b"[DONE]":
             return _FINISH.get(state["finish"] or "stop", "stop"), None
-        chunk = json.loads(data)
+        text = data.decode()
+        chunk, end = _decode(text)  # json.loads without its encoding sniffing and whitespace regexes
+        if end != len(text):  # (the line is stripped: anything left is junk, as json.loads says)
+            raise ValueError(f"extra data after the JSON: {text[end:end + 40]!r}")
         error = chunk.get("error")
         if error:
             return "error", "backend error: " + str(error.get("message") if isinstance(error, dict) else error)
