@@ -24,6 +24,7 @@ from pathlib import Path
 
 from . import report, webtier
 from .server import ROOT, BenchServer, Client, Sampler, http_get, http_post_json
+from .stats import percentile
 
 TOPICS = ["the history of the printing press", "how bridges carry heavy loads", "the life cycle of stars",
           "why the sea is salty", "how vaccines train the immune system", "the invention of the telephone",
@@ -42,17 +43,6 @@ NOTES = ["The committee met on a rainy Tuesday to review the budget for the new 
          "The treasurer reported that donations rose by twelve percent compared with last year."]
 
 MiB = 1024 * 1024
-
-
-def percentile(values, q: float):
-    """Linear-interpolated percentile (q in 0..100) of the values, or None when empty."""
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    pos = (len(values) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
 def essay_prompt(i: int) -> str:
@@ -585,7 +575,9 @@ def write(res: dict, args) -> int:
     stem = args.out / args.name
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     md = report.markdown(res)
-    stem.with_suffix(".md").write_text(md + f"\n![tokens/s and TTFD against concurrency]({args.name}.png)\n")
+    caption = "web tier: deltas/s and delta latency against clients" if args.only_webtier else \
+        "tokens/s and TTFD against concurrency"
+    stem.with_suffix(".md").write_text(md + f"\n![{caption}]({args.name}.png)\n")
     report.chart(res, stem.with_suffix(".png"))
     print(md)
     print(f"wrote {stem}.json, .md, .png", file=sys.stderr)

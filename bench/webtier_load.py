@@ -22,6 +22,8 @@ import gevent  # noqa: E402
 import gevent.event  # noqa: E402
 import websocket  # noqa: E402
 
+from .stats import percentile  # noqa: E402
+
 
 def _stamp_latency(text: str, now_us: int) -> int | None:
     """µs between the stub stamping ``text`` and ``now_us``."""
@@ -117,16 +119,6 @@ def sse_client(url: str, chats: int, tokens: int, tally: Tally, start: gevent.ev
         finally:
             conn.close()
         tally.chat_done(sent, first, last, n)
-
-
-def percentile(values, q: float):
-    values = sorted(values)
-    if not values:
-        return None
-    pos = (len(values) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
 def run(mode: str, url: str, clients: int, chats: int, tokens: int) -> dict:
