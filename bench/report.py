@@ -6,6 +6,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
+from . import webtier  # noqa: E402
+
 
 def _fmt(value) -> str:
     if value is None:
@@ -24,12 +26,15 @@ def _ok(value) -> str:
 def markdown(result: dict) -> str:
     """The report: targets, raw figures, the concurrency sweep, the machine."""
     m = result["machine"]
-    lines = [f"# Chat server benchmark — {result['date']}", "",
-             f"{m.get('model')} ({m.get('dtype')}, {m.get('device')}) on {m.get('cpu')}, "
-             f"{m.get('cores')} cores, torch {m.get('torch')} with {m.get('torch_threads')} threads; "
-             f"{result['args']['tokens']} new tokens per request"
-             + (" (**--quick**: smoke-test sizes, not representative)" if result["args"]["quick"] else "") + ".",
-             ""]
+    lines = [f"# Chat server benchmark — {result['date']}", ""]
+    if result["args"].get("only_webtier"):
+        lines += [f"Web tier only (no model) on {m.get('cpu')}, {m.get('cores')} cores, Python {m.get('python')}.", ""]
+    else:
+        lines += [f"{m.get('model')} ({m.get('dtype')}, {m.get('device')}) on {m.get('cpu')}, "
+                  f"{m.get('cores')} cores, torch {m.get('torch')} with {m.get('torch_threads')} threads; "
+                  f"{result['args']['tokens']} new tokens per request"
+                  + (" (**--quick**: smoke-test sizes, not representative)" if result["args"]["quick"] else "")
+                  + ".", ""]
     if m.get("loadavg_before", 0) > 0.25 * (m.get("cores") or 1):
         lines += [f"**Warning:** load average {m['loadavg_before']:.1f} on {m.get('cores')} cores before the run: "
                   "other work shared the CPU, so these numbers understate the server.", ""]
@@ -52,6 +57,8 @@ def markdown(result: dict) -> str:
                          f"{row['aggregate_tok_s']:.1f} | {row['stream_tok_s_p50']:.1f} | "
                          f"{row['ttfd_p50_s'] * 1000:.0f} | {row['ttfd_p95_s'] * 1000:.0f} | "
                          f"{row['rss_peak_mib']:.0f} | {reasons} |")
+    if "sweep" in (result.get("webtier") or {}):
+        lines += webtier.markdown(result["webtier"])
     errors = {k: v["error"] for k, v in result.items() if isinstance(v, dict) and "error" in v}
     if errors:
         lines += ["", "Phases that failed:", ""] + [f"* {k}: {v}" for k, v in errors.items()]
@@ -61,6 +68,8 @@ def markdown(result: dict) -> str:
 def chart(result: dict, path) -> None:
     """Tokens/s and time to first delta against the number of concurrent streams."""
     sweep = [r for r in result.get("concurrency") or [] if "error" not in r]
+    if not sweep and "sweep" in (result.get("webtier") or {}):
+        return webtier_chart(result, path)
     fig, (rate, ttfd) = plt.subplots(1, 2, figsize=(11, 4.2))
     n = [r["streams"] for r in sweep]
     rate.plot(n, [r["aggregate_tok_s"] for r in sweep], "o-", label="aggregate (server)")
@@ -84,6 +93,29 @@ def chart(result: dict, path) -> None:
     m = result["machine"]
     fig.suptitle(f"{m.get('model')} ({m.get('dtype')}), {m.get('cores')} cores, "
                  f"{result['args']['tokens']} new tokens, {result['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def webtier_chart(result: dict, path) -> None:
+    """Delivered deltas/s and p99 delta latency against clients, one line per worker count."""
+    rows = [r for r in result["webtier"]["sweep"] if "error" not in r]
+    fig, (rate, lat) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for workers in sorted({r["workers"] for r in rows}):
+        mine = [r for r in rows if r["workers"] == workers]
+        n = [r["clients"] for r in mine]
+        rate.plot(n, [r["deltas_per_s"] for r in mine], "o-", label=f"{workers} worker(s) delivered")
+        lat.plot(n, [r["latency_p99_ms"] for r in mine], "o-", label=f"{workers} worker(s) p99")
+    n = sorted({r["clients"] for r in rows})
+    rate.plot(n, [c * result["webtier"]["rate"] for c in n], "k--", label="offered")
+    rate.set(title="Deltas per second", xlabel="WebSocket clients", ylabel="deltas/s")
+    lat.set(title="Delta latency (upstream send → client)", xlabel="WebSocket clients", ylabel="ms", yscale="log")
+    for ax in (rate, lat):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"web tier, stub upstream, {result['machine'].get('cores')} cores, {result['date']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -22,8 +22,9 @@ import time
 import traceback
 from pathlib import Path
 
-from . import report
+from . import report, webtier
 from .server import ROOT, BenchServer, Client, Sampler, http_get, http_post_json
+from .stats import percentile
 
 TOPICS = ["the history of the printing press", "how bridges carry heavy loads", "the life cycle of stars",
           "why the sea is salty", "how vaccines train the immune system", "the invention of the telephone",
@@ -42,17 +43,6 @@ NOTES = ["The committee met on a rainy Tuesday to review the budget for the new 
          "The treasurer reported that donations rose by twelve percent compared with last year."]
 
 MiB = 1024 * 1024
-
-
-def percentile(values, q: float):
-    """Linear-interpolated percentile (q in 0..100) of the values, or None when empty."""
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    pos = (len(values) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
 def essay_prompt(i: int) -> str:
@@ -84,6 +74,13 @@ LLAMA_CPP = [  # measured in issue 10 on a 2-core AMD EPYC with native bf16, sam
     ("raw transformers forward loop there, batch 8 tok/s", 240)]
 
 
+def basic_machine() -> dict:
+    """CPU, cores and Python, without asking torch (the web-tier phase needs no model)."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+
+
 def machine_facts(env: dict) -> dict:
     """CPU, cores, torch/transformers versions and threads, dtype, whether the weights cache is warm."""
     code = ("import json, torch, transformers\n"
@@ -104,10 +101,7 @@ def machine_facts(env: dict) -> dict:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     facts = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-500:]}
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), **facts}
+    return {**basic_machine(), **facts}
 
 
 def run_inprocess(env: dict, args) -> dict:
@@ -377,7 +371,7 @@ def targets(res: dict) -> list[dict]:
             lambda v: step_ms is not None and v <= step_ms + 50),
         row("RSS growth idle → 16 streams (MiB)", delta / MiB if delta is not None else None, "≤ 1024",
             lambda v: v <= 1024),
-    ]
+    ] + webtier.targets(res.get("webtier") or {}, row)
 
 
 def figures(res: dict) -> list[tuple[str, object]]:
@@ -473,9 +467,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-sampled", action="store_true")
     parser.add_argument("--skip-join", action="store_true")
     parser.add_argument("--skip-v1-big", action="store_true")
+    parser.add_argument("--skip-webtier", action="store_true", help="skip the web tier's capacity (stub upstream)")
+    parser.add_argument("--only-webtier", action="store_true",
+                        help="only the web tier's capacity: no model needed; writes webtier.* unless --name")
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    parser.add_argument("--webtier-workers", type=ints, default=[1, 4], help="gunicorn workers (default 1,4)")
+    parser.add_argument("--webtier-clients", type=ints, default=[8, 32, 128, 256],
+                        help="concurrent WebSocket clients (default 8,32,128,256)")
+    parser.add_argument("--webtier-rate", type=float, default=50, help="stub tokens/s per stream (default 50)")
+    parser.add_argument("--webtier-tokens", type=int, default=300, help="tokens per chat (default 300)")
+    parser.add_argument("--webtier-chats", type=int, default=2, help="chats per client in a row (default 2)")
+    parser.add_argument("--webtier-first-delay", type=float, default=0.02,
+                        help="stub seconds before the first token (default 0.02)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a phase's wait gives up")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="output folder")
-    parser.add_argument("--name", default="latest", help="output file stem (default latest)")
+    parser.add_argument("--name", help="output file stem (default latest; webtier with --only-webtier)")
     return parser
 
 
@@ -506,11 +512,17 @@ def server_env(workdir: Path, args) -> dict:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     resolve_sizes(args)
+    if args.name is None:
+        args.name = "webtier" if args.only_webtier else "latest"
     load_before = os.getloadavg()[0]
     res: dict = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                  "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     with tempfile.TemporaryDirectory(prefix="chat-bench-") as tmp:
         workdir = Path(tmp)
+        if args.only_webtier:
+            res["machine"] = {**basic_machine(), "loadavg_before": load_before}
+            phase(res, "webtier", webtier.run_webtier, workdir, args)
+            return write(res, args)
         env = server_env(workdir, args)
         if not args.skip_inprocess:
             phase(res, "inprocess", run_inprocess, env, args)
@@ -546,19 +558,32 @@ def main(argv=None) -> int:
             raise
         finally:
             srv.stop()
+        if not args.skip_webtier:
+            phase(res, "webtier", webtier.run_webtier, workdir, args)
     res["machine"].setdefault("model", (res.get("inprocess") or {}).get("model"))
+    return write(res, args)
+
+
+def write(res: dict, args) -> int:
+    """Targets and figures computed, the report written and printed; 1 when a phase failed."""
     res["targets"] = targets(res)
     res["figures"] = figures(res)
+    if args.only_webtier:  # the model's rows would all be empty
+        res["targets"] = [t for t in res["targets"] if t["value"] is not None]
+        res["figures"] = [f for f in res["figures"] if f[1] is not None and not f[0].startswith("reference")]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / args.name
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     md = report.markdown(res)
-    stem.with_suffix(".md").write_text(md + f"\n![tokens/s and TTFD against concurrency]({args.name}.png)\n")
+    caption = "web tier: deltas/s and delta latency against clients" if args.only_webtier else \
+        "tokens/s and TTFD against concurrency"
+    stem.with_suffix(".md").write_text(md + f"\n![{caption}]({args.name}.png)\n")
     report.chart(res, stem.with_suffix(".png"))
     print(md)
     print(f"wrote {stem}.json, .md, .png", file=sys.stderr)
     failed = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
     failed += [f"concurrency {r['streams']}" for r in res.get("concurrency") or [] if "error" in r]
+    failed += [f"webtier {r['clients']}" for r in (res.get("webtier") or {}).get("sweep", []) if "error" in r]
     return 1 if failed else 0
 
 

@@ -86,6 +86,8 @@ class Channel:
             self._watcher = gevent.get_hub().loop.async_()
             self._watcher.start(self._event.set)
             self._cond = None
+            self._thread_id = _original("_thread", "get_ident")
+            self._owner = self._thread_id()
         else:
             import threading
             self._watcher = None
@@ -95,11 +97,17 @@ class Channel:
         """Thread-safe, never blocks; after ``close`` nobody is woken (the watcher is gone)."""
         self._items.append(item)
         if self._watcher is not None:
-            if not self._closed:
-                try:
-                    self._watcher.send()
-                except Exception:  # closed by the consumer between the check and the send
-                    pass
+            if self._closed:
+                return
+            if self._thread_id() == self._owner:
+                # A greenlet of the consumer's own thread (the remote engine): waking the consumer
+                # directly skips the async watcher's extra turn of the event loop on every delta.
+                self._event.set()
+                return
+            try:
+                self._watcher.send()
+            except Exception:  # closed by the consumer between the check and the send
+                pass
         else:
             with self._cond:
                 self._cond.notify_all()

@@ -291,3 +291,16 @@ def test_error_precedence_the_first_rule_in_the_order_wins(app_factory):
     assert first.until(lambda f: f["type"] == "done")[-1]["reason"] == "cancelled"
     for client in (first, second):
         client.close()
+
+
+def test_delta_frames_written_directly_are_what_json_and_wsproto_write():
+    from wsproto.connection import Connection, ConnectionType
+    from wsproto.events import TextMessage
+
+    from chat.web.ws import encode, text_frame
+    for text in ["", "plain", 'quo"te\\ and \n', "ünï\u2028code 😀", "\x00\x1f\x7f", "x" * 120, "y" * 70_000]:
+        frame = {"type": "delta", "id": "r-1", "index": 7, "text": text}
+        assert encode(frame) == json.dumps(frame, ensure_ascii=False)
+        assert text_frame(encode(frame)) == Connection(ConnectionType.SERVER).send(TextMessage(data=encode(frame)))
+    done = {"type": "done", "id": "r-1", "reason": "stop", "usage": {"prompt_tokens": 1}, "timings": {}}
+    assert encode(done) == json.dumps(done, ensure_ascii=False)

@@ -17,6 +17,9 @@ log = logging.getLogger(__name__)
 
 PROBE_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 _FINISH = {"stop": "stop", "length": "length"}
+READ_BYTES = 65536
+_decode = json.JSONDecoder().raw_decode
+MAX_LINE_BYTES = 1 << 20
 
 
 def _error_text(status: int, body: bytes) -> str:
@@ -202,37 +205,58 @@ class RemoteEngine(Engine):
         if response.status != 200:
             return "error", _error_text(response.status, response.read(4096))
         gen.emit(Started(0))
+        pending = b""  # the start of a line whose end has not arrived
         while True:
             if gen.cancel_reason:
                 return gen.cancel_reason, None
             if time.monotonic() > deadline:
                 return "timeout", None
-            line = response.readline(1 << 20)
-            if not line:
+            # Whatever has arrived, split into lines here: readline on a chunked response goes
+            # through IOBase's peek/read in Python, several calls for every line of every event.
+            data = response.read1(READ_BYTES)
+            lines = (pending + data).split(b"\n")
+            pending = lines.pop() if data else b""
+            if len(pending) > MAX_LINE_BYTES:
+                raise ValueError(f"a line longer than {MAX_LINE_BYTES} bytes")
+            for line in lines:
+                if gen.cancel_reason:
+                    return gen.cancel_reason, None
+                end = self._line(gen, line, state)
+                if end is not None:
+                    return end
+            if not data:
                 if gen.cancel_reason:
                     return gen.cancel_reason, None
                 return "error", self._transport_message(None, state)
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue  # blank separators, comments (keep-alives), event names
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                return _FINISH.get(state["finish"] or "stop", "stop"), None
-            chunk = json.loads(data)
-            error = chunk.get("error")
-            if error:
-                return "error", "backend error: " + str(error.get("message") if isinstance(error, dict) else error)
-            if chunk.get("usage"):
-                state["usage"] = chunk["usage"]
-            for choice in chunk.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    if state["first"] is None:
-                        state["first"] = time.monotonic()
-                    state["deltas"] += 1
-                    gen.emit(Delta(text))
-                if choice.get("finish_reason"):
-                    state["finish"] = choice["finish_reason"]
+
+    @staticmethod
+    def _line(gen, line: bytes, state: dict):
+        """Relay one SSE line; (reason, error message) when it ends the answer, else None."""
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            return None  # blank separators, comments (keep-alives), event names
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return _FINISH.get(state["finish"] or "stop", "stop"), None
+        text = data.decode()
+        chunk, end = _decode(text)  # json.loads without its encoding sniffing and whitespace regexes
+        if end != len(text):  # (the line is stripped: anything left is junk, as json.loads says)
+            raise ValueError(f"extra data after the JSON: {text[end:end + 40]!r}")
+        error = chunk.get("error")
+        if error:
+            return "error", "backend error: " + str(error.get("message") if isinstance(error, dict) else error)
+        if chunk.get("usage"):
+            state["usage"] = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                if state["first"] is None:
+                    state["first"] = time.monotonic()
+                state["deltas"] += 1
+                gen.emit(Delta(text))
+            if choice.get("finish_reason"):
+                state["finish"] = choice["finish_reason"]
+        return None
 
     def _transport_message(self, exc, state: dict) -> str:
         if isinstance(exc, (socket.timeout, TimeoutError)):

@@ -22,6 +22,29 @@ def within(seconds: float):
         yield
 
 
+class Bound:
+    """``within`` for one connection's every send: one timer reused, not one built per frame.
+
+    Frames are small and the send rarely waits, so the timer's start and stop are the whole
+    cost; a new ``gevent.Timeout`` (and a context-manager generator) per frame was a measurable
+    part of each delta. Not reentrant: the caller serializes its sends.
+    """
+
+    def __init__(self, seconds: float):
+        self._timer = None
+        if seconds and gevent_active():
+            import gevent
+            self._timer = gevent.Timeout(seconds, SendTimeout)
+
+    def __enter__(self) -> None:
+        if self._timer is not None:
+            self._timer.start()  # throws into the greenlet that is sending now
+
+    def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
 def cut(ws) -> None:
     """Tear the connection down at once: a close frame would wait on the same full buffer.
 
