@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 from .concurrency import spawn
 
 REFRESH_S = 1.0
+SLOW_REFRESH_S = 30.0  # counting greenlets walks every object: not every second in every worker
 
 
 def multiprocess() -> bool:
@@ -44,13 +45,15 @@ class Metrics:
             (Gauge("chat_ready", "1 once the model is loaded and warmed up (every worker's)", registry=r,
                    multiprocess_mode="livemin"), lambda: 1 if engine.ready else 0),
             (Gauge("chat_os_threads", "OS threads in the worker processes", registry=r, **total), _os_threads),
+        ]
+        self.slow_probes = [
             (Gauge("chat_greenlets", "Live greenlets in the worker processes", registry=r, **total), _greenlets),
         ]
         if self.shared:
             spawn(self._refresh_forever)
         else:
             ProcessCollector(registry=r)  # resident memory, CPU, open fds (of this one process)
-            for gauge, probe in self.probes:
+            for gauge, probe in self.probes + self.slow_probes:
                 gauge.set_function(probe)
         self.tokens = Counter("chat_tokens_generated", "Completion tokens generated", registry=r)
         self.prompt_tokens = Counter("chat_prompt_tokens", "Prompt tokens processed", registry=r)
@@ -80,19 +83,23 @@ class Metrics:
         if not self.shared:
             return generate_latest(self.registry)
         from prometheus_client import multiprocess as mp
-        self._refresh()
+        self._refresh(self.probes + self.slow_probes)
         registry = CollectorRegistry()
         mp.MultiProcessCollector(registry)
         return generate_latest(registry)
 
-    def _refresh(self) -> None:
-        for gauge, probe in self.probes:
+    def _refresh(self, probes=None) -> None:
+        for gauge, probe in self.probes if probes is None else probes:
             gauge.set(probe())
 
     def _refresh_forever(self) -> None:
+        slow_due = 0.0
         while True:
             try:
                 self._refresh()
+                if time.monotonic() >= slow_due:
+                    slow_due = time.monotonic() + SLOW_REFRESH_S
+                    self._refresh(self.slow_probes)
             except Exception:  # a probe failing once must not stop the others for good
                 pass
             time.sleep(REFRESH_S)

@@ -174,8 +174,13 @@ def _startup_warnings(monkeypatch, **env) -> list[str]:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    # gunicorn.conf.py gives several workers a metrics folder through the environment: undone after
+    # the test, so the servers later tests start stay single-process in their metrics
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
     server = type("Server", (), {"log": _Log()})()
-    runpy.run_path(str(ROOT / "gunicorn.conf.py"))["on_starting"](server)
+    conf = runpy.run_path(str(ROOT / "gunicorn.conf.py"))
+    conf["on_starting"](server)
+    conf["on_exit"](server)
     return server.log.lines
 
 
