@@ -99,6 +99,18 @@ def _send_all(sock, data: bytes) -> None:
         sent += sock.send(data[sent:])
 
 
+def _send_now(sock, data: bytes) -> int:
+    """Bytes of ``data`` the kernel takes at once, without waiting (nor a timer): gevent's socket
+    wraps a non-blocking one, and a small frame nearly always fits in its buffer."""
+    raw = getattr(sock, "_sock", None)
+    if raw is None or raw.gettimeout() != 0.0:
+        return 0
+    try:
+        return raw.send(data)
+    except BlockingIOError:
+        return 0
+
+
 def plain_connection(ws):
     """The socket's wsproto connection when frames may be written directly: a server socket
     with no extension negotiated (permessage-deflate must go through wsproto); else None."""
@@ -127,12 +139,17 @@ class Session:
             return False
         text = encode(frame)
         try:
-            with self.send_lock, self.send_bound:
+            with self.send_lock:
                 plain = self.plain
                 if plain is not None and plain.state is ConnectionState.OPEN and self.ws.connected:
-                    _send_all(self.ws.sock, text_frame(text))
+                    data = text_frame(text)
+                    sent = _send_now(self.ws.sock, data)
+                    if sent < len(data):  # the client is behind: wait for room, within the bound
+                        with self.send_bound:
+                            _send_all(self.ws.sock, data[sent:])
                 else:  # closing, closed, or compressed: wsproto's own path (it raises or sends nothing)
-                    self.ws.send(text)
+                    with self.send_bound:
+                        self.ws.send(text)
             return True
         except backpressure.SendTimeout:
             log.info("client %s stopped reading for %ss: socket dropped", self.address,
