@@ -132,11 +132,11 @@ def test_killing_an_instance_mid_answer_keeps_the_conversation_consistent(cluste
     status, data = conversation(b, cookie, conv)
     assert status == 200 and data["messages"][-1]["content"]
     # a socket that resumes on a live instance gets the replay, then an end once the owner is known dead
-    again = WS(a.ws_url, cookie=cookie)
+    again = WS(a.ws_url, cookie=cookie, timeout=120)  # the end comes once the owner is known dead (~20 s)
     again.send({"type": "resume", "id": "k", "from": 0})
     replay = again.until(lambda f: f["type"] == "done")
     assert text_of(replay).startswith(received) and replay[-1]["reason"] == "error"
-    assert wait_for(lambda: conversation(b, cookie, conv)[1]["messages"][-1]["status"] == "interrupted", 60)
+    assert wait_for(lambda: conversation(b, cookie, conv)[1]["messages"][-1]["status"] == "interrupted", 90)
     stored = conversation(b, cookie, conv)[1]["messages"][-1]["content"]
     assert stored and text_of(replay).startswith(stored)
     again.close()

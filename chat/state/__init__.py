@@ -11,7 +11,7 @@ from ..concurrency import spawn
 
 log = logging.getLogger(__name__)
 
-RECOVER_EVERY_S = 15.0
+RECOVER_EVERY_S = 5.0  # one indexed query for streaming answers
 
 
 class SharedState:

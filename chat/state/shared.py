@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
 ALIVE_TTL_S = 10  # a process silent this long is taken for dead
 LEASE_S = 30  # what a heartbeat renews: a dead worker's leases lapse within this
-CONFIRM_DEAD_S = 20  # a process silent this long (after ALIVE_TTL_S) is dead
+CONFIRM_DEAD_S = 10  # a process silent this long (after its beat's ALIVE_TTL_S lapsed) is dead
 
 
 class StateUnavailable(ProtocolError):
