@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from chat.config import Settings
-from chat.errors import Overloaded
+from chat.errors import EngineUnavailable, Overloaded
 from chat.engine.remote import RemoteEngine
-from chat.engine import Delta, Done, GenParams, Started
+from chat.engine import Delta, Done, GenParams, Refused, Started
 from fakes import WORDS, AppServer, FakeEngine
 from test_openai_api import make_app, wait_for
 
@@ -31,10 +31,10 @@ def remote(url, **settings) -> RemoteEngine:
 
 
 def collect(gen, timeout=10.0):
-    """Every event of ``gen`` (fails the test if ``done`` does not come in time)."""
+    """Every event of ``gen`` (fails the test if its end does not come in time)."""
     events = []
     deadline = time.monotonic() + timeout
-    while not events or not isinstance(events[-1], Done):
+    while not events or not isinstance(events[-1], (Done, Refused)):
         event = gen.next_event(max(deadline - time.monotonic(), 0))
         assert event is not None, f"no done within {timeout} s; got {events}"
         events.append(event)
@@ -182,11 +182,19 @@ def test_upstream_error_event_keeps_partial_text(engine, upstream_engine):
     assert events[-1].reason == "error" and "(request id chatcmpl-" in events[-1].message
 
 
+def test_upstream_at_capacity_is_a_refusal_the_client_may_retry(engine, upstream_engine):
+    upstream_engine.refuse = Overloaded("queue full")  # the upstream answers 503
+    events = collect(engine.submit(HELLO, GenParams()))
+    assert [type(e) for e in events] == [Refused]
+    assert events[0].code == "overloaded" and "capacity" in events[0].message
+    assert not engine.stats()["active"]
+
+
 def test_upstream_http_error(engine, upstream_engine):
-    upstream_engine.refuse = Overloaded("queue full")
+    upstream_engine.refuse = EngineUnavailable("the model failed to load")  # the upstream answers 500
     events = collect(engine.submit(HELLO, GenParams()))
     assert [type(e) for e in events] == [Done]
-    assert events[0].reason == "error" and "503" in events[0].message and "queue full" in events[0].message
+    assert events[0].reason == "error" and "500" in events[0].message
 
 
 def test_wrong_backend_key_is_not_ready(upstream):

@@ -11,13 +11,14 @@ from urllib.parse import urlsplit
 from ..concurrency import real_lock, spawn
 from ..errors import BackendError, ConfigError, Overloaded
 from .base import Engine, GenParams, Generation
-from .events import Delta, Done, Started
+from .events import Delta, Done, Refused, Started
 
 log = logging.getLogger(__name__)
 
 PROBE_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 _FINISH = {"stop": "stop", "length": "length"}
 READ_BYTES = 65536
+AT_CAPACITY = (429, 503)  # the engine's queue is full: the client may retry, as with our own queue
 _decode = json.JSONDecoder().raw_decode
 MAX_LINE_BYTES = 1 << 20
 
@@ -169,6 +170,10 @@ class RemoteEngine(Engine):
         conn = gen.upstream = self._connection(self.settings.backend_timeout_s)
         try:
             reason, message = self._call(gen, conn, t0, state)
+            if reason == "overloaded":  # before any token: refused, like a full queue here
+                log.warning("remote generation %s refused: %s", gen.serial, message)
+                gen.emit(Refused("overloaded", "the model server is at capacity; try again shortly"))
+                return
         except (OSError, http.client.HTTPException) as exc:
             if gen.cancel_reason:
                 reason = gen.cancel_reason
@@ -203,7 +208,8 @@ class RemoteEngine(Engine):
                               "Accept": "text/event-stream"})
         response = conn.getresponse()
         if response.status != 200:
-            return "error", _error_text(response.status, response.read(4096))
+            reason = "overloaded" if response.status in AT_CAPACITY else "error"
+            return reason, _error_text(response.status, response.read(4096))
         gen.emit(Started(0))
         pending = b""  # the start of a line whose end has not arrived
         while True:
