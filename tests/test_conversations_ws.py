@@ -61,19 +61,26 @@ def test_resume_after_forced_drops_loses_and_repeats_nothing(server):
     resume_after_forced_drops(server)
 
 
-def test_finished_answer_is_resumable_within_grace(server):
+def finished_answer_resumes(server, other=None) -> None:
+    """A finished answer resumed within the grace (on ``other`` when given, a worker sharing state)
+    replays exactly the deltas from ``from``, then the same ``done`` (shared with test_state_redis.py)."""
     cookie = cookie_for(server)
     client = WS(server.ws_url, cookie=cookie)
     frames = client.chat("short", rid="fin", params={"temperature": 0, "max_new_tokens": 15})
     client.close()
-    again = WS(server.ws_url, cookie=cookie)
+    again = WS((other or server).ws_url, cookie=cookie)
     again.send({"type": "resume", "id": "fin", "from": 3})
     replay = again.until(lambda f: f["type"] == "done")
     deltas = sum(1 for f in frames if f["type"] == "delta")
     assert [f["index"] for f in replay[:-1]] == list(range(3, deltas))
     assert "".join(f["text"] for f in replay[:-1]) == text_of(frames)[len("".join(
         f["text"] for f in frames if f["type"] == "delta" and f["index"] < 3)):]
+    assert replay[-1] == frames[-1]
     again.close()
+
+
+def test_finished_answer_is_resumable_within_grace(server):
+    finished_answer_resumes(server)
 
 
 def test_regenerate_replaces_the_last_answer(server):

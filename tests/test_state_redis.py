@@ -9,7 +9,7 @@ import pytest
 from conftest import WS, conv_of, cookie_for, text_of, wait_settled
 from fakes import AppServer, FakeEngine
 from redis_server import RedisServer
-from test_conversations_ws import resume_after_forced_drops
+from test_conversations_ws import finished_answer_resumes, resume_after_forced_drops
 
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
 
@@ -56,17 +56,7 @@ def test_resume_on_the_other_worker_loses_and_repeats_nothing(pair):
 
 def test_a_finished_answer_resumes_from_the_other_worker(pair):
     a, b = pair()
-    cookie = cookie_for(a)
-    client = WS(a.ws_url, cookie=cookie)
-    frames = client.chat("short", rid="fin", params={"temperature": 0, "max_new_tokens": 12})
-    client.close()
-    again = WS(b.ws_url, cookie=cookie)
-    again.send({"type": "resume", "id": "fin", "from": 4})
-    replay = again.until(lambda f: f["type"] == "done")
-    deltas = [f for f in frames if f["type"] == "delta"]
-    assert [f["index"] for f in replay[:-1]] == list(range(4, len(deltas)))
-    assert replay[-1] == frames[-1]
-    again.close()
+    finished_answer_resumes(a, b)
 
 
 def cancel_and_stop_from_the_other(a, b) -> None:

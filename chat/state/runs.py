@@ -102,11 +102,11 @@ class SharedRuns:
         run.mirror = Mirror(self, run)
 
     def finished(self, run) -> None:
-        """The run ended: its record and stream stay for the resume grace, its busy flag goes."""
+        """The run ended: its record and stream stay for the resume grace (``Runs.release`` then
+        frees the conversation)."""
         self.local.pop((run.client, run.id), None)
         mirror = run.mirror
         try:
-            self.unclaim(run.conversation_id)
             pipe = self.redis.pipeline(transaction=False)
             pipe.hset(self._run_key(run.client, run.id), "state", "done")
             pipe.expire(self._run_key(run.client, run.id), self.grace)
