@@ -68,6 +68,18 @@ class Wakeup:
         return self._lock.acquire(True, max(timeout, 0.0))
 
 
+class Counter:
+    """An integer any thread or greenlet may change; readers see a plain int."""
+
+    def __init__(self):
+        self._lock = real_lock()
+        self.value = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.value += n
+
+
 class Channel:
     """Events from any OS thread to one consumer, which may be a greenlet or a thread.
 

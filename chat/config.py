@@ -138,7 +138,8 @@ class Settings:
     prefill_chunk: int = _setting(
         "CHAT_PREFILL_CHUNK", 128, int, low=1, high=1_000_000,
         doc="Prompt tokens prefilled between two decode steps while other answers stream, so a long prompt "
-            "joining never stalls them for its whole prefill.")
+            "joining never stalls them for its whole prefill. Chunks are also cut to about two decode steps "
+            "of time, as measured (deep in a long prompt a token costs more).")
     max_queue: int = _setting(
         "CHAT_MAX_QUEUE", 64, int, low=0, high=100_000,
         doc="Requests that may wait while the batch is full. Beyond that they get `overloaded` (WebSocket) or "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from chat.engine import Delta, GenParams
+from conftest import in_threads
 from test_engine import QUESTIONS, ask, collect, make_engine
 
 GREEDY = GenParams(temperature=0, max_new_tokens=24)
@@ -76,3 +77,73 @@ def test_decode_steps_run_between_chunks_of_a_long_prompt(chunked):
         else:
             fed += n
     assert max(between) <= 7
+
+
+def test_requests_sent_together_to_an_idle_engine_share_one_prefill(tiny_model, tmp_path, monkeypatch):
+    """Prompts submitted at the same moment are prefilled in one forward, not the first alone and
+    then the rest (which made the last user's first token wait for two prefills)."""
+    import threading
+
+    from chat.engine import local
+
+    monkeypatch.setattr(local, "GATHER_S", 30.0)  # a slow CI box must not make this flaky
+    eng = make_engine(tiny_model, tmp_path)
+    count = 4
+    entered = threading.Barrier(count)
+    fit, forward = eng._fit, eng._forward
+    rows = []
+
+    def slow_fit(gen):  # every submit is fitting its prompt when the first one lands
+        entered.wait(30)
+        return fit(gen)
+
+    def spy(input_ids, kv, positions):
+        rows.append(input_ids.shape[0])
+        return forward(input_ids, kv, positions)
+
+    gens = [None] * count
+
+    def send(i):
+        gens[i] = eng.submit(ask(QUESTIONS[i]), GREEDY)
+
+    eng._fit, eng._forward = slow_fit, spy
+    try:
+        in_threads(send, count)
+        answers = [collect(g)[0] for g in gens]
+    finally:
+        eng.shutdown()
+    assert rows[0] == count and all(answers)
+    assert eng.arriving.value == 0
+
+
+def test_chunks_shrink_when_they_cost_more_than_a_couple_of_decode_steps(tiny_model, tmp_path):
+    """The prefill budget is also one of time: chunks whose forward costs several decode steps get
+    smaller (to MIN_CHUNK at least), so running rows never wait long between two tokens."""
+    import time
+
+    from chat.engine.local import MIN_CHUNK
+
+    eng = make_engine(tiny_model, tmp_path, prefill_chunk=64)
+    forward, prefills = eng._forward, []
+
+    def costly(input_ids, kv, positions):  # decode steps 10 ms, prompt tokens 2 ms each
+        decode = kv is eng.kv
+        if not decode:
+            prefills.append(input_ids.shape[1])
+        time.sleep(0.01 if decode else 0.002 * input_ids.numel())
+        return forward(input_ids, kv, positions)
+
+    try:
+        running = busy(eng)
+        eng._forward = costly
+        for _ in range(20):  # let the measured step time settle
+            next(e for e in running if isinstance(e, Delta))
+        _, events = collect(eng.submit(ask(LONG), GREEDY))
+        running.cancel()
+        collect(running)
+    finally:
+        eng._forward = forward
+        eng.shutdown()
+    assert events[-1].reason in ("length", "stop")
+    assert prefills[0] == 64 and len(prefills) > 4
+    assert max(prefills[1:-1]) <= 2 * MIN_CHUNK  # 64 tokens cost ~13 steps: every later chunk is cut

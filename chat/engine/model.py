@@ -137,6 +137,10 @@ def eos_ids(tokenizer, model) -> frozenset:
 def load(settings) -> LoadedModel:
     """Load the model named by the settings on the calling thread (the engine's)."""
     started = time.monotonic()
+    # With an attention mask (always, in the engine's batches), transformers copies every key/value
+    # head once per query head it serves before calling SDPA, per layer and forward: ~10% of a
+    # prefill chunk over a long history here. torch's SDPA does grouped-query attention itself.
+    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     if settings.threads:
         torch.set_num_threads(settings.threads)
     device = pick_device(settings.device)

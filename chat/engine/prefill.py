@@ -37,6 +37,7 @@ class PrefillJob:
         self.real = (torch.arange(self.tokens.shape[1], device=device)[None, :]
                      >= torch.tensor(self.pads, device=device)[:, None]).long()
         self.done = 0
+        self.columns = 0  # the engine's chunk size for this job, once measured (0: not yet)
 
     @property
     def rows(self) -> int:
