@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,6 +116,25 @@ def run_inprocess(env: dict, args) -> dict:
     if "error" in result:
         raise RuntimeError(result["error"])
     return result
+
+
+def reference(res: dict) -> dict:
+    """The in-process limit: the mean of its run before the server started and its run right after the
+    single-stream phases, so a drift of the machine's speed between phases (±15 % on a shared VM)
+    biases the ratios less. Raw loops and generate alike."""
+    runs = [r for r in (res.get("inprocess"), res.get("inprocess_after")) if r and "error" not in r]
+    if not runs:
+        return {}
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return statistics.fmean(values) if values else None
+
+    merged = {**runs[0], "tok_s": mean(r.get("tok_s") for r in runs),
+              "prefill_s": mean(r.get("prefill_s") for r in runs)}
+    merged["raw"] = {b: {key: mean((r.get("raw") or {}).get(b, {}).get(key) for r in runs)
+                         for key in ("tok_s", "step_ms")} for b in runs[0].get("raw") or {}}
+    return merged
 
 
 def summarize(results: list[dict]) -> dict:
@@ -338,7 +358,7 @@ def targets(res: dict) -> list[dict]:
     def row(metric, value, goal, ok):
         return {"metric": metric, "value": value, "goal": goal, "ok": None if value is None else ok(value)}
 
-    inproc, single, sampled = res.get("inprocess") or {}, res.get("single") or {}, res.get("sampled") or {}
+    inproc, single, sampled = reference(res), res.get("single") or {}, res.get("sampled") or {}
     sweep = {r["streams"]: r for r in res.get("concurrency") or [] if "error" not in r}
     cancel, multi, mem = res.get("cancel") or {}, res.get("multiturn") or {}, res.get("memory") or {}
     join, big = res.get("join") or {}, res.get("v1_big") or {}
@@ -376,7 +396,7 @@ def targets(res: dict) -> list[dict]:
 
 def figures(res: dict) -> list[tuple[str, object]]:
     """The raw numbers behind the targets, in reading order."""
-    inproc, single, sampled = res.get("inprocess") or {}, res.get("single") or {}, res.get("sampled") or {}
+    inproc, single, sampled = reference(res), res.get("single") or {}, res.get("sampled") or {}
     cancel, health = res.get("cancel") or {}, res.get("healthz") or {}
     multi, mem, start = res.get("multiturn") or {}, res.get("memory") or {}, res.get("startup") or {}
     join, big, raw = res.get("join") or {}, res.get("v1_big") or {}, inproc.get("raw") or {}
@@ -388,7 +408,8 @@ def figures(res: dict) -> list[tuple[str, object]]:
         return v / MiB if v else None
 
     return [
-        ("in-process generate tok/s (batch 1)", inproc.get("tok_s")),
+        ("in-process generate tok/s (batch 1): mean, before the server / after the single streams",
+         _pair(inproc.get("tok_s"), *[(res.get(k) or {}).get("tok_s") for k in ("inprocess", "inprocess_after")])),
         ("in-process prefill ms", ms(inproc.get("prefill_s"))),
         ("raw forward loop tok/s at batch 1 / 8 / 16", _pair(*[(raw.get(b) or {}).get("tok_s") for b in RAW])),
         ("raw forward loop ms per step at batch 1 / 8 / 16", _pair(*[(raw.get(b) or {}).get("step_ms") for b in RAW])),
@@ -539,6 +560,8 @@ def main(argv=None) -> int:
             phase(res, "single", run_single, srv, args)
             if not args.skip_sampled:
                 phase(res, "sampled", run_single, srv, args, True)
+            if not args.skip_inprocess:  # the reference again, next to what it is compared with
+                phase(res, "inprocess_after", run_inprocess, env, args)
             res["memory"]["warm_idle_rss"] = srv.worker_rss()
             print("[bench] concurrency ...", file=sys.stderr, flush=True)
             res["concurrency"] = run_concurrency(srv, args, res["memory"])
