@@ -54,9 +54,9 @@ def test_decode_steps_run_between_chunks_of_a_long_prompt(chunked):
     calls = []  # (is a decode step of the batch, tokens fed)
     real = chunked._forward
 
-    def spy(input_ids, kv, positions):
+    def spy(input_ids, kv, positions, spans=None):
         calls.append((kv is chunked.kv, input_ids.numel()))
-        return real(input_ids, kv, positions)
+        return real(input_ids, kv, positions, spans)
 
     running = busy(chunked)
     chunked._forward = spy
@@ -97,9 +97,9 @@ def test_requests_sent_together_to_an_idle_engine_share_one_prefill(tiny_model, 
         entered.wait(30)
         return fit(gen)
 
-    def spy(input_ids, kv, positions):
+    def spy(input_ids, kv, positions, spans=None):
         rows.append(input_ids.shape[0])
-        return forward(input_ids, kv, positions)
+        return forward(input_ids, kv, positions, spans)
 
     gens = [None] * count
 
@@ -126,12 +126,12 @@ def test_chunks_shrink_when_they_cost_more_than_a_couple_of_decode_steps(tiny_mo
     eng = make_engine(tiny_model, tmp_path, prefill_chunk=64)
     forward, prefills = eng._forward, []
 
-    def costly(input_ids, kv, positions):  # decode steps 20 ms, prompt tokens 4 ms each
+    def costly(input_ids, kv, positions, spans=None):  # decode steps 20 ms, prompt tokens 4 ms each
         decode = kv is eng.kv
         if not decode:
             prefills.append(input_ids.shape[1])
         time.sleep(0.02 if decode else 0.004 * input_ids.numel())
-        return forward(input_ids, kv, positions)
+        return forward(input_ids, kv, positions, spans)
 
     try:
         running = busy(eng)
@@ -149,3 +149,33 @@ def test_chunks_shrink_when_they_cost_more_than_a_couple_of_decode_steps(tiny_mo
     # 64 tokens cost ~13 steps: every later chunk is cut to about (2 steps - 1 step) / 4 ms = 5 tokens,
     # raised to MIN_CHUNK (more where this box's own compute makes a step slower than 20 ms)
     assert max(prefills[1:-1]) <= 2 * MIN_CHUNK
+
+
+def test_plan_splits_rows_whose_spans_differ_a_lot():
+    from chat.engine.attention import plan
+
+    assert plan([10, 20, 0, 5], 300) is None  # similar rows: one call over everything
+    assert plan([2100, 2100, 2100, 2100, 0], 2174) == [(0, 4, 2100), (4, 5, 0)]
+    assert plan([2100, 0, 2100, 2100], 2174) == [(0, 1, 2100), (1, 2, 0), (2, 4, 2100)]
+
+
+def test_rows_of_very_different_lengths_attend_over_their_own_columns(chunked):
+    """A long prompt among short ones: decode steps split the batch into runs of rows, each over its
+    own columns only, and every answer is still the one it gets alone."""
+    prompts = QUESTIONS[:3] + [LONG]
+    alone = [collect(chunked.submit(ask(q), GREEDY))[0] for q in prompts]
+    real, split = chunked._forward, []
+
+    def spy(input_ids, kv, positions, spans=None):
+        if spans:
+            split.append(spans)
+        return real(input_ids, kv, positions, spans)
+
+    chunked._forward = spy
+    try:
+        gens = [chunked.submit(ask(q), GREEDY) for q in prompts]
+        together = [collect(g)[0] for g in gens]
+    finally:
+        chunked._forward = real
+    assert split and all(len(spans) > 1 for spans in split)
+    assert together == alone

@@ -89,6 +89,12 @@ class KVBuffer:
         """The mask for a forward pass of ``query_length`` new columns (set them first)."""
         return self.mask[:self.n, self.start:self.length + query_length]
 
+    def row_starts(self, query_length: int) -> list[int]:
+        """Where each row's tokens begin, relative to ``start``, once the next ``query_length``
+        columns are set in the mask (rows are contiguous: padding is all before their tokens)."""
+        width = self.length + query_length - self.start
+        return (width - self.mask[:self.n, self.start:self.length + query_length].sum(dim=1)).tolist()
+
     def row_start(self, r: int) -> int:
         """The first column row ``r`` uses (its tokens are contiguous up to ``length``)."""
         return self.length - int(self.mask[r, self.start:self.length].sum())

@@ -25,8 +25,8 @@ import torch
 
 from ..concurrency import Counter, Wakeup, run_in_thread, start_real_thread
 from ..errors import EngineError, EngineUnavailable, Overloaded
+from . import attention, prompt
 from . import model as model_loader
-from . import prompt
 from .base import Engine, GenParams, Generation
 from .events import Delta, Done, Queued, Refused, Started
 from .kv import KVBuffer, PrefixCache
@@ -190,6 +190,7 @@ class LocalEngine(Engine):
         with torch.inference_mode():
             self.loaded = model_loader.load(self.settings)
             self.model_name = self.loaded.name
+            attention.use(self.loaded.model)
             cfg = self.loaded.model.config.get_text_config(decoder=True)
             heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -217,11 +218,11 @@ class LocalEngine(Engine):
             logits = self._decode(job.kv, [token], [len(ids) + i])
         log.info("warm-up took %.2f s", time.monotonic() - started)
 
-    def _forward(self, input_ids, kv: KVBuffer, position_ids):
+    def _forward(self, input_ids, kv: KVBuffer, position_ids, spans=None):
         """The next-token logits of every row after feeding ``input_ids`` (rows, columns)."""
         model = self.loaded.model
         out = model.get_decoder()(input_ids=input_ids, attention_mask=kv.attention_mask(input_ids.shape[1]),
-                                  position_ids=position_ids, cache=kv.cache, use_cache=True)
+                                  position_ids=position_ids, cache=kv.cache, use_cache=True, spans=spans)
         # The output head on a 2-D (rows, hidden) input. Given the model's own 3-D slice of a
         # multi-column forward, torch's matmul takes its batched path, which copies the whole
         # bf16 output matrix once per row when the weights are inference tensors (as they are
@@ -233,8 +234,9 @@ class LocalEngine(Engine):
         device = self.loaded.device
         kv.reserve(1)
         kv.mask[:kv.n, kv.length] = 1
+        spans = attention.plan(kv.row_starts(1), kv.length + 1 - kv.start) if kv.n > 1 else None
         logits = self._forward(torch.tensor(tokens, device=device)[:, None], kv,
-                               torch.tensor(positions, device=device)[:, None])
+                               torch.tensor(positions, device=device)[:, None], spans)
         kv.length += 1
         return logits
 
