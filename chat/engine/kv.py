@@ -97,7 +97,7 @@ class KVBuffer:
 
     def row_start(self, r: int) -> int:
         """The first column row ``r`` uses (its tokens are contiguous up to ``length``)."""
-        return self.length - int(self.mask[r, self.start:self.length].sum())
+        return self.start + self.row_starts(0)[r]
 
     def row(self, r: int, copy: bool = True):
         """(keys, values) of row ``r`` without its left padding (compact copies unless ``copy=False``)."""

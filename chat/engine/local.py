@@ -334,10 +334,10 @@ class LocalEngine(Engine):
                 budget -= columns * job.rows
                 seconds -= spent
                 # A forward costs about a decode step whatever its size, plus its tokens: scale the
-                # tokens so that the next chunk (as deep, or a little deeper) takes ``target``.
-                over = spent - self.step_s
-                if over > 0:
-                    job.columns = max(MIN_CHUNK, int(columns * (target - self.step_s) / over))
+                # tokens so that the next chunk (as deep, or a little deeper) takes ``target``
+                # (a noisy slow chunk shrinks the next, a cheap one lets it grow back).
+                over = max(spent - self.step_s, 1e-3)
+                job.columns = max(MIN_CHUNK, int(columns * (target - self.step_s) / over))
             if logits is not None:
                 self.jobs.popleft()
                 self.joining.append((job, logits))
