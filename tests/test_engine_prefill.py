@@ -121,7 +121,7 @@ def test_chunks_shrink_when_they_cost_more_than_a_couple_of_decode_steps(tiny_mo
     smaller (to MIN_CHUNK at least), so running rows never wait long between two tokens."""
     import time
 
-    from chat.engine.local import MIN_CHUNK
+    from chat.engine.prefill import MIN_CHUNK
 
     eng = make_engine(tiny_model, tmp_path, prefill_chunk=64)
     forward, prefills = eng._forward, []

@@ -37,7 +37,6 @@ from .slot import Slot
 log = logging.getLogger(__name__)
 
 STALL = 2.0  # a prefill chunk between two decode steps takes at most about this many decode steps
-MIN_CHUNK = 16  # prompt tokens: a long prompt still advances when steps are very fast
 GATHER_S = 0.05  # the most an idle engine waits for requests being submitted along with the first
 
 
@@ -323,21 +322,14 @@ class LocalEngine(Engine):
                     self._done(slot.gen, slot.gen.cancel_reason, slot)
                 continue
             # Nobody decoding means nobody to stall: the whole prompt at once.
-            if self.rows:
-                columns = max(1, min(budget // job.rows, job.columns or budget))
-            else:
-                columns = job.remaining
+            columns = job.chunk(budget) if self.rows else job.remaining
             started = time.monotonic()
             logits = job.step(self._forward, columns)
             spent = time.monotonic() - started
             if self.rows:
                 budget -= columns * job.rows
                 seconds -= spent
-                # A forward costs about a decode step whatever its size, plus its tokens: scale the
-                # tokens so that the next chunk (as deep, or a little deeper) takes ``target``
-                # (a noisy slow chunk shrinks the next, a cheap one lets it grow back).
-                over = max(spent - self.step_s, 1e-3)
-                job.columns = max(MIN_CHUNK, int(columns * (target - self.step_s) / over))
+                job.measured(columns, spent, self.step_s, target)
             if logits is not None:
                 self.jobs.popleft()
                 self.joining.append((job, logits))

@@ -5,6 +5,8 @@ import torch
 
 from .kv import KVBuffer
 
+MIN_CHUNK = 16  # prompt tokens: a long prompt still advances when its chunks cost more than planned
+
 
 class PrefillJob:
     """Prompts prefilled together (left-padded, one forward per chunk), or one continuing reused KV.
@@ -37,7 +39,7 @@ class PrefillJob:
         self.real = (torch.arange(self.tokens.shape[1], device=device)[None, :]
                      >= torch.tensor(self.pads, device=device)[:, None]).long()
         self.done = 0
-        self.columns = 0  # the engine's chunk size for this job, once measured (0: not yet)
+        self.columns = 0  # this job's next chunk size from its last chunk's cost (0: not measured yet)
 
     @property
     def rows(self) -> int:
@@ -46,6 +48,19 @@ class PrefillJob:
     @property
     def remaining(self) -> int:
         return self.tokens.shape[1] - self.done
+
+    def chunk(self, budget: int) -> int:
+        """Columns for the next chunk: ``budget`` prompt tokens shared by the rows, cut to what the
+        last chunk's measured cost allows."""
+        return max(1, min(budget // self.rows, self.columns or budget))
+
+    def measured(self, columns: int, spent: float, step_s: float, target: float) -> None:
+        """Size the next chunk to take ``target`` seconds. A forward costs about a decode step
+        (``step_s``) whatever its size, plus its tokens, which cost more the deeper the prompt; the
+        next chunk is as deep or a little deeper. A slow (noisy) chunk shrinks the next, a cheap one
+        lets it grow back."""
+        over = max(spent - step_s, 1e-3)
+        self.columns = max(MIN_CHUNK, int(columns * (target - step_s) / over))
 
     def step(self, forward, columns: int):
         """Prefill the next ``columns`` prompt positions; the last position's logits once finished, else None."""
