@@ -105,6 +105,13 @@ class Channel:
             self._watcher = None
             self._cond = threading.Condition()
 
+    def local(self) -> bool:
+        """Whether the caller is a greenlet of the consumer's own thread (never without gevent)."""
+        return self._watcher is not None and self._thread_id() == self._owner
+
+    def __len__(self) -> int:
+        return len(self._items)
+
     def put(self, item) -> None:
         """Thread-safe, never blocks; after ``close`` nobody is woken (the watcher is gone)."""
         self._items.append(item)

@@ -123,24 +123,27 @@ class Run:
     def pump(self) -> None:
         """Consume the generation's events until the last (runs in its own greenlet/thread)."""
         try:
-            for event in self.gen.events():
-                match event:
-                    case Queued(position=position):
-                        self.forward({"type": "queued", "id": self.id, "position": position})
-                    case Started():
-                        self.send_start()
-                    case Delta(text=text):
-                        self.on_delta(text)
-                    case Refused():
-                        self.on_refused(event)
-                    case Done():
-                        self.on_done(event)
+            self.gen.consume(self.handle)
         except Exception:
             log.exception("run %s failed", self.id)
             self.gen.cancel("error")
             self.on_done(Done("error"))
         finally:
             self.finish()
+
+    def handle(self, event) -> None:
+        """One engine event (in the pump's greenlet, or in the remote engine's that emitted it)."""
+        match event:
+            case Queued(position=position):
+                self.forward({"type": "queued", "id": self.id, "position": position})
+            case Started():
+                self.send_start()
+            case Delta(text=text):
+                self.on_delta(text)
+            case Refused():
+                self.on_refused(event)
+            case Done():
+                self.on_done(event)
 
     def send_start(self) -> None:
         if not self.started:

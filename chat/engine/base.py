@@ -28,6 +28,7 @@ class GenParams:
 
 
 _ids = itertools.count(1)
+_WAKE = object()  # tells consume() that an event handled in the emitting greenlet was the last
 
 
 @dataclass(eq=False)
@@ -51,6 +52,7 @@ class Generation:
     finished: bool = field(default=False, init=False)
     channel: Channel = field(default_factory=Channel, init=False, repr=False)
     observers: list = field(default_factory=list, init=False, repr=False)  # see observe()
+    sink: Callable[[Event], None] | None = field(default=None, init=False, repr=False)  # see consume()
 
     def emit(self, event: Event) -> None:
         """Called by the engine, from any thread; the last event is a ``Done`` or ``Refused``."""
@@ -58,7 +60,11 @@ class Generation:
             self.finished = True
         for observer in self.observers:
             observer(event)
-        self.channel.put(event)
+        sink = self.sink
+        if sink is not None and len(self.channel) == 0 and self.channel.local():
+            sink(event)
+        else:
+            self.channel.put(event)
 
     def observe(self, observer: Callable[[Event], None]) -> None:
         """Call ``observer`` with every event the engine emits, whether or not anyone consumes them.
@@ -93,6 +99,47 @@ class Generation:
             self.close()
 
     __iter__ = events
+
+    def consume(self, handle: Callable[[Event], None]) -> None:
+        """``handle`` every event up to and including the last, in order; raises what it raises.
+
+        An event that a greenlet of the consumer's own thread emits (the remote engine's) while
+        the consumer waits is handled right there, in the emitting greenlet: no channel and no
+        wake-up of the consumer, two greenlet switches and a loop callback fewer per delta.
+        Events from another thread (the local engine's), and any emitted while a handler is busy,
+        go through the channel as with ``events()``.
+        """
+        outcome: list = []  # what ended the stream when it ended in the emitting greenlet
+
+        def direct(event: Event) -> None:
+            self.sink = None  # while this handler runs (it may block), later events queue behind
+            try:
+                handle(event)
+            except Exception as exc:
+                outcome.append(exc)
+                self.channel.put(_WAKE)
+                return
+            if isinstance(event, END):
+                outcome.append(None)
+                self.channel.put(_WAKE)
+            else:
+                self.sink = direct
+
+        try:
+            while True:
+                self.sink = direct
+                event = self.channel.get()
+                self.sink = None
+                if event is _WAKE:
+                    if outcome[0] is not None:
+                        raise outcome[0]
+                    return
+                handle(event)
+                if isinstance(event, END):
+                    return
+        finally:
+            self.sink = None
+            self.close()
 
     def close(self) -> None:
         """Release the channel; events emitted afterwards are dropped."""
