@@ -1,7 +1,7 @@
 """In-process limit: plain transformers ``generate`` and a raw forward loop, on a worker thread.
 
 Run as ``python -m bench.inprocess --prompt TEXT --tokens N --reps R --batches 1,8,16``; prints
-one JSON object. The main thread stays torch-free, as in the server.
+one JSON object. With ``--serve`` it loads once and times one generation per request on stdin. The main thread stays torch-free, as in the server.
 The model is loaded with the server's own loader and settings (same weights, dtype, threads),
 and the prompt goes through the same chat template with the same system prompt.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 
@@ -32,8 +33,8 @@ def raw_loop(torch, model, ids: list, batch: int, steps: int) -> dict:
     return {"batch": batch, "step_ms": step * 1000, "tok_s": batch / step}
 
 
-def measure(prompt_text: str, tokens: int, reps: int, batches=(1, 8)) -> dict:
-    """Load, warm up and time ``reps`` greedy generations of exactly ``tokens`` new tokens."""
+def setup(prompt_text: str):
+    """(torch, the loaded model, prompt ids, ``once(n)``: one timed greedy generation of exactly n new tokens)."""
     import torch
     from transformers.generation.streamers import BaseStreamer
     from transformers.utils import logging as hf_logging
@@ -76,6 +77,12 @@ def measure(prompt_text: str, tokens: int, reps: int, batches=(1, 8)) -> dict:
                 "tok_s": (new - 1) / (last - first) if new > 1 and last > first else 0.0}
 
     once(8)  # warm-up, not counted
+    return torch, loaded, ids, once
+
+
+def measure(prompt_text: str, tokens: int, reps: int, batches=(1, 8)) -> dict:
+    """Load, warm up and time ``reps`` greedy generations of exactly ``tokens`` new tokens."""
+    torch, loaded, ids, once = setup(prompt_text)
     runs = [once(tokens) for _ in range(reps)]
     raw = [raw_loop(torch, loaded.model, ids, b, tokens) for b in batches]
     return {"raw": {str(r["batch"]): r for r in raw}, "model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
@@ -85,17 +92,30 @@ def measure(prompt_text: str, tokens: int, reps: int, batches=(1, 8)) -> dict:
             "prefill_s": statistics.median(r["prefill_s"] for r in runs)}
 
 
+def serve(prompt_text: str) -> None:
+    """Load once, print ``{"ready": true}``, then for each stdin line ``{"tokens": N}`` time one
+    generation and print it: the reference interleaved with the server's own runs (``bench.run``)."""
+    torch, loaded, ids, once = setup(prompt_text)
+    print(json.dumps({"ready": True, "prompt_tokens": len(ids)}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(once(json.loads(line)["tokens"])), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--batches", default="1,8", help="batch sizes of the raw forward loop")
+    parser.add_argument("--serve", action="store_true", help="answer timing requests on stdin (see serve)")
     args = parser.parse_args()
     result: dict = {}
 
     def work() -> None:
         try:
+            if args.serve:
+                serve(args.prompt)
+                return
             result.update(measure(args.prompt, args.tokens, args.reps, [int(b) for b in args.batches.split(",")]))
         except Exception as exc:  # reported to the parent, which owns error handling
             result["error"] = f"{type(exc).__name__}: {exc}"
@@ -103,7 +123,8 @@ def main() -> None:
     worker = threading.Thread(target=work, name="bench-model")
     worker.start()
     worker.join()
-    print(json.dumps(result))
+    if result or not args.serve:
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -147,20 +147,62 @@ def summarize(results: list[dict]) -> dict:
             "server_ttft_ms_p50": percentile([r["server_ttft_ms"] for r in results], 50)}
 
 
-def run_single(srv: BenchServer, args, sampled: bool = False) -> dict:
-    """One stream at a time, ``reps`` times, after one discarded warm-up request (greedy or sampled)."""
+class Reference:
+    """In-process ``generate`` in its own process, loaded once and timed on request, so each of the
+    server's single-stream runs has a reference run right beside it (the VM's speed drifts)."""
+
+    def __init__(self, env: dict, args):
+        cmd = [sys.executable, "-m", "bench.inprocess", "--serve", "--prompt", essay_prompt(0)]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        self.ready = self._answer()
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"in-process reference exited ({self.proc.wait()})")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return answer
+
+    def generate(self, tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"tokens": tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def run_single(srv: BenchServer, args, sampled: bool = False, ref: Reference | None = None) -> dict:
+    """One stream at a time, ``reps`` times, after one discarded warm-up request (greedy or sampled);
+    with ``ref``, each followed by one in-process ``generate`` of as many tokens."""
     client = Client(srv.ws_url, timeout=args.timeout)
     extra = SAMPLED if sampled else {}
     tag = "sampled" if sampled else "single"
+    runs, paired = [], []
     try:
         client.request(f"{tag}-warmup", essay_prompt(1), params(8))
-        runs = [client.request(f"{tag}-{i}", essay_prompt(0), {**params(args.tokens, seed=i + 1), **extra})
-                for i in range(args.reps)]
+        for i in range(args.reps):
+            runs.append(client.request(f"{tag}-{i}", essay_prompt(0), {**params(args.tokens, seed=i + 1), **extra}))
+            if ref is not None:
+                paired.append(ref.generate(args.tokens))
     finally:
         client.close()
     for r in runs:
         r.pop("delta_times", None)
-    return {**summarize(runs), "runs": runs}
+    out = {**summarize(runs), "runs": runs}
+    if paired:
+        out["reference_tok_s"] = [r["tok_s"] for r in paired]
+        out["reference_tok_s_p50"] = percentile(out["reference_tok_s"], 50)
+        # Each run against the reference run right after it: the machine's drift cancels pair by pair.
+        out["paired_ratio_p50"] = percentile([r["tok_s"] / p["tok_s"] for r, p in zip(runs, paired)], 50)
+    return out
 
 
 def parallel(srv: BenchServer, args, n: int, request, meanwhile=None):
@@ -358,6 +400,10 @@ def run_v1_big(srv: BenchServer, args) -> dict:
             "healthz_max_ms": max(ms, default=None), "healthz_p95_ms": percentile(ms, 95)}
 
 
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
 def targets(res: dict) -> list[dict]:
     """The goals of issue 10, each with its measured value."""
     def row(metric, value, goal, ok):
@@ -370,16 +416,18 @@ def targets(res: dict) -> list[dict]:
     raw8 = ((inproc.get("raw") or {}).get("8") or {}).get("tok_s")
     agg8 = (sweep.get(8) or {}).get("aggregate_tok_s")
 
-    def ratio(a, b):
-        return a / b if a is not None and b else None
+    def paired(phase: dict):
+        """Median over this phase's runs of each one ÷ the in-process generate right after it; without
+        those, the phase's median ÷ the before/after in-process mean."""
+        return phase.get("paired_ratio_p50") or ratio(phase.get("tok_s_p50"), inproc.get("tok_s"))
 
     step_ms = 1000 / single["tok_s_p50"] if single.get("tok_s_p50") else None
     delta = mem["peak_rss"] - mem["idle_rss"] if mem.get("peak_rss") and mem.get("idle_rss") else None
     return [
         row("one stream sampled (T 0.7, top-p 0.9) over WS ÷ greedy in-process generate",
-            ratio(sampled.get("tok_s_p50"), inproc.get("tok_s")), "≥ 0.95", lambda v: v >= 0.95),
+            paired(sampled), "≥ 0.95", lambda v: v >= 0.95),
         row("one stream greedy over WS ÷ greedy in-process generate",
-            ratio(single.get("tok_s_p50"), inproc.get("tok_s")), "≥ 0.95", lambda v: v >= 0.95),
+            paired(single), "≥ 0.95", lambda v: v >= 0.95),
         row("aggregate tok/s at 8 streams ÷ one stream", ratio(agg8, single.get("aggregate_tok_s_p50")),
             "≥ 5", lambda v: v >= 5),
         row("aggregate tok/s at 8 streams ÷ raw batch-8 forward loop", ratio(agg8, raw8), "≥ 0.85",
@@ -421,6 +469,10 @@ def figures(res: dict) -> list[tuple[str, object]]:
         ("prompt tokens (single stream)", inproc.get("prompt_tokens")),
         ("server single stream tok/s greedy / sampled (delivered, p50)",
          _pair(single.get("tok_s_p50"), sampled.get("tok_s_p50"))),
+        ("in-process generate tok/s interleaved with the greedy / sampled runs (p50)",
+         _pair(single.get("reference_tok_s_p50"), sampled.get("reference_tok_s_p50"))),
+        ("greedy / sampled: ratio of those medians (the targets use the median of the pairs' ratios)",
+         _pair(*[_three(ratio(p.get("tok_s_p50"), p.get("reference_tok_s_p50"))) for p in (single, sampled)])),
         ("server single TTFD p50 / p95 ms", _pair(ms(single.get("ttfd_p50_s")), ms(single.get("ttfd_p95_s")))),
         ("server-reported TTFT p50 ms", single.get("server_ttft_ms_p50")),
         ("decode step ms (1 ÷ single tok/s)", 1000 / single["tok_s_p50"] if single.get("tok_s_p50") else None),
@@ -452,6 +504,10 @@ def _pair(*values) -> str | None:
     if all(v is None for v in values):
         return None
     return " / ".join("—" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v)) for v in values)
+
+
+def _three(value) -> str | None:
+    return None if value is None else f"{value:.3f}"
 
 
 def _fmt_warm(warm) -> str:
@@ -564,9 +620,17 @@ def main(argv=None) -> int:
             hello = Client(srv.ws_url)
             res["machine"]["model"] = hello.ready.get("model")
             hello.close()
-            phase(res, "single", run_single, srv, args)
-            if not args.skip_sampled:
-                phase(res, "sampled", run_single, srv, args, True)
+            ref = None
+            if not args.skip_inprocess:
+                print("[bench] loading the paired in-process reference ...", file=sys.stderr, flush=True)
+                ref = Reference(env, args)
+            try:
+                phase(res, "single", run_single, srv, args, False, ref)
+                if not args.skip_sampled:
+                    phase(res, "sampled", run_single, srv, args, True, ref)
+            finally:
+                if ref is not None:
+                    ref.close()
             if not args.skip_inprocess:  # the reference again, next to what it is compared with
                 phase(res, "inprocess_after", run_inprocess, env, args)
             res["memory"]["warm_idle_rss"] = srv.worker_rss()
