@@ -55,7 +55,11 @@ class Generation:
     sink: Callable[[Event], None] | None = field(default=None, init=False, repr=False)  # see consume()
 
     def emit(self, event: Event) -> None:
-        """Called by the engine, from any thread; the last event is a ``Done`` or ``Refused``."""
+        """Called by the engine, from any thread; the last event is a ``Done`` or ``Refused``.
+
+        From a greenlet of the consumer's thread, this may run the consumer's handler (``consume``)
+        and so block while it sends.
+        """
         if isinstance(event, END):
             self.finished = True
         for observer in self.observers:
@@ -130,9 +134,9 @@ class Generation:
                 self.sink = direct
                 event = self.channel.get()
                 self.sink = None
+                if outcome and outcome[0] is not None:
+                    raise outcome[0]  # before any event that queued behind the failed one
                 if event is _WAKE:
-                    if outcome[0] is not None:
-                        raise outcome[0]
                     return
                 handle(event)
                 if isinstance(event, END):
