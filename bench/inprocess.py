@@ -1,7 +1,8 @@
 """In-process limit: plain transformers ``generate`` and a raw forward loop, on a worker thread.
 
 Run as ``python -m bench.inprocess --prompt TEXT --tokens N --reps R --batches 1,8,16``; prints
-one JSON object. With ``--serve`` it loads once and times one generation per request on stdin. The main thread stays torch-free, as in the server.
+one JSON object. With ``--serve`` it loads once and times one generation per request on stdin.
+The main thread stays torch-free, as in the server.
 The model is loaded with the server's own loader and settings (same weights, dtype, threads),
 and the prompt goes through the same chat template with the same system prompt.
 """
