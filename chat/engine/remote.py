@@ -8,19 +8,31 @@ import socket
 import time
 from urllib.parse import urlsplit
 
-from ..concurrency import real_lock, spawn
+from ..concurrency import real_lock, receiver, spawn
 from ..errors import BackendError, ConfigError, Overloaded
 from .base import Engine, GenParams, Generation
 from .events import Delta, Done, Refused, Started
+from .sse import Body
 
 log = logging.getLogger(__name__)
 
 PROBE_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 _FINISH = {"stop": "stop", "length": "length"}
-READ_BYTES = 65536
 AT_CAPACITY = (429, 503)  # the engine's queue is full: the client may retry, as with our own queue
 _decode = json.JSONDecoder().raw_decode
-MAX_LINE_BYTES = 1 << 20
+WATCH_EVERY_S = 1.0  # the silence watchdog's period (at most a quarter of CHAT_BACKEND_TIMEOUT_S)
+
+
+class _Call:
+    """One upstream call: its connection, and since when its stream read has waited (for the watchdog)."""
+
+    __slots__ = ("conn", "sock", "waiting_since", "stalled")
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.sock = None  # once connected (http.client lets go of it when the response ends by close)
+        self.waiting_since: float | None = None  # None unless blocked reading the stream
+        self.stalled = False
 
 
 def _error_text(status: int, body: bytes) -> str:
@@ -50,6 +62,7 @@ class RemoteEngine(Engine):
         self._active: dict = {}  # serial -> Generation (dataclass instances are unhashable)
         self._closed = False
         self._probing = False
+        self._watching = False
         self._probe()
 
     # ---- plumbing
@@ -118,6 +131,9 @@ class RemoteEngine(Engine):
                 raise Overloaded("too many requests in flight to the backend; retry shortly")
             gen = Generation(messages=messages, params=params, key=key, on_cancel=self._abort)
             self._active[gen.serial] = gen
+            watch, self._watching = not self._watching, True
+        if watch:
+            spawn(self._watch)
         spawn(self._run, gen)  # under gevent a greenlet: the patched http.client yields while it waits
         return gen
 
@@ -135,13 +151,35 @@ class RemoteEngine(Engine):
         for gen in list(self._active.values()):
             gen.cancel(reason)
 
+    def _watch(self) -> None:
+        """While calls are in flight: end each stream that has been silent for the backend timeout.
+
+        A streaming read waits with no timeout of its own: under gevent a socket timeout is a timer
+        started and stopped around every read, one per delta, which this one loop replaces.
+        """
+        limit = self.settings.backend_timeout_s
+        while True:
+            time.sleep(min(WATCH_EVERY_S, limit / 4))
+            with self._lock:
+                if not self._active:
+                    self._watching = False
+                    return
+                gens = list(self._active.values())
+            now = time.monotonic()
+            for gen in gens:
+                call = gen.upstream
+                since = call.waiting_since if call is not None else None
+                if since is not None and now - since > limit:
+                    call.stalled = True
+                    self._abort(gen)
+
     # ---- one generation
 
     @staticmethod
     def _abort(gen) -> None:
         """Cancel: shutting the socket down wakes the blocked read and tells the backend to stop."""
-        conn = gen.upstream
-        sock = conn.sock if conn is not None else None
+        call = gen.upstream
+        sock = call.sock if call is not None else None
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -167,9 +205,10 @@ class RemoteEngine(Engine):
         t0 = gen.submitted_at
         state = {"first": None, "deltas": 0, "usage": None, "finish": None}
         reason, message = "error", None
-        conn = gen.upstream = self._connection(self.settings.backend_timeout_s)
+        conn = self._connection(self.settings.backend_timeout_s)
+        call = gen.upstream = _Call(conn)
         try:
-            reason, message = self._call(gen, conn, t0, state)
+            reason, message = self._call(gen, call, t0, state)
             if reason == "overloaded":  # before any token: refused, like a full queue here
                 log.warning("remote generation %s refused: %s", gen.serial, message)
                 gen.emit(Refused("overloaded", "the model server is at capacity; try again shortly"))
@@ -178,7 +217,7 @@ class RemoteEngine(Engine):
             if gen.cancel_reason:
                 reason = gen.cancel_reason
             else:
-                message = self._transport_message(exc, state)
+                message = self._transport_message(TimeoutError() if call.stalled else exc, state)
                 if isinstance(exc, ConnectionRefusedError):
                     self.ready = False
                     self._probe()
@@ -197,10 +236,12 @@ class RemoteEngine(Engine):
         gen.emit(Done.build(reason, usage.get("prompt_tokens", 0), usage.get("completion_tokens", state["deltas"]),
                             t0, state["first"], message=message))
 
-    def _call(self, gen, conn, t0: float, state: dict):
+    def _call(self, gen, call: _Call, t0: float, state: dict):
         """Send the request and relay its SSE stream; returns (reason, error message)."""
+        conn = call.conn
         deadline = t0 + self.settings.generation_timeout_s
         conn.connect()
+        call.sock = conn.sock
         if gen.cancel_reason:
             return gen.cancel_reason, None
         conn.request("POST", f"{self._base}/chat/completions", self._body(gen),
@@ -211,29 +252,30 @@ class RemoteEngine(Engine):
             reason = "overloaded" if response.status in AT_CAPACITY else "error"
             return reason, _error_text(response.status, response.read(4096))
         gen.emit(Started(0))
-        pending = b""  # the start of a line whose end has not arrived
-        while True:
-            if gen.cancel_reason:
-                return gen.cancel_reason, None
-            if time.monotonic() > deadline:
-                return "timeout", None
-            # Whatever has arrived, split into lines here: readline on a chunked response goes
-            # through IOBase's peek/read in Python, several calls for every line of every event.
-            data = response.read1(READ_BYTES)
-            lines = (pending + data).split(b"\n")
-            pending = lines.pop() if data else b""
-            if len(pending) > MAX_LINE_BYTES:
-                raise ValueError(f"a line longer than {MAX_LINE_BYTES} bytes")
-            for line in lines:
+        call.sock.settimeout(None)  # from here the watchdog times silence out (see _watch)
+        recv = receiver(call.sock)
+        body = Body(response, recv.recv)
+        try:
+            while True:
                 if gen.cancel_reason:
                     return gen.cancel_reason, None
-                end = self._line(gen, line, state)
-                if end is not None:
-                    return end
-            if not data:
-                if gen.cancel_reason:
-                    return gen.cancel_reason, None
-                return "error", self._transport_message(None, state)
+                if time.monotonic() > deadline:
+                    return "timeout", None
+                call.waiting_since = time.monotonic()
+                lines = body.read()
+                call.waiting_since = None
+                if lines is None:
+                    if gen.cancel_reason:
+                        return gen.cancel_reason, None
+                    return "error", self._transport_message(TimeoutError() if call.stalled else None, state)
+                for line in lines:
+                    if gen.cancel_reason:
+                        return gen.cancel_reason, None
+                    end = self._line(gen, line, state)
+                    if end is not None:
+                        return end
+        finally:
+            recv.close()
 
     @staticmethod
     def _line(gen, line: bytes, state: dict):
