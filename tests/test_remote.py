@@ -6,6 +6,8 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,6 +19,7 @@ from chat.config import Settings
 from chat.errors import EngineUnavailable, Overloaded
 from chat.engine.remote import RemoteEngine
 from chat.engine import Delta, Done, GenParams, Refused, Started
+from conftest import ROOT
 from fakes import WORDS, AppServer, FakeEngine
 from test_openai_api import make_app, wait_for
 
@@ -384,3 +387,77 @@ def kill_tree(pid: int) -> None:
         children += [int(c) for c in (task / "children").read_text().split()]
     for p in (pid, *children):
         os.kill(p, signal.SIGKILL)
+
+
+GREEN_SCRIPT = r"""
+from gevent import monkey
+monkey.patch_all()
+import json, time
+import gevent
+from gevent.server import StreamServer
+from chat.config import Settings
+from chat.engine.remote import RemoteEngine
+from chat.engine import Delta, Done, GenParams
+
+def chunk(text):
+    data = ("data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": text}}]}) + "\n\n").encode()
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+closed = []
+def handle(sock, _address):
+    request = sock.recv(65536)
+    if b"/models" in request.split(b"\r\n", 1)[0]:
+        body = json.dumps({"data": [{"id": "green"}]}).encode()
+        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        return sock.close()
+    mode = json.loads(request.split(b"\r\n\r\n", 1)[1])["messages"][-1]["content"]
+    sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    sock.sendall(chunk("a"))
+    if mode == "slow reader":
+        for text in ("b", "c"):
+            gevent.sleep(0.1)
+            sock.sendall(chunk(text))
+        data = b"data: [DONE]\n\n"
+        sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+    while sock.recv(100):  # hang until the client closes
+        pass
+    closed.append(mode)
+
+server = StreamServer(("127.0.0.1", 0), handle)
+server.start()
+engine = RemoteEngine(Settings(backend="openai", backend_url=f"http://127.0.0.1:{server.server_port}/v1",
+                               backend_timeout_s=0.3))
+while not engine.ready:
+    gevent.sleep(0.05)
+
+def run(mode, on_delta=None):
+    t0, seen = time.monotonic(), []
+    gen = engine.submit([{"role": "user", "content": mode}], GenParams())
+    def handle(event):
+        seen.append(event)
+        if isinstance(event, Delta) and on_delta:
+            on_delta(gen)
+    gen.consume(handle)
+    done = seen[-1]
+    gevent.sleep(0.2)
+    return {"text": "".join(e.text for e in seen if isinstance(e, Delta)), "reason": done.reason,
+            "message": done.message, "seconds": round(time.monotonic() - t0, 1), "upstream closed": mode in closed}
+
+out = {"silent": run("silent"),
+       "cancelled": run("cancelled", lambda gen: gevent.spawn_later(0.1, gen.cancel)),
+       "slow reader": run("slow reader", lambda gen: gevent.sleep(0.5))}
+print(json.dumps(out))
+"""
+
+
+def test_under_gevent_silence_times_out_cancel_wakes_the_read_and_a_slow_reader_is_not_silence():
+    done = subprocess.run([sys.executable, "-c", GREEN_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    silent, cancelled, slow = out["silent"], out["cancelled"], out["slow reader"]
+    assert (silent["text"], silent["reason"]) == ("a", "error") and "nothing for 0.3 s" in silent["message"]
+    assert silent["seconds"] < 2 and silent["upstream closed"]
+    assert (cancelled["text"], cancelled["reason"], cancelled["upstream closed"]) == ("a", "cancelled", True)
+    assert cancelled["seconds"] < 1
+    # 0.5 s handling each delta, the upstream never silent for 0.3 s: the time spent handling is not silence
+    assert (slow["text"], slow["reason"], slow["message"]) == ("abc", "stop", None)
