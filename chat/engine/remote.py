@@ -276,6 +276,7 @@ class RemoteEngine(Engine):
                         return end
         finally:
             recv.close()
+            response.close()  # the socket, when the response owns it (an upstream that closes after)
 
     @staticmethod
     def _line(gen, line: bytes, state: dict):
