@@ -51,7 +51,9 @@ def receiver(sock):
 
     Under gevent, a plain TCP socket is read through the OS socket it wraps, waiting on one
     readiness watcher kept for the connection: gevent's own ``recv`` is a few Python calls per
-    read, a caught ``EAGAIN`` and a fresh wait each time. Anything else (TLS, no gevent) is read
+    read, a caught ``EAGAIN`` and a fresh wait each time. After a read that took less than it
+    asked for, the next one waits for readiness first: a stream's reads then never fail with
+    ``EAGAIN`` (a system call and an exception per delta). Anything else (TLS, no gevent) is read
     through its own ``recv``. Call ``recv.close()`` when done.
     """
     if gevent_active():
@@ -75,13 +77,19 @@ class _GreenReceiver:
         self._raw = sock._sock  # non-blocking: gevent's socket waits for it
         self._hub = gevent.get_hub()
         self._readable = self._hub.loop.io(self._raw.fileno(), 1)
+        self._drained = True  # read once the socket is readable, or right after a full read
 
     def recv(self, n: int) -> bytes:
+        if self._drained:  # the last read took less than it asked for: nothing is left, so wait first
+            self._hub.wait(self._readable)
         while True:
             try:
-                return self._raw.recv(n)
+                data = self._raw.recv(n)
             except BlockingIOError:
                 self._hub.wait(self._readable)
+                continue
+            self._drained = len(data) < n
+            return data
 
     def close(self) -> None:
         self._readable.close()

@@ -133,13 +133,14 @@ class Run:
 
     def handle(self, event) -> None:
         """One engine event (in the pump's greenlet, or in the remote engine's that emitted it)."""
+        if type(event) is Delta:  # nearly every event
+            self.on_delta(event.text)
+            return
         match event:
             case Queued(position=position):
                 self.forward({"type": "queued", "id": self.id, "position": position})
             case Started():
                 self.send_start()
-            case Delta(text=text):
-                self.on_delta(text)
             case Refused():
                 self.on_refused(event)
             case Done():

@@ -112,6 +112,17 @@ SCRIPT = textwrap.dedent("""
     a.settimeout(None)
     recv = receiver(a)
     out["kind"] = type(recv).__name__
+    failed = []
+    class Counting:  # the OS socket, counting the reads that find nothing
+        def __init__(self, raw):
+            self.raw = raw
+        def recv(self, n):
+            try:
+                return self.raw.recv(n)
+            except BlockingIOError:
+                failed.append(n)
+                raise
+    recv._raw = Counting(recv._raw)
     ticks = []
     ticker = gevent.spawn(lambda: [ticks.append(gevent.sleep(0.01)) for _ in range(20)])
     def writer():
@@ -121,6 +132,13 @@ SCRIPT = textwrap.dedent("""
     gevent.spawn(writer)
     out["got"] = [recv.recv(100).decode(), recv.recv(100).decode()]
     out["others ran while it waited"] = len(ticks) > 3
+    b.send(b"abcdef")
+    gevent.sleep(0.05)
+    out["a full read, then what is left"] = [recv.recv(3).decode(), recv.recv(3).decode()]
+    b.send(b"ready before the read")
+    gevent.sleep(0.05)
+    out["after a short read, what arrived meanwhile"] = recv.recv(100).decode()
+    out["reads that found nothing"] = len(failed)
     gevent.spawn_later(0.05, a.shutdown, socket.SHUT_RDWR)
     t = time.monotonic()
     out["after shutdown"] = recv.recv(100).decode()
@@ -138,4 +156,7 @@ def test_green_receiver_waits_without_blocking_the_hub_and_wakes_on_shutdown():
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out == {"kind": "_GreenReceiver", "got": ["one", "two"], "others ran while it waited": True,
+                   "a full read, then what is left": ["abc", "def"],
+                   "after a short read, what arrived meanwhile": "ready before the read",
+                   "reads that found nothing": 0,  # a short read waits for readiness before reading again
                    "after shutdown": "", "woke within 1 s": True, "with a timeout": "_PlainReceiver"}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from ..concurrency import Channel
-from .events import END, Event
+from .events import END, Delta, Event
 
 
 @dataclass
@@ -60,10 +60,11 @@ class Generation:
         From a greenlet of the consumer's thread, this may run the consumer's handler (``consume``)
         and so block while it sends.
         """
-        if isinstance(event, END):
-            self.finished = True
-        for observer in self.observers:
-            observer(event)
+        if type(event) is not Delta:  # observers follow the lifecycle; deltas are nearly every event
+            if isinstance(event, END):
+                self.finished = True
+            for observer in self.observers:
+                observer(event)
         sink = self.sink
         if sink is not None and len(self.channel) == 0 and self.channel.local():
             sink(event)
@@ -71,14 +72,15 @@ class Generation:
             self.channel.put(event)
 
     def observe(self, observer: Callable[[Event], None]) -> None:
-        """Call ``observer`` with every event the engine emits, whether or not anyone consumes them.
+        """Call ``observer`` with every event but deltas the engine emits, whether or not anyone consumes them.
 
         Events emitted before this call (still in the channel) are replayed to it; one emitted
         meanwhile may reach it twice, so an observer must be idempotent.
         """
         self.observers.append(observer)
         for event in self.channel.peek():
-            observer(event)
+            if type(event) is not Delta:
+                observer(event)
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Ask the engine to end this generation at its next step with ``Done`` ``reason``."""

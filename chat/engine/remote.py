@@ -259,9 +259,10 @@ class RemoteEngine(Engine):
             while True:
                 if gen.cancel_reason:
                     return gen.cancel_reason, None
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     return "timeout", None
-                call.waiting_since = time.monotonic()
+                call.waiting_since = now
                 lines = body.read()
                 call.waiting_since = None
                 if lines is None:
