@@ -72,7 +72,8 @@ class Generation:
             self.channel.put(event)
 
     def observe(self, observer: Callable[[Event], None]) -> None:
-        """Call ``observer`` with every event but deltas the engine emits, whether or not anyone consumes them.
+        """Call ``observer`` with each event but deltas (the lifecycle: queued, started, the end)
+        the engine emits, whether or not anyone consumes them.
 
         Events emitted before this call (still in the channel) are replayed to it; one emitted
         meanwhile may reach it twice, so an observer must be idempotent.
