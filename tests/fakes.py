@@ -59,6 +59,7 @@ class FakeEngine(Engine):
 
     def _wait_for_slot(self, gen) -> bool:
         """Queue until a slot frees (telling the position); False if cancelled meanwhile."""
+        told = None  # the position last told
         while True:
             with self._lock:
                 if gen not in self._waiting:
@@ -71,8 +72,8 @@ class FakeEngine(Engine):
                 if gen.cancel_reason:
                     self._waiting.remove(gen)
                     return False
-            if gen.position != position:
-                gen.position = position
+            if told != position:
+                told = position
                 gen.emit(Queued(position))
             real_sleep(0.005)
 

@@ -52,18 +52,18 @@ def test_chunked_prefill_after_a_prefix_hit_gives_the_fresh_answer(chunked):
 def test_decode_steps_run_between_chunks_of_a_long_prompt(chunked):
     """Between two decode steps of the running batch, at most CHAT_PREFILL_CHUNK prompt tokens go in."""
     calls = []  # (is a decode step of the batch, tokens fed)
-    real = chunked._forward
+    real = chunked.forward
 
     def spy(input_ids, kv, positions, spans=None):
         calls.append((kv is chunked.kv, input_ids.numel()))
         return real(input_ids, kv, positions, spans)
 
     running = busy(chunked)
-    chunked._forward = spy
+    chunked.forward = spy
     try:
         _, events = collect(chunked.submit(ask(LONG + " again"), GREEDY))
     finally:
-        chunked._forward = real
+        chunked.forward = real
         running.cancel()
         collect(running)
     assert events[-1].reason in ("length", "stop")
@@ -84,13 +84,13 @@ def test_requests_sent_together_to_an_idle_engine_share_one_prefill(tiny_model, 
     then the rest (which made the last user's first token wait for two prefills)."""
     import threading
 
-    from chat.engine import local
+    from chat.engine import scheduler
 
-    monkeypatch.setattr(local, "GATHER_S", 30.0)  # a slow CI box must not make this flaky
+    monkeypatch.setattr(scheduler, "GATHER_S", 30.0)  # a slow CI box must not make this flaky
     eng = make_engine(tiny_model, tmp_path)
     count = 4
     entered = threading.Barrier(count)
-    fit, forward = eng._fit, eng._forward
+    fit, forward = eng.fit, eng.forward
     rows = []
 
     def slow_fit(gen):  # every submit is fitting its prompt when the first one lands
@@ -106,14 +106,14 @@ def test_requests_sent_together_to_an_idle_engine_share_one_prefill(tiny_model, 
     def send(i):
         gens[i] = eng.submit(ask(QUESTIONS[i]), GREEDY)
 
-    eng._fit, eng._forward = slow_fit, spy
+    eng.fit, eng.forward = slow_fit, spy
     try:
         in_threads(send, count)
         answers = [collect(g)[0] for g in gens]
     finally:
         eng.shutdown()
     assert rows[0] == count and all(answers)
-    assert eng.arriving.value == 0
+    assert eng.queue.arriving.value == 0
 
 
 def test_chunks_shrink_when_they_cost_more_than_a_couple_of_decode_steps(tiny_model, tmp_path):
@@ -124,7 +124,7 @@ def test_chunks_shrink_when_they_cost_more_than_a_couple_of_decode_steps(tiny_mo
     from chat.engine.prefill import MIN_CHUNK
 
     eng = make_engine(tiny_model, tmp_path, prefill_chunk=64)
-    forward, prefills = eng._forward, []
+    forward, prefills = eng.forward, []
 
     def costly(input_ids, kv, positions, spans=None):  # decode steps 20 ms, prompt tokens 4 ms each
         decode = kv is eng.kv
@@ -135,14 +135,14 @@ def test_chunks_shrink_when_they_cost_more_than_a_couple_of_decode_steps(tiny_mo
 
     try:
         running = busy(eng)
-        eng._forward = costly
+        eng.forward = costly
         for _ in range(20):  # let the measured step time settle
             next(e for e in running if isinstance(e, Delta))
         _, events = collect(eng.submit(ask(LONG), GREEDY))
         running.cancel()
         collect(running)
     finally:
-        eng._forward = forward
+        eng.forward = forward
         eng.shutdown()
     assert events[-1].reason in ("length", "stop")
     assert prefills[0] == 64 and len(prefills) > 4
@@ -164,18 +164,18 @@ def test_rows_of_very_different_lengths_attend_over_their_own_columns(chunked):
     own columns only, and every answer is still the one it gets alone."""
     prompts = QUESTIONS[:3] + [LONG]
     alone = [collect(chunked.submit(ask(q), GREEDY))[0] for q in prompts]
-    real, split = chunked._forward, []
+    real, split = chunked.forward, []
 
     def spy(input_ids, kv, positions, spans=None):
         if spans:
             split.append(spans)
         return real(input_ids, kv, positions, spans)
 
-    chunked._forward = spy
+    chunked.forward = spy
     try:
         gens = [chunked.submit(ask(q), GREEDY) for q in prompts]
         together = [collect(g)[0] for g in gens]
     finally:
-        chunked._forward = real
+        chunked.forward = real
     assert split and all(len(spans) > 1 for spans in split)
     assert together == alone

@@ -35,19 +35,18 @@ _WAKE = object()  # tells consume() that an event handled in the emitting greenl
 class Generation:
     """One answer being made: the engine ``emit``s events, the consumer iterates ``events()``.
 
-    Set at submit and never changed afterwards: ``messages``, ``params``, ``key``.
-    The rest is the engine's bookkeeping, declared here so nothing is attached on the fly.
+    This is what the web side sees of a request. Set by the engine that makes it and never
+    changed afterwards: ``messages``, ``params``, ``key``, ``notify``. Whatever else an engine keeps
+    per request (prompt ids, queue position, an upstream connection) lives in the engine, keyed
+    by the generation.
     """
 
     messages: list
     params: GenParams
     key: str | None = None  # conversation key for prefix-cache reuse
-    prompt_ids: list | None = None  # set by engines that tokenize at submit time
+    notify: Callable[["Generation"], None] | None = field(default=None, repr=False)  # the engine's; see cancel()
     serial: int = field(default_factory=lambda: next(_ids))
     submitted_at: float = field(default_factory=time.monotonic)
-    on_cancel: Callable[["Generation"], None] | None = None  # engine hook, called by cancel()
-    position: int | None = None  # queue position last told to the consumer
-    upstream: object = None  # the remote engine's open connection, closed to abort
     cancel_reason: str | None = field(default=None, init=False)
     finished: bool = field(default=False, init=False)
     channel: Channel = field(default_factory=Channel, init=False, repr=False)
@@ -84,11 +83,12 @@ class Generation:
                 observer(event)
 
     def cancel(self, reason: str = "cancelled") -> None:
-        """Ask the engine to end this generation at its next step with ``Done`` ``reason``."""
+        """Ask the engine to end this generation at its next step with ``Done`` ``reason``
+        (the engine's ``notify`` hook wakes it, once)."""
         if self.cancel_reason is None and not self.finished:
             self.cancel_reason = reason
-            if self.on_cancel is not None:
-                self.on_cancel(self)
+            if self.notify is not None:
+                self.notify(self)
 
     def next_event(self, timeout: float | None = None) -> Event | None:
         """The next event, or None on timeout."""

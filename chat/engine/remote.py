@@ -24,12 +24,14 @@ WATCH_EVERY_S = 1.0  # the silence watchdog's period (at most a quarter of CHAT_
 
 
 class _Call:
-    """One upstream call: its connection, and since when its stream read has waited (for the watchdog)."""
+    """One upstream call (the engine's own state for a generation): its connection, and since
+    when its stream read has waited (for the watchdog)."""
 
-    __slots__ = ("conn", "sock", "waiting_since", "stalled")
+    __slots__ = ("gen", "conn", "sock", "waiting_since", "stalled")
 
-    def __init__(self, conn):
-        self.conn = conn
+    def __init__(self, gen: Generation):
+        self.gen = gen
+        self.conn = None  # once the call starts
         self.sock = None  # once connected (http.client lets go of it when the response ends by close)
         self.waiting_since: float | None = None  # None unless blocked reading the stream
         self.stalled = False
@@ -59,7 +61,7 @@ class RemoteEngine(Engine):
         self.ready = False
         self.error = None
         self._lock = real_lock()
-        self._active: dict = {}  # serial -> Generation (dataclass instances are unhashable)
+        self._active: dict = {}  # serial -> _Call (dataclass instances are unhashable)
         self._closed = False
         self._probing = False
         self._watching = False
@@ -129,12 +131,12 @@ class RemoteEngine(Engine):
         with self._lock:
             if len(self._active) >= self.settings.max_batch + self.settings.max_queue:
                 raise Overloaded("too many requests in flight to the backend; retry shortly")
-            gen = Generation(messages=messages, params=params, key=key, on_cancel=self._abort)
-            self._active[gen.serial] = gen
+            gen = Generation(messages=messages, params=params, key=key, notify=self._abort)
+            call = self._active[gen.serial] = _Call(gen)
             watch, self._watching = not self._watching, True
         if watch:
             spawn(self._watch)
-        spawn(self._run, gen)  # under gevent a greenlet: the patched http.client yields while it waits
+        spawn(self._run, call)  # under gevent a greenlet: the patched http.client yields while it waits
         return gen
 
     def drain(self) -> None:
@@ -148,8 +150,8 @@ class RemoteEngine(Engine):
     def shutdown(self, reason: str = "shutdown") -> None:
         """Cancel every upstream call and stop probing."""
         self._closed = True
-        for gen in list(self._active.values()):
-            gen.cancel(reason)
+        for call in list(self._active.values()):
+            call.gen.cancel(reason)
 
     def _watch(self) -> None:
         """While calls are in flight: end each stream that has been silent for the backend timeout.
@@ -164,22 +166,25 @@ class RemoteEngine(Engine):
                 if not self._active:
                     self._watching = False
                     return
-                gens = list(self._active.values())
+                calls = list(self._active.values())
             now = time.monotonic()
-            for gen in gens:
-                call = gen.upstream
-                since = call.waiting_since if call is not None else None
+            for call in calls:
+                since = call.waiting_since
                 if since is not None and now - since > limit:
                     call.stalled = True
-                    self._abort(gen)
+                    self._shut(call)
 
     # ---- one generation
 
-    @staticmethod
-    def _abort(gen) -> None:
+    def _abort(self, gen: Generation) -> None:
         """Cancel: shutting the socket down wakes the blocked read and tells the backend to stop."""
-        call = gen.upstream
-        sock = call.sock if call is not None else None
+        call = self._active.get(gen.serial)
+        if call is not None:
+            self._shut(call)
+
+    @staticmethod
+    def _shut(call: _Call) -> None:
+        sock = call.sock
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -201,12 +206,12 @@ class RemoteEngine(Engine):
             body.update(continue_final_message=True, add_generation_prompt=False)
         return json.dumps(body).encode()
 
-    def _run(self, gen: Generation) -> None:
+    def _run(self, call: _Call) -> None:
+        gen = call.gen
         t0 = gen.submitted_at
         state = {"first": None, "deltas": 0, "usage": None, "finish": None}
         reason, message = "error", None
-        conn = self._connection(self.settings.backend_timeout_s)
-        call = gen.upstream = _Call(conn)
+        conn = call.conn = self._connection(self.settings.backend_timeout_s)
         try:
             reason, message = self._call(gen, call, t0, state)
             if reason == "overloaded":  # before any token: refused, like a full queue here
