@@ -18,7 +18,7 @@ class AppState:
 
     def __init__(self, settings: Settings, engine, store, shared=None):
         from .turns import TurnService
-        from .web.limits import Limits
+        from .limits import Limits
         self.settings = settings
         self.engine = engine
         self.store = store

@@ -18,9 +18,9 @@ class SharedState:
     """The shared parts of one worker: the connection, the run registry's Redis side, the limits."""
 
     def __init__(self, settings):
-        from .limits import SharedLimits
-        from .runs import SharedRuns
-        from .shared import Shared
+        from .redis_limits import SharedLimits
+        from .redis_runs import SharedRuns
+        from .redis_conn import Shared
         self.shared = Shared(settings.state_url)
         self.runs = SharedRuns(self.shared, settings.resume_grace_s, settings.max_new_tokens + 16)
         self.limits = SharedLimits(self.shared, settings)

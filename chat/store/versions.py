@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..errors import ProtocolError
 from . import tree
-from .guard import guarded
+from .disk_full import guarded
 
 # Answers that ``continue`` may extend: cut short, not ended by the model.
 CONTINUABLE = ("length", "cancelled", "timeout", "shutdown")

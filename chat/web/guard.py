@@ -5,7 +5,7 @@ from flask import request
 
 from ..errors import RequestError
 from . import identity
-from .limits import address_of
+from ..limits import address_of
 
 
 def origin_allowed(origin: str, host: str, scheme: str, allowed) -> bool:

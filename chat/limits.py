@@ -12,10 +12,10 @@ import ipaddress
 import math
 import time
 
-from ..concurrency import real_lock
-from ..engine.events import END, Started
-from ..errors import ProtocolError
-from .identity import ANONYMOUS
+from .concurrency import real_lock
+from .engine.events import END, Started
+from .errors import ProtocolError
+from .web.identity import ANONYMOUS
 
 IDLE_BUCKETS = 10_000  # past this many buckets, forget the ones idle for a while
 IDLE_S = 120.0

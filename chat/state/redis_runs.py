@@ -17,7 +17,7 @@ import threading
 import redis
 
 from ..concurrency import spawn
-from .shared import LEASE_S, Shared, best_effort, required
+from .redis_conn import LEASE_S, Shared, best_effort, required
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``web.limits.Limits`` kept in Redis, so every worker and host counts the same requests.
+"""``chat.limits.Limits`` kept in Redis, so every worker and host counts the same requests.
 
 Running answers and open sockets are members of sorted sets scored by a lease
 deadline, which the owning worker's heartbeat renews: a worker that dies takes
@@ -11,8 +11,8 @@ import itertools
 import time
 
 from ..concurrency import real_lock
-from ..web.limits import Limits, rate_key, refusal
-from .shared import LEASE_S, Shared, best_effort, required
+from ..limits import Limits, rate_key, refusal
+from .redis_conn import LEASE_S, Shared, best_effort, required
 
 # KEYS: client set, address set, client bucket, address bucket, addresses, waiting
 # ARGV: now, ticket, max per client, max per address, client/min, address/min, batch,
