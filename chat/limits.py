@@ -1,24 +1,59 @@
-"""One registry of who may do what: connections, request rate and running answers, per client and per address.
+"""The limits the core enforces: who may connect and start an answer, per client and per address.
 
 A new cookie (or none) must not reset a limit, so every limit that a client could
 escape by becoming someone else is also counted per address; IPv6 addresses are
 grouped by /64, the block one subscriber usually gets. Answers are counted from
 admission until their generation emits ``Done`` (or ``Refused``), so answers that
-outlive their socket for the resume grace still count. In memory, per worker process.
+outlive their socket for the resume grace still count.
+
+This module declares the interface (``Limits``, ``Ticket``) and the rules both
+implementations share; the counting is ``chat.state.local_limits`` (this process)
+or ``chat.state.redis_limits`` (every worker, in Redis), picked by ``chat.state.open_state``.
 """
 from __future__ import annotations
 
 import ipaddress
-import math
-import time
+from typing import Protocol
 
-from .concurrency import real_lock
-from .engine.events import END, Started
+from .clients import ANONYMOUS
+from .engine import Generation
+from .engine.events import END, Event, Started
 from .errors import ProtocolError
-from .web.identity import ANONYMOUS
 
-IDLE_BUCKETS = 10_000  # past this many buckets, forget the ones idle for a while
-IDLE_S = 120.0
+
+class Ticket(Protocol):
+    """One admitted answer, counted until released; both methods are safe from any thread, twice."""
+
+    def started(self) -> None:
+        """The engine started the answer: it no longer waits in the queue."""
+
+    def release(self) -> None:
+        """Stop counting the answer."""
+
+
+class Limits(Protocol):
+    """Admission for connections and answers; shared by the WebSocket and ``/v1``."""
+
+    max_per_client: int
+    max_per_address: int  # 0: no limit
+
+    def connection_allowed(self, address: str) -> bool:
+        """Whether ``address`` may open one more socket."""
+
+    def connect(self, address: str) -> None:
+        """Count one more open socket from ``address``."""
+
+    def disconnect(self, address: str) -> None:
+        """Count one socket from ``address`` fewer."""
+
+    def admit(self, address: str, client: str | None = None, rid: str | None = None) -> Ticket:
+        """A ticket for one more answer, or the ProtocolError that refuses it (in protocol order).
+
+        ``client`` None (``/v1``) counts only against the address.
+        """
+
+    def track(self, ticket: Ticket, gen: Generation) -> None:
+        """Count ``ticket`` until ``gen`` ends (see ``follow_generation``)."""
 
 
 def address_of(ip: str) -> str:
@@ -34,28 +69,6 @@ def address_of(ip: str) -> str:
     return str(parsed)
 
 
-class Buckets:
-    """Token buckets by key: ``per_min`` a minute, bursts up to the same; 0 means unlimited."""
-
-    def __init__(self, per_min: int):
-        self.per_min = per_min
-        self.state: dict = {}
-
-    def _level(self, key: str, now: float) -> float:
-        tokens, last = self.state.get(key, (float(self.per_min), now))
-        return min(float(self.per_min), tokens + (now - last) * self.per_min / 60.0)
-
-    def has(self, key: str, now: float) -> bool:
-        return not self.per_min or self._level(key, now) >= 1
-
-    def take(self, key: str, now: float) -> None:
-        if not self.per_min:
-            return
-        self.state[key] = (self._level(key, now) - 1, now)
-        if len(self.state) > IDLE_BUCKETS:
-            self.state = {k: v for k, v in self.state.items() if now - v[1] < IDLE_S}
-
-
 def rate_key(client: str | None, address: str) -> str | None:
     """Whose request rate a request spends: the client's, or for a connection without a cookie
     (a new client each time) its address's; None for ``/v1`` (counted per address only)."""
@@ -64,7 +77,7 @@ def rate_key(client: str | None, address: str) -> str | None:
     return "anon@" + address if client.startswith(ANONYMOUS) else client
 
 
-def refusal(reason: str, limits, rid: str | None) -> ProtocolError:
+def refusal(reason: str, limits: Limits, rid: str | None) -> ProtocolError:
     """The error for an admission refused because of ``reason`` (client, address, rate, share)."""
     if reason == "client":
         return ProtocolError("busy", f"at most {limits.max_per_client} answers at once per client", rid)
@@ -76,122 +89,16 @@ def refusal(reason: str, limits, rid: str | None) -> ProtocolError:
                                        "again when one of its answers ends", rid)
 
 
-def _decrement(counts: dict, key: str) -> None:
-    counts[key] -= 1
-    if not counts[key]:
-        del counts[key]
+def follow_generation(ticket: Ticket, gen: Generation) -> None:
+    """Follow ``gen``'s events as the engine emits them: started on ``Started``, released at the end.
+
+    Watching the engine's side (not the consumer's) keeps the count right for answers whose
+    client is gone, or whose channel was closed after a failed store write.
+    """
+    gen.observe(lambda event: _observe(ticket, event))
 
 
-class Ticket:
-    """One admitted answer: counted against its client and address until released."""
-
-    def __init__(self, limits: "Limits", client: str, address: str):
-        self.limits, self.client, self.address = limits, client, address
-        self.waiting = True  # until the engine starts it
-        self.released = False
-
-    def started(self) -> None:
-        with self.limits.lock:
-            if self.waiting and not self.released:
-                self.waiting = False
-                _decrement(self.limits.waiting, self.address)
-
-    def release(self) -> None:
-        """Stop counting this answer; safe to call twice, from any thread."""
-        limits = self.limits
-        with limits.lock:
-            if self.released:
-                return
-            self.released = True
-            if self.waiting:
-                _decrement(limits.waiting, self.address)
-            if self.client is not None:
-                _decrement(limits.by_client, self.client)
-            _decrement(limits.by_address, self.address)
-
-
-class Limits:
-    """Admission for connections and answers; shared by the WebSocket and ``/v1``."""
-
-    def __init__(self, settings):
-        self.max_connections = settings.max_connections_per_ip
-        self.max_per_client = settings.max_active_per_connection
-        # An engine-only process hears a few web hosts, which limit their own users: no per-address limits.
-        self.per_address = not settings.engine_only
-        self.max_per_address = settings.max_active_per_ip if self.per_address else 0
-        self.batch = settings.max_batch
-        self.client_rate = Buckets(settings.rate_limit_per_min)
-        self.address_rate = Buckets(settings.rate_limit_per_ip_per_min if self.per_address else 0)
-        self.lock = real_lock()  # tickets are released from engine threads
-        self.connections: dict = {}
-        self.by_client: dict = {}
-        self.by_address: dict = {}
-        self.waiting: dict = {}
-
-    # ---- connections
-
-    def connection_allowed(self, address: str) -> bool:
-        """Whether ``address`` may open one more socket."""
-        with self.lock:
-            return not self.max_connections or self.connections.get(address, 0) < self.max_connections
-
-    def connect(self, address: str) -> None:
-        with self.lock:
-            self.connections[address] = self.connections.get(address, 0) + 1
-
-    def disconnect(self, address: str) -> None:
-        with self.lock:
-            left = self.connections.get(address, 1) - 1
-            if left > 0:
-                self.connections[address] = left
-            else:
-                self.connections.pop(address, None)
-
-    # ---- answers
-
-    def admit(self, address: str, client: str | None = None, rid: str | None = None) -> Ticket:
-        """A ticket for one more answer, or the protocol error that refuses it (in protocol order).
-
-        ``client`` None (``/v1``) counts only against the address.
-        """
-        now = time.monotonic()
-        key = rate_key(client, address)
-        with self.lock:
-            active = self.by_address.get(address, 0)
-            if client is not None and self.by_client.get(client, 0) >= self.max_per_client:
-                raise refusal("client", self, rid)
-            if self.max_per_address and active >= self.max_per_address:
-                raise refusal("address", self, rid)
-            if not ((key is None or self.client_rate.has(key, now)) and self.address_rate.has(address, now)):
-                raise refusal("rate", self, rid)
-            if self.per_address and active >= self.fair_share() and self._others_waiting(address):
-                raise refusal("share", self, rid)
-            if key is not None:
-                self.client_rate.take(key, now)
-            self.address_rate.take(address, now)
-            if client is not None:
-                self.by_client[client] = self.by_client.get(client, 0) + 1
-            self.by_address[address] = active + 1
-            self.waiting[address] = self.waiting.get(address, 0) + 1
-            return Ticket(self, client, address)
-
-    def fair_share(self) -> int:
-        """Batch slots for each address that has answers running or waiting."""
-        return max(1, math.ceil(self.batch / max(1, len(self.by_address))))
-
-    def _others_waiting(self, address: str) -> bool:
-        return any(count for addr, count in self.waiting.items() if addr != address)
-
-    def track(self, ticket: Ticket, gen) -> None:
-        """Follow ``gen``'s events as the engine emits them: started on ``Started``, released at the end.
-
-        Watching the engine's side (not the consumer's) keeps the count right for answers whose
-        client is gone, or whose channel was closed after a failed store write.
-        """
-        gen.observe(lambda event: _observe(ticket, event))
-
-
-def _observe(ticket: Ticket, event) -> None:
+def _observe(ticket: Ticket, event: Event) -> None:
     if isinstance(event, Started):
         ticket.started()
     elif isinstance(event, END):

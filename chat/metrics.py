@@ -34,8 +34,8 @@ class Metrics:
     def __init__(self, engine):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.shared = multiprocess()
-        total = {"multiprocess_mode": "livesum"}  # summed over live workers (when shared)
+        self.multiprocess = multiprocess()
+        total = {"multiprocess_mode": "livesum"}  # summed over live workers (in multiprocess mode)
         self.connections = Gauge("chat_ws_connections", "Open WebSocket connections", registry=r, **total)
         self.probes = [  # gauges read from the engine and the process
             (Gauge("chat_active_generations", "Generations running in the engine", registry=r, **total),
@@ -49,7 +49,7 @@ class Metrics:
         self.slow_probes = [
             (Gauge("chat_greenlets", "Live greenlets in the worker processes", registry=r, **total), _greenlets),
         ]
-        if self.shared:
+        if self.multiprocess:
             spawn(self._refresh_forever)
         else:
             ProcessCollector(registry=r)  # resident memory, CPU, open fds (of this one process)
@@ -80,7 +80,7 @@ class Metrics:
             self.rate.observe(done.timings["tokens_per_s"])
 
     def render(self) -> bytes:
-        if not self.shared:
+        if not self.multiprocess:
             return generate_latest(self.registry)
         from prometheus_client import multiprocess as mp
         self._refresh(self.probes + self.slow_probes)

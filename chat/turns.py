@@ -14,7 +14,8 @@ from .concurrency import spawn
 from .engine import GenParams, Generation
 from .engine.events import Done, Refused
 from .errors import ProtocolError
-from .runs import Run, Runs, Subscriber
+from .limits import Limits
+from .runs import Run, RunHandle, RunRegistry, Subscriber
 from .store import new_id
 
 log = logging.getLogger(__name__)
@@ -23,10 +24,10 @@ log = logging.getLogger(__name__)
 class TurnService:
     """Turns for every client of one process: checks, the engine, the store, the runs."""
 
-    def __init__(self, settings, engine, store, metrics, limits, shared_runs=None):
+    def __init__(self, settings, engine, store, metrics, limits: Limits, runs: RunRegistry):
         self.settings, self.engine, self.store = settings, engine, store
         self.metrics, self.limits = metrics, limits
-        self.runs = Runs(shared_runs)
+        self.runs = runs
 
     # ---- building a turn
 
@@ -110,9 +111,9 @@ class TurnService:
 
     def cancel(self, client: str, rid: str) -> None:
         """End request ``rid`` with ``done`` ``cancelled`` (a no-op once it finished)."""
-        self.run_of(client, rid, "no request {!r} on this client").gen.cancel("cancelled")
+        self.run_of(client, rid, "no request {!r} on this client").cancel("cancelled")
 
-    def resume(self, client: str, rid: str, start: int, subscriber: Subscriber) -> Run:
+    def resume(self, client: str, rid: str, start: int, subscriber: Subscriber) -> RunHandle:
         """Attach ``subscriber`` to request ``rid``: replay from delta ``start``, then live."""
         run = self.run_of(client, rid, "no request {!r} to resume")
         subscriber.adopt(run)
@@ -121,7 +122,7 @@ class TurnService:
             subscriber.forget(run)
         return run
 
-    def run_of(self, client: str, rid: str, missing: str) -> Run:
+    def run_of(self, client: str, rid: str, missing: str) -> RunHandle:
         run = self.runs.get(client, rid)
         if run is None:
             raise ProtocolError("unknown_id", missing.format(rid), rid)
@@ -211,7 +212,7 @@ class TurnService:
         """No one can reach a cookie-less connection's conversations again: delete them once its runs end."""
         def forget() -> None:
             for run in runs:
-                run.finished_event.wait()
+                run.wait()
             self.store.forget_client(client)
         spawn(forget)
 

@@ -65,7 +65,7 @@ def process_key() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-class Shared:
+class RedisConn:
     """One Redis client, this worker's identity, its heartbeat and its control channel."""
 
     def __init__(self, url: str, prefix: str = "chat:"):

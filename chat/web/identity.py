@@ -8,14 +8,14 @@ import logging
 import re
 import secrets
 
+from ..clients import ANONYMOUS, KEY_HOLDER  # noqa: F401  (re-exported for the web layer)
+
 log = logging.getLogger(__name__)
 
 COOKIE = "chat_client"
 # Over https the cookie carries the __Host- prefix: the browser then accepts it only from this
 # exact host, Secure, Path=/, so a sibling subdomain cannot plant an identity.
 HOST_COOKIE = "__Host-chat_client"
-ANONYMOUS = "anon:"  # a connection without a cookie; ':' never occurs in a cookie id
-KEY_HOLDER = "key:"  # programs that proved the API key name identities in their own namespace
 SUBPROTOCOL = "chat.v1"
 KEY_SUBPROTOCOL = "bearer."  # Sec-WebSocket-Protocol: chat.v1, bearer.<key> (browsers cannot set headers)
 _ID = re.compile(r"[A-Za-z0-9_-]{16,64}")

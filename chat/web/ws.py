@@ -219,9 +219,9 @@ class Session:
     def on_stop(self, req) -> bool:
         runs = [r for r in self.runs.values() if not r.finished]
         for run in runs:
-            run.gen.cancel("cancelled")
+            run.cancel("cancelled")
         for run in runs:
-            run.finished_event.wait(10)
+            run.wait(10)
         self.close(1000, "stop")
         return False
 
