@@ -2,36 +2,16 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from flask import Flask
 
+from .app_state import AppState, app_state
 from .config import Settings
-from .metrics import Metrics
 from .web import identity
 
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .state import StateBackend
-    from .store import Store
-
+__all__ = ["AppState", "app_state", "create_app"]
 __version__ = "0.1.0"
 ANONYMOUS_STALE_S = 24 * 3600
-
-
-class AppState:
-    """What the blueprints share, all declared here: settings, engine, store, the turn service, limits."""
-
-    def __init__(self, settings: Settings, engine: Engine, store: Store | None, state_backend: StateBackend):
-        from .turns import TurnService
-        self.settings = settings
-        self.engine = engine
-        self.store = store
-        self.state_backend = state_backend  # runs and limits: this process's, or every worker's in Redis
-        self.metrics = Metrics(engine)
-        self.limits = state_backend.limits
-        self.turns = TurnService(settings, engine, store, self.metrics, self.limits, state_backend.runs)
-        self.sessions: set = set()  # open WebSocket sessions, closed at shutdown
 
 
 def create_app(settings: Settings | None = None, engine=None, store=None) -> Flask:

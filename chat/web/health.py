@@ -1,8 +1,9 @@
 """Health, readiness and metrics endpoints."""
 from __future__ import annotations
 
-from flask import Blueprint, Response, current_app, jsonify
+from flask import Blueprint, Response, jsonify
 
+from ..app_state import app_state
 from ..metrics import CONTENT_TYPE_LATEST
 
 bp = Blueprint("api", __name__)
@@ -17,7 +18,7 @@ def healthz():
 @bp.get("/readyz")
 def readyz():
     """200 once the model is loaded and warmed up, else 503."""
-    engine = current_app.extensions["chat"].engine
+    engine = app_state().engine
     if engine.ready:
         return jsonify({"status": "ready", "model": engine.model_name})
     if engine.error:  # the reason (paths, backend URL) is in the server log, not for anyone who asks
@@ -28,4 +29,4 @@ def readyz():
 @bp.get("/metrics")
 def metrics():
     """Prometheus text format."""
-    return Response(current_app.extensions["chat"].metrics.render(), mimetype=CONTENT_TYPE_LATEST)
+    return Response(app_state().metrics.render(), mimetype=CONTENT_TYPE_LATEST)

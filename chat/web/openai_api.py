@@ -8,8 +8,9 @@ import time
 import uuid
 from json.encoder import encode_basestring
 
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, Response, jsonify, request
 
+from ..app_state import app_state
 from ..engine.events import Delta, Done, Refused
 from ..errors import PROTOCOL_STATUS, ChatError, EngineError, RequestError
 from . import guard
@@ -27,19 +28,15 @@ _STARTED = int(time.time())
 _MARK = "@@chat-content@@"  # stands for a delta's text in the prebuilt chunk
 
 
-def _state():
-    return current_app.extensions["chat"]
-
-
 @bp.before_request
 def _authorize():
     """With CHAT_API_KEY set, every /v1 call needs ``Authorization: Bearer <key>``."""
-    if not guard.key_ok(_state().settings, socket=False):
+    if not guard.key_ok(app_state().settings, socket=False):
         raise RequestError("invalid_api_key", "missing or invalid API key (use Authorization: Bearer <key>)", 401)
 
 
 def _engine_ready():
-    engine = _state().engine
+    engine = app_state().engine
     if not engine.ready:  # the load error names paths and URLs: it stays in the log
         raise RequestError("model_not_ready", "the model is not ready yet", 503)
     return engine
@@ -240,7 +237,7 @@ def get_model(model_id):
 @bp.post("/chat/completions")
 def chat_completions():
     """Answer a conversation, streamed as SSE chunks or as one JSON object."""
-    state = _state()
+    state = app_state()
     values = parse_request(_read_json(), state.settings)
     engine = _engine_ready()
     gen = state.turns.answer(guard.address(state.settings), values["messages"], gen_params(values))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from flask import Blueprint, current_app, render_template, request
 
+from ..app_state import app_state
 from . import identity
 
 bp = Blueprint("pages", __name__)
@@ -15,7 +16,7 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' 
 @bp.get("/")
 def index():
     """The chat page; gives a new visitor a random identity cookie."""
-    settings = current_app.extensions["chat"].settings
+    settings = app_state().settings
     response = current_app.make_response(render_template("index.html"))
     if identity.browser_client() is None:
         value = identity.cookie_value(identity.new_client_id(), settings.api_key)
@@ -30,7 +31,7 @@ _proxy_warning = identity.ProxyWarning()
 @bp.before_app_request
 def warn_about_untrusted_proxy():
     """Tell the operator once that a proxy's X-Forwarded-For is being ignored."""
-    _proxy_warning.check(request, current_app.extensions["chat"].settings.trusted_proxies)
+    _proxy_warning.check(request, app_state().settings.trusted_proxies)
 
 
 @bp.after_app_request

@@ -6,11 +6,12 @@ import logging
 import threading
 from json.encoder import encode_basestring
 
-from flask import Blueprint, current_app
+from flask import Blueprint
 from flask_sock import Sock
 from simple_websocket import ConnectionClosed
 from wsproto.connection import ConnectionState
 
+from ..app_state import app_state
 from ..errors import ChatError, ProtocolError, RequestError
 from . import backpressure, guard, identity
 from .protocol import PROTOCOL, error_frame, parse
@@ -26,14 +27,11 @@ def init_app(app) -> None:
     app.register_blueprint(bp)
 
 
-def _state():
-    return current_app.extensions["chat"]
-
-
 @bp.before_request
 def handshake():
     """Refuse the upgrade before it happens: origin, API key, per-IP connection limit."""
-    state, settings = _state(), _state().settings
+    state = app_state()
+    settings = state.settings
     try:
         guard.check_origin(settings)
         if not guard.key_ok(settings, socket=True):
@@ -48,7 +46,7 @@ def handshake():
 @sock.route("/ws", bp=bp)
 def websocket(ws):
     """Serve one connection until it closes."""
-    state = _state()
+    state = app_state()
     address = guard.address(state.settings)
     state.limits.connect(address)
     state.metrics.connections.inc()
@@ -242,10 +240,3 @@ class Session:
         except Exception:  # already gone, or a stalled reader (SendTimeout): tear it down
             backpressure.cut(self.ws)
 
-
-def graceful_shutdown(state, timeout: float) -> None:
-    """Let answers finish within ``timeout`` (the rest end with ``shutdown`` and are stored),
-    then close the sockets (1001) so the worker can exit before its graceful timeout."""
-    state.turns.shutdown(timeout)
-    for session in list(state.sessions):  # a reader that stalls gets 1 s, not CHAT_SEND_TIMEOUT_S
-        session.close(1001, "server shutting down", timeout=1.0)
