@@ -74,7 +74,8 @@ class _PlainReceiver:
 class _GreenReceiver:
     def __init__(self, sock):
         import gevent
-        self._raw = sock._sock  # non-blocking: gevent's socket waits for it
+        # non-blocking: gevent's socket waits for it (a private attribute: gevent is bounded in requirements.txt)
+        self._raw = sock._sock
         self._hub = gevent.get_hub()
         self._readable = self._hub.loop.io(self._raw.fileno(), 1)
         self._drained = True  # read once the socket is readable, or right after a full read

@@ -100,7 +100,7 @@ def _send_all(sock, data: bytes) -> None:
 def _send_now(sock, data: bytes) -> int:
     """Bytes of ``data`` the kernel takes at once, without waiting (nor a timer): gevent's socket
     wraps a non-blocking one, and a small frame nearly always fits in its buffer."""
-    raw = getattr(sock, "_sock", None)
+    raw = getattr(sock, "_sock", None)  # gevent's private wrapped socket (bounded in requirements.txt)
     if raw is None or raw.gettimeout() != 0.0:
         return 0
     try:
@@ -112,6 +112,7 @@ def _send_now(sock, data: bytes) -> int:
 def plain_connection(ws):
     """The socket's wsproto connection when frames may be written directly: a server socket
     with no extension negotiated (permessage-deflate must go through wsproto); else None."""
+    # simple-websocket's wsproto connection and wsproto's private frame protocol (both bounded in requirements.txt)
     conn = getattr(getattr(ws, "ws", None), "connection", None)
     proto = getattr(conn, "_proto", None)
     if proto is None or proto.extensions or not getattr(ws, "is_server", False):
