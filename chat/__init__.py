@@ -3,18 +3,25 @@ from __future__ import annotations
 
 import logging
 
+from typing import TYPE_CHECKING
+
 from flask import Flask
 
 from .app_state import AppState, app_state
 from .config import Settings
 from .web import identity
 
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .store import Store
+
 __all__ = ["AppState", "app_state", "create_app"]
 __version__ = "0.1.0"
 ANONYMOUS_STALE_S = 24 * 3600
 
 
-def create_app(settings: Settings | None = None, engine=None, store=None) -> Flask:
+def create_app(settings: Settings | None = None, engine: Engine | None = None,
+               store: Store | None = None) -> Flask:
     """Build the Flask app; the engine starts loading its model on its own thread."""
     settings = settings or Settings.from_env()
     logging.basicConfig(level=settings.log_level.upper(),

@@ -29,7 +29,7 @@ class Socket(Protocol):
 class AppState:
     """What the blueprints share, all declared here: settings, engine, store, the turn service, limits."""
 
-    def __init__(self, settings: Settings, engine: Engine, store: Store | None, state_backend: StateBackend):
+    def __init__(self, settings: Settings, engine: Engine, store: Store | None, state_backend: StateBackend) -> None:
         from .turns import TurnService
         self.settings = settings
         self.engine = engine

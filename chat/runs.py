@@ -19,6 +19,7 @@ from .engine.events import Delta, Done, Event, Queued, Refused, Started
 from .errors import StorageFull
 
 if TYPE_CHECKING:
+    from .store import Store
     from .turns import TurnService
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class Run:
     """One answer: the replay buffer, store checkpoints, metrics and the log line (via the service)."""
 
     def __init__(self, service: TurnService, client: str, rid: str, conversation_id: str, message_id: str,
-                 gen: Generation, subscriber: Subscriber | None, prefix: str = ""):
+                 gen: Generation, subscriber: Subscriber | None, prefix: str = "") -> None:
         self.service, self.client, self.id = service, client, rid
         self.prefix = prefix  # continue: the answer's text so far, which the deltas extend
         self.conversation_id, self.message_id, self.gen = conversation_id, message_id, gen
@@ -117,7 +118,7 @@ class Run:
         self.last_checkpoint = time.monotonic()
 
     @property
-    def store(self):
+    def store(self) -> Store:
         return self.service.store
 
     def cancel(self, reason: str = "cancelled") -> None:
@@ -172,7 +173,7 @@ class Run:
             self.last_checkpoint = now
             self.write(self.store.save_partial, self.message_id, self.prefix + "".join(self.deltas))
 
-    def write(self, method, *args) -> None:
+    def write(self, method: Callable[..., object], *args) -> None:
         """A store write the answer goes on without: a full store is logged there, the client still gets it."""
         try:
             method(*args)

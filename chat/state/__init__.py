@@ -7,12 +7,16 @@ modules import ``redis``.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from ..limits import Limits
 from ..runs import RunRegistry
 from .local_limits import LocalLimits
 from .local_runs import LocalRuns
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from ..store import Store
 
 
 class StateBackend(Protocol):
@@ -31,7 +35,7 @@ class StateBackend(Protocol):
         """Whether the writer of a streaming answer may still be at work (see ``Store.recover``);
         None: the store's own check."""
 
-    def start(self, store) -> None:
+    def start(self, store: Store | None) -> None:
         """Start background work (once the store is open)."""
 
     def close(self) -> None:
@@ -43,18 +47,18 @@ class LocalState:
 
     alive = None
 
-    def __init__(self, settings):
+    def __init__(self, settings: Settings) -> None:
         self.runs = LocalRuns()
         self.limits = LocalLimits(settings)
 
-    def start(self, store) -> None:
+    def start(self, store: Store | None) -> None:
         """Nothing runs in the background."""
 
     def close(self) -> None:
         """Nothing to release."""
 
 
-def open_state(settings) -> StateBackend:
+def open_state(settings: Settings) -> StateBackend:
     """Redis with CHAT_STATE_URL (except in an engine-only process, which keeps no runs of its own
     and leaves per-address limits to the web hosts), else this process alone."""
     if settings.state_url and not settings.engine_only:

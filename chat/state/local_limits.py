@@ -5,6 +5,7 @@ import math
 import time
 
 from ..concurrency import real_lock
+from ..config import Settings
 from ..engine import Generation
 from ..limits import Ticket, follow_generation, rate_key, refusal
 
@@ -15,7 +16,7 @@ IDLE_S = 120.0
 class Buckets:
     """Token buckets by key: ``per_min`` a minute, bursts up to the same; 0 means unlimited."""
 
-    def __init__(self, per_min: int):
+    def __init__(self, per_min: int) -> None:
         self.per_min = per_min
         self.state: dict = {}
 
@@ -43,7 +44,7 @@ def _decrement(counts: dict, key: str) -> None:
 class LocalTicket:
     """One admitted answer: counted against its client and address until released."""
 
-    def __init__(self, limits: "LocalLimits", client: str | None, address: str):
+    def __init__(self, limits: "LocalLimits", client: str | None, address: str) -> None:
         self.limits, self.client, self.address = limits, client, address
         self.waiting = True  # until the engine starts it
         self.released = False
@@ -71,7 +72,7 @@ class LocalTicket:
 class LocalLimits:
     """Admission for connections and answers, counted in this process (see ``chat.limits``)."""
 
-    def __init__(self, settings):
+    def __init__(self, settings: Settings) -> None:
         self.max_connections = settings.max_connections_per_ip
         self.max_per_client = settings.max_active_per_connection
         # An engine-only process hears a few web hosts, which limit their own users: no per-address limits.

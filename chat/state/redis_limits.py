@@ -10,7 +10,10 @@ from __future__ import annotations
 import itertools
 import time
 
+from redis.client import Pipeline
+
 from ..concurrency import real_lock
+from ..config import Settings
 from ..engine import Generation
 from ..limits import Ticket, follow_generation, rate_key, refusal
 from .redis_conn import LEASE_S, RedisConn, best_effort, required
@@ -81,7 +84,7 @@ return 0
 class RedisTicket:
     """One admitted answer, counted in Redis until released; safe to end from any thread."""
 
-    def __init__(self, limits: "RedisLimits", client: str | None, address: str, id: str):
+    def __init__(self, limits: "RedisLimits", client: str | None, address: str, id: str) -> None:
         self.limits, self.client, self.address, self.id = limits, client, address, id
         self.waiting = True
         self.released = False
@@ -105,7 +108,7 @@ class RedisTicket:
 class RedisLimits:
     """The same admission rules as ``LocalLimits``, counted across every worker (see the module doc)."""
 
-    def __init__(self, conn: RedisConn, settings):
+    def __init__(self, conn: RedisConn, settings: Settings) -> None:
         self.conn, self.redis = conn, conn.redis
         self.max_connections = settings.max_connections_per_ip
         self.max_per_client = settings.max_active_per_connection
@@ -193,7 +196,7 @@ class RedisLimits:
         self._release(keys=self._keys(ticket) + [self._key("addresses"), self._key("waiting")],
                       args=[ticket.id, ticket.address])
 
-    def _renew(self, pipe, now: float) -> None:
+    def _renew(self, pipe: Pipeline, now: float) -> None:
         deadline, ttl = now + self.lease_s, int(self.lease_s) + 1
         for ticket in list(self.tickets):
             if ticket.client is not None:
@@ -205,5 +208,5 @@ class RedisLimits:
             if ticket.waiting:
                 pipe.zadd(self._key("waiting"), {f"{ticket.address}|{ticket.id}": deadline}, xx=True)
         for address, members in list(self.sockets.items()):
-            pipe.zadd(self._key("conn", address), {m: deadline for m in members})
+            pipe.zadd(self._key("conn", address), dict.fromkeys(members, deadline))
             pipe.expire(self._key("conn", address), ttl)

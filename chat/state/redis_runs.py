@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from typing import cast
 
 import redis
+from redis.client import Pipeline
 
 from ..concurrency import spawn
 from ..runs import Run, RunHandle, Subscriber
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 FOLLOW_TTL_S = 5  # a follower renews its mark faster than this; the owner's grace then waits
 BLOCK_MS = 1000
 TERMINAL = ("done", "error")
+_Entries = list[tuple[str, dict[str, str]]]  # a stream's entries, as read with decode_responses
 
 # Delete the busy flag only if it is still ours (a lapsed lease may have passed it on).
 _UNCLAIM = """
@@ -38,7 +41,7 @@ class RedisRuns:
     """``chat.runs.RunRegistry`` for every worker: this worker's runs (a ``LocalRuns``) and, in Redis,
     claims, run records, frame mirrors, cancel and follow (see the module doc)."""
 
-    def __init__(self, conn: RedisConn, resume_grace_s: float, max_frames: int):
+    def __init__(self, conn: RedisConn, resume_grace_s: float, max_frames: int) -> None:
         self.here = LocalRuns()
         self.conn, self.redis = conn, conn.redis
         self.grace = max(1, int(resume_grace_s + 0.999))
@@ -177,7 +180,7 @@ class RedisRuns:
         if isinstance(mirror, Mirror):
             mirror.broken = True
 
-    def _renew(self, pipe, now: float) -> None:
+    def _renew(self, pipe: Pipeline, now: float) -> None:
         for conversation_id in list(self.claims):
             pipe.expire(self._busy_key(conversation_id), LEASE_S)
         for client, rid in list(self.owned):
@@ -198,7 +201,7 @@ class RedisRuns:
 class Mirror:
     """Appends a run's frames to its stream; after a Redis failure it stops (the socket goes on)."""
 
-    def __init__(self, runs: RedisRuns, run: Run):
+    def __init__(self, runs: RedisRuns, run: Run) -> None:
         self.redis = runs.redis
         self.key = runs.stream_key(run.client, run.id)
         self.maxlen = runs.max_frames
@@ -229,7 +232,7 @@ class RemoteRun:
     """A run owned by another worker, followed through its stream for one socket here
     (a ``chat.runs.RunHandle``: cancel asks the owner by a control message)."""
 
-    def __init__(self, runs: RedisRuns, client: str, rid: str, info: dict):
+    def __init__(self, runs: RedisRuns, client: str, rid: str, info: dict) -> None:
         self.runs, self.redis = runs, runs.redis
         self.client, self.id = client, rid
         self.worker = info["worker"]
@@ -256,7 +259,7 @@ class RemoteRun:
         self.redis.set(self.follow_key, self.runs.conn.worker, ex=FOLLOW_TTL_S)
         self.runs.conn.send(self.worker, "moved", client=self.client, rid=self.id)
         last = "0-0"
-        for entry_id, fields in self.redis.xrange(self.stream):
+        for entry_id, fields in cast(_Entries, self.redis.xrange(self.stream)):
             last = entry_id
             frame = json.loads(fields["f"])
             if frame["type"] == "delta" and frame["index"] < start:
@@ -272,7 +275,7 @@ class RemoteRun:
         try:
             while self.subscriber is not None:
                 self.redis.set(self.follow_key, self.runs.conn.worker, ex=FOLLOW_TTL_S)
-                reply = self.redis.xread({self.stream: last}, block=BLOCK_MS)
+                reply = cast("list[tuple[str, _Entries]]", self.redis.xread({self.stream: last}, block=BLOCK_MS))
                 for _, entries in reply or ():
                     for entry_id, fields in entries:
                         last = entry_id

@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from ..concurrency import spawn
 from .redis_conn import RedisConn
 from .redis_limits import RedisLimits
 from .redis_runs import RedisRuns
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from ..store import Store
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +22,7 @@ RECOVER_EVERY_S = 5.0  # one indexed query for streaming answers
 class RedisState:
     """A ``chat.state.StateBackend`` in Redis: the connection, the run registry, the limits."""
 
-    def __init__(self, settings):
+    def __init__(self, settings: Settings) -> None:
         self.conn = RedisConn(settings.state_url)
         self.runs = RedisRuns(self.conn, settings.resume_grace_s, settings.max_new_tokens + 16)
         self.limits = RedisLimits(self.conn, settings)
@@ -28,12 +33,13 @@ class RedisState:
         from ..store.liveness import local_alive
         return local_alive(owner, other_hosts=True) and self.conn.alive(owner)
 
-    def start(self, store) -> None:
+    def start(self, store: Store | None) -> None:
         """Start the heartbeat and control channel, and sweep answers whose writer died elsewhere."""
         self.conn.start()
-        spawn(self._recover, store)
+        if store is not None:
+            spawn(self._recover, store)
 
-    def _recover(self, store) -> None:
+    def _recover(self, store: Store) -> None:
         while not self.conn.closed:
             time.sleep(RECOVER_EVERY_S)
             try:

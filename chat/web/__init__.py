@@ -1,8 +1,10 @@
 """The transports: the page, the WebSocket, the conversations API, the OpenAI-compatible API."""
 from __future__ import annotations
 
+from flask import Flask
 
-def init_app(app, engine_only: bool = False) -> None:
+
+def init_app(app: Flask, engine_only: bool = False) -> None:
     """Register the blueprints, the WebSocket route and the error handlers.
 
     ``engine_only``: only ``/v1`` and health, for web workers that use this process as their backend.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify
+from flask.typing import ResponseReturnValue
 
 from ..app_state import app_state
 from ..metrics import CONTENT_TYPE_LATEST
@@ -10,13 +11,13 @@ bp = Blueprint("api", __name__)
 
 
 @bp.get("/healthz")
-def healthz():
+def healthz() -> ResponseReturnValue:
     """Liveness: the event loop answers."""
     return jsonify({"status": "ok"})
 
 
 @bp.get("/readyz")
-def readyz():
+def readyz() -> ResponseReturnValue:
     """200 once the model is loaded and warmed up, else 503."""
     engine = app_state().engine
     if engine.ready:
@@ -27,6 +28,6 @@ def readyz():
 
 
 @bp.get("/metrics")
-def metrics():
+def metrics() -> Response:
     """Prometheus text format."""
     return Response(app_state().metrics.render(), mimetype=CONTENT_TYPE_LATEST)

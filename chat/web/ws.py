@@ -13,6 +13,7 @@ from wsproto.connection import ConnectionState
 
 from ..app_state import app_state
 from ..errors import ChatError, ProtocolError, RequestError
+from ..runs import RunHandle
 from . import backpressure, guard, identity
 from .protocol import PROTOCOL, error_frame, parse
 
@@ -126,7 +127,7 @@ class Session:
     def __init__(self, ws, state, client: str, address: str = "?"):
         self.ws, self.state, self.client, self.address = ws, state, client, address
         self.settings, self.turns = state.settings, state.turns
-        self.runs: dict = {}  # request id -> Run attached to this connection
+        self.runs: dict[str, RunHandle] = {}  # request id -> run attached to this connection
         self.send_lock = threading.Lock()
         self.send_bound = backpressure.Bound(self.settings.send_timeout_s)  # used under send_lock only
         self.plain = plain_connection(ws)
@@ -224,11 +225,11 @@ class Session:
         self.close(1000, "stop")
         return False
 
-    def adopt(self, run) -> None:
+    def adopt(self, run: RunHandle) -> None:
         """A run now sends its frames here."""
         self.runs[run.id] = run
 
-    def forget(self, run) -> None:
+    def forget(self, run: RunHandle) -> None:
         """The run ended, or moved to another connection."""
         if self.runs.get(run.id) is run:
             del self.runs[run.id]
