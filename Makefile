@@ -5,13 +5,19 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.runtime-installed
 DEV := $(VENV)/.dev-installed
 
-.PHONY: run test install install-dev system-deps bench docs vendor clean
+.PHONY: run test lint install install-dev system-deps bench docs vendor clean
 
 run: $(RUNTIME)
 	$(BIN)/gunicorn -c gunicorn.conf.py wsgi:app
 
-test: $(DEV) system-deps
+# Lint and type check first: a finding fails the run before any test starts.
+test: lint system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff and mypy on chat/, configured in pyproject.toml.
+lint: $(DEV)
+	$(BIN)/ruff check
+	$(BIN)/mypy
 
 install: $(RUNTIME)
 install-dev: $(DEV)
@@ -50,4 +56,4 @@ vendor:
 	scripts/vendor-frontend.sh
 
 clean:
-	rm -rf $(VENV) data/model-cache data/test-cache
+	rm -rf $(VENV) data/model-cache data/test-cache .mypy_cache .ruff_cache

@@ -79,15 +79,15 @@ def post_worker_init(worker):
     """On SIGTERM, finish answers within the graceful timeout and store the rest as partial."""
     import gevent
 
-    from chat.web.ws import graceful_shutdown
+    from chat import app_state
 
-    state = worker.wsgi.extensions["chat"]
+    state = app_state(worker.wsgi)
     # Keep a margin inside gunicorn's own graceful timeout for the final shutdown frames.
     budget = max(worker.cfg.graceful_timeout * 0.5, worker.cfg.graceful_timeout - 3)
 
     def on_term():
-        worker.alive = False
-        graceful_shutdown(state, budget)
+        worker.alive = False  # gunicorn stops accepting connections
+        state.shutdown(budget)
 
     gevent.signal_handler(signal.SIGTERM, on_term)
 
@@ -118,17 +118,16 @@ def child_exit(server, worker):
 
 
 def worker_exit(server, worker):
-    """End the engine's work cleanly, then leave at once.
+    """The server let go of every connection: close the app (engine, store, shared state), then leave at once.
 
     Interpreter shutdown can hang in the gevent hub when the master died first
     (the worker logs "exiting" and lingers); everything worth keeping is already
     committed to SQLite, so skip the finalizers.
     """
-    state = getattr(getattr(worker, "wsgi", None), "extensions", {}).get("chat")
-    if state is not None:
-        state.engine.shutdown("shutdown")
-        if getattr(state, "store", None) is not None:
-            state.store.close()
+    app = getattr(worker, "wsgi", None)
+    if app is not None and "chat" in getattr(app, "extensions", {}):  # None if the app failed to load
+        from chat import app_state
+        app_state(app).close()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

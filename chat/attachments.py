@@ -8,7 +8,7 @@ MAX_NAME_CHARS = 200
 _FENCE = re.compile(r"`{3,}")
 
 
-def problem(value) -> str | None:
+def problem(value: object) -> str | None:
     """Why ``value`` is not a valid attachments list (None when it is)."""
     if not isinstance(value, list):
         return "must be a list"
@@ -23,17 +23,17 @@ def problem(value) -> str | None:
     return None
 
 
-def clean(value) -> list[dict]:
+def clean(value: list[dict] | None) -> list[dict]:
     """Only the fields that are kept: name and text."""
     return [{"name": a["name"], "text": a["text"]} for a in value or []]
 
 
-def chars(attachments) -> int:
+def chars(attachments: list[dict] | None) -> int:
     """Characters of attachment text, counted against ``max_content_chars``."""
     return sum(len(a["text"]) for a in attachments or [])
 
 
-def with_attachments(content: str, attachments) -> str:
+def with_attachments(content: str, attachments: list[dict] | None) -> str:
     """The text the model sees: the message, then each file as a fenced block under its name."""
     parts = [content]
     for a in attachments or []:

@@ -9,6 +9,12 @@ import collections
 import sys
 import time
 
+import socket
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
 def gevent_active() -> bool:
     """True when gevent has monkey-patched this process (gunicorn's gevent worker)."""
     monkey = sys.modules.get("gevent.monkey")
@@ -22,12 +28,12 @@ def _original(module: str, name: str):
     return getattr(__import__(module), name)
 
 
-def real_lock():
+def real_lock() -> Any:
     """A lock of the OS, usable between real threads even when threading is patched."""
     return _original("_thread", "allocate_lock")()
 
 
-def start_real_thread(target, *args, name: str = "engine") -> None:
+def start_real_thread(target: Callable[..., object], *args, name: str = "engine") -> None:
     """Run ``target(*args)`` on a real OS thread, never a greenlet on the event loop."""
     if gevent_active():
         _original("_thread", "start_new_thread")(target, args)
@@ -36,7 +42,7 @@ def start_real_thread(target, *args, name: str = "engine") -> None:
         threading.Thread(target=target, args=args, name=name, daemon=True).start()
 
 
-def spawn(target, *args) -> None:
+def spawn(target: Callable[..., object], *args) -> None:
     """Run ``target`` concurrently: a greenlet under gevent, else a daemon thread."""
     if gevent_active():
         import gevent
@@ -46,7 +52,7 @@ def spawn(target, *args) -> None:
         threading.Thread(target=target, args=args, daemon=True).start()
 
 
-def receiver(sock):
+def receiver(sock: socket.socket) -> _PlainReceiver | _GreenReceiver:
     """``recv(n)`` for a connected socket with no timeout, at the least cost per call this runtime allows.
 
     Under gevent, a plain TCP socket is read through the OS socket it wraps, waiting on one
@@ -64,7 +70,7 @@ def receiver(sock):
 
 
 class _PlainReceiver:
-    def __init__(self, sock):
+    def __init__(self, sock: socket.socket) -> None:
         self.recv = sock.recv
 
     def close(self) -> None:
@@ -72,9 +78,10 @@ class _PlainReceiver:
 
 
 class _GreenReceiver:
-    def __init__(self, sock):
+    def __init__(self, sock: Any) -> None:
         import gevent
-        self._raw = sock._sock  # non-blocking: gevent's socket waits for it
+        # non-blocking: gevent's socket waits for it (a private attribute: gevent is bounded in requirements.txt)
+        self._raw = sock._sock
         self._hub = gevent.get_hub()
         self._readable = self._hub.loop.io(self._raw.fileno(), 1)
         self._drained = True  # read once the socket is readable, or right after a full read
@@ -103,7 +110,7 @@ def real_sleep(seconds: float) -> None:
 class Wakeup:
     """A binary semaphore an OS thread waits on; anyone may ``set`` it without blocking."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = real_lock()
         self._lock.acquire()
 
@@ -120,7 +127,7 @@ class Wakeup:
 class Counter:
     """An integer any thread or greenlet may change; readers see a plain int."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = real_lock()
         self.value = 0
 
@@ -137,8 +144,8 @@ class Channel:
     watcher belongs to the consumer's hub.
     """
 
-    def __init__(self):
-        self._items = collections.deque()
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
         self._closed = False
         if gevent_active():
             import gevent
@@ -146,7 +153,7 @@ class Channel:
             self._event = Event()
             self._watcher = gevent.get_hub().loop.async_()
             self._watcher.start(self._event.set)
-            self._cond = None
+            self._cond: Any = None  # a threading.Condition without gevent
             self._thread_id = _original("_thread", "get_ident")
             self._owner = self._thread_id()
         else:
@@ -161,7 +168,7 @@ class Channel:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, item) -> None:
+    def put(self, item: object) -> None:
         """Thread-safe, never blocks; after ``close`` nobody is woken (the watcher is gone)."""
         self._items.append(item)
         if self._watcher is not None:
@@ -180,7 +187,7 @@ class Channel:
             with self._cond:
                 self._cond.notify_all()
 
-    def get(self, timeout: float | None = None):
+    def get(self, timeout: float | None = None) -> Any:
         """The next item, or None when ``timeout`` passes first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -215,7 +222,7 @@ class Channel:
             self._watcher.close()
 
 
-def run_in_thread(fn, *args):
+def run_in_thread(fn: Callable[..., T], *args) -> T:
     """``fn(*args)`` on a real OS thread; under gevent only the calling greenlet waits for it.
 
     For CPU work (tokenizing a long history) that would otherwise hold up every

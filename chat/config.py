@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from .errors import ConfigError
 
@@ -48,7 +50,8 @@ def _state_url(raw: str) -> str:
     return value
 
 
-def _setting(env: str, default, parse=None, *, low=None, high=None, doc="", section="", shown=""):
+def _setting(env: str, default: Any, parse: Callable[[str], Any] | None = None, *, low: float | None = None,
+             high: float | None = None, doc: str = "", section: str = "", shown: str = "") -> Any:
     """A dataclass field that knows its environment variable, how to parse it and how to document it.
 
     ``section`` starts a new group in the docs at this field; ``shown`` replaces the default there.
@@ -269,7 +272,7 @@ class Settings:
         doc="Network timeout for the backend: connecting, and the longest silence while streaming.")
 
     @classmethod
-    def from_env(cls, environ=None, **overrides) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Settings":
         """Read every ``CHAT_*`` variable; a bad value raises ConfigError naming it."""
         environ = os.environ if environ is None else environ
         values = {}

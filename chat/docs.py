@@ -50,7 +50,7 @@ def configuration() -> str:
     return INTRO + "\n".join(rows) + "\n" + OUTRO
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Write the file, or with ``--check`` say whether it is current (exit status 1 when not)."""
     parser = argparse.ArgumentParser(prog="python -m chat.docs", description=__doc__)
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 if the file is stale")

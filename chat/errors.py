@@ -15,7 +15,7 @@ class ChatError(Exception):
     code = "internal"
     status = 500
 
-    def __init__(self, message: str, code: str | None = None, status: int | None = None):
+    def __init__(self, message: str, code: str | None = None, status: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
@@ -31,7 +31,7 @@ class ConfigError(ChatError):
 class ProtocolError(ChatError):
     """A client request refused with one of the protocol's codes, for the request ``id``."""
 
-    def __init__(self, code: str, message: str, id: str | None = None):
+    def __init__(self, code: str, message: str, id: str | None = None) -> None:
         if code not in PROTOCOL_STATUS:
             raise ValueError(f"{code!r} is not a protocol error code")
         super().__init__(message, code, PROTOCOL_STATUS[code])
@@ -41,7 +41,7 @@ class ProtocolError(ChatError):
 class RequestError(ChatError):
     """An HTTP API refusal outside the protocol's codes; ``param`` names the offending field."""
 
-    def __init__(self, code: str, message: str, status: int = 400, param: str | None = None):
+    def __init__(self, code: str, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message, code, status)
         self.param = param
 
@@ -49,7 +49,7 @@ class RequestError(ChatError):
 class StorageFull(ProtocolError):
     """The database cannot grow (disk full, or CHAT_DB_MAX_MB): nothing new is stored, nothing stored is lost."""
 
-    def __init__(self, id: str | None = None):
+    def __init__(self, id: str | None = None) -> None:
         super().__init__("overloaded", "the server's storage is full: nothing was saved; try again later", id)
 
 

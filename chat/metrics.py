@@ -11,10 +11,15 @@ import gc
 import os
 import time
 
+from typing import TYPE_CHECKING, Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for api.py)
 
 from .concurrency import spawn
+
+if TYPE_CHECKING:
+    from .engine import Done, Engine
 
 REFRESH_S = 1.0
 SLOW_REFRESH_S = 30.0  # counting greenlets walks every object: not every second in every worker
@@ -31,11 +36,11 @@ RATE_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 40, 60, 80, 120, 160, 250, 500)
 class Metrics:
     """The server's counters, gauges and histograms."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.shared = multiprocess()
-        total = {"multiprocess_mode": "livesum"}  # summed over live workers (when shared)
+        self.multiprocess = multiprocess()
+        total: dict[str, Any] = {"multiprocess_mode": "livesum"}  # summed over live workers (in multiprocess mode)
         self.connections = Gauge("chat_ws_connections", "Open WebSocket connections", registry=r, **total)
         self.probes = [  # gauges read from the engine and the process
             (Gauge("chat_active_generations", "Generations running in the engine", registry=r, **total),
@@ -49,7 +54,7 @@ class Metrics:
         self.slow_probes = [
             (Gauge("chat_greenlets", "Live greenlets in the worker processes", registry=r, **total), _greenlets),
         ]
-        if self.shared:
+        if self.multiprocess:
             spawn(self._refresh_forever)
         else:
             ProcessCollector(registry=r)  # resident memory, CPU, open fds (of this one process)
@@ -67,7 +72,7 @@ class Metrics:
         self.rate = Histogram("chat_tokens_per_second", "Decode speed per generation",
                               buckets=RATE_BUCKETS, registry=r)
 
-    def finished(self, done) -> None:
+    def finished(self, done: Done) -> None:
         """Record one ``Done`` event."""
         self.generations.labels(done.reason).inc()
         if done.reason == "cancelled":
@@ -80,7 +85,7 @@ class Metrics:
             self.rate.observe(done.timings["tokens_per_s"])
 
     def render(self) -> bytes:
-        if not self.shared:
+        if not self.multiprocess:
             return generate_latest(self.registry)
         from prometheus_client import multiprocess as mp
         self._refresh(self.probes + self.slow_probes)
@@ -88,7 +93,7 @@ class Metrics:
         mp.MultiProcessCollector(registry)
         return generate_latest(registry)
 
-    def _refresh(self, probes=None) -> None:
+    def _refresh(self, probes: list | None = None) -> None:
         for gauge, probe in self.probes if probes is None else probes:
             gauge.set(probe())
 

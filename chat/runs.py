@@ -2,18 +2,25 @@
 
 Runs outlive a dropped socket: each keeps every delta, so a client that
 reconnects can ``resume`` from any index while the run goes on and for a
-grace period after it ends.
+grace period after it ends. This module also declares what the turn service
+needs from wherever runs are kept (``RunRegistry``, ``RunHandle``): this process
+alone, or every worker through Redis (``chat.state``).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from .concurrency import spawn
-from .engine.events import Delta, Done, Queued, Refused, Started
+from .engine import Generation
+from .engine.events import Delta, Done, Event, Queued, Refused, Started
 from .errors import StorageFull
+
+if TYPE_CHECKING:
+    from .store import Store
+    from .turns import TurnService
 
 log = logging.getLogger(__name__)
 
@@ -26,83 +33,77 @@ class Subscriber(Protocol):
     def send(self, frame: dict) -> bool:
         """Deliver one frame; False once the connection is gone."""
 
-    def adopt(self, run: "Run") -> None:
+    def adopt(self, run: RunHandle) -> None:
         """The run now sends its frames here."""
 
-    def forget(self, run: "Run") -> None:
+    def forget(self, run: RunHandle) -> None:
         """The run ended, or moved to another connection."""
 
 
-class Runs:
-    """Every run by (client, request id), and which conversations are busy.
+class RunHandle(Protocol):
+    """A run as a connection sees it: a ``Run`` this worker owns, or one that another worker
+    owns, followed through Redis (``chat.state.redis_runs.RemoteRun``)."""
 
-    In memory for this worker; with ``shared`` (Redis) also what every worker sees:
-    runs owned elsewhere (for ``resume`` and ``cancel``) and busy conversations.
+    id: str
+    client: str
+    finished: bool
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """End the answer with ``done`` ``reason`` (a no-op once it finished)."""
+
+    def attach(self, subscriber: Subscriber, start: int) -> None:
+        """Replay deltas from ``start``, then continue live (or send ``done``)."""
+
+    def detach(self, subscriber: Subscriber) -> None:
+        """``subscriber`` went away; the resume grace decides the rest."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the run ended (True), or ``timeout`` passed (False)."""
+
+
+class RunRegistry(Protocol):
+    """Every run by (client, request id), and which conversations are busy answering.
+
+    ``chat.state.local_runs.LocalRuns`` keeps them for this process;
+    ``chat.state.redis_runs.RedisRuns`` also for every worker (resume and cancel anywhere).
     """
 
-    def __init__(self, shared=None):
-        self.by_id: dict = {}
-        self.claims: dict = {}  # conversation -> (client, rid) answering it
-        self.shared = shared
-
-    def get(self, client: str, rid: str) -> "Run | None":
-        run = self.by_id.get((client, rid))
-        if run is None and self.shared is not None:
-            return self.shared.remote(client, rid)
-        return run
+    def get(self, client: str, rid: str) -> RunHandle | None:
+        """The run ``rid`` of ``client`` (active, or ended within the resume grace), or None."""
 
     def active(self, client: str, rid: str) -> bool:
-        run = self.by_id.get((client, rid))
-        if run is not None:
-            return not run.finished
-        return self.shared is not None and self.shared.active(client, rid)
+        """Whether ``rid`` of ``client`` is still answering."""
 
     def busy(self, conversation_id: str) -> bool:
-        return conversation_id in self.claims or (self.shared is not None and self.shared.busy(conversation_id))
+        """Whether a request is answering in the conversation."""
 
     def claim(self, conversation_id: str, client: str, rid: str) -> bool:
         """Mark the conversation busy for this request; False when another request has it."""
-        if conversation_id in self.claims:
-            return False
-        if self.shared is not None and not self.shared.claim(conversation_id, client, rid):
-            return False
-        self.claims[conversation_id] = (client, rid)
-        return True
 
     def unclaim(self, conversation_id: str, client: str, rid: str) -> None:
-        if self.claims.get(conversation_id) == (client, rid):
-            del self.claims[conversation_id]
-            if self.shared is not None:
-                self.shared.unclaim(conversation_id)
+        """Free the conversation if this request holds it."""
 
-    def add(self, run: "Run") -> None:
-        self.by_id[(run.client, run.id)] = run
-        if self.shared is not None:
-            self.shared.publish(run)
+    def add(self, run: Run) -> None:
+        """Register a run this worker just started."""
 
-    def release(self, run: "Run") -> None:
+    def release(self, run: Run) -> None:
         """The run ended: its conversation is free (the run stays resumable until ``forget``)."""
-        if self.shared is not None:
-            self.shared.finished(run)
-        self.unclaim(run.conversation_id, run.client, run.id)
 
-    def forget(self, run: "Run") -> None:
-        if self.by_id.get((run.client, run.id)) is run:
-            del self.by_id[(run.client, run.id)]
+    def forget(self, run: Run) -> None:
+        """The resume grace is over: the run is gone."""
 
-    def followed(self, run: "Run") -> bool:
-        """Whether a socket on another worker follows ``run``."""
-        return self.shared is not None and self.shared.followed(run)
+    def followed(self, run: Run) -> bool:
+        """Whether a socket on another worker follows ``run`` (so its grace must not cancel it)."""
 
-    def all_active(self) -> list:
-        return [r for r in list(self.by_id.values()) if not r.finished]
+    def all_active(self) -> list[Run]:
+        """This worker's runs still answering."""
 
 
 class Run:
     """One answer: the replay buffer, store checkpoints, metrics and the log line (via the service)."""
 
-    def __init__(self, service, client: str, rid: str, conversation_id: str, message_id: str, gen,
-                 subscriber: Subscriber | None, prefix: str = ""):
+    def __init__(self, service: TurnService, client: str, rid: str, conversation_id: str, message_id: str,
+                 gen: Generation, subscriber: Subscriber | None, prefix: str = "") -> None:
         self.service, self.client, self.id = service, client, rid
         self.prefix = prefix  # continue: the answer's text so far, which the deltas extend
         self.conversation_id, self.message_id, self.gen = conversation_id, message_id, gen
@@ -111,14 +112,22 @@ class Run:
         self.started = False
         self.finished = False
         self.subscriber = subscriber
-        self.mirror = None  # with shared state: appends each frame to the run's stream
+        self.mirror: Callable[[dict], None] | None = None  # in Redis: appends each frame to the run's stream
         self.lock = threading.RLock()
         self.finished_event = threading.Event()
         self.last_checkpoint = time.monotonic()
 
     @property
-    def store(self):
+    def store(self) -> Store:
         return self.service.store
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Ask the engine to end the answer with ``done`` ``reason`` (a no-op once it finished)."""
+        self.gen.cancel(reason)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the run ended (True), or ``timeout`` passed (False)."""
+        return self.finished_event.wait(timeout)
 
     def pump(self) -> None:
         """Consume the generation's events until the last (runs in its own greenlet/thread)."""
@@ -131,7 +140,7 @@ class Run:
         finally:
             self.finish()
 
-    def handle(self, event) -> None:
+    def handle(self, event: Event) -> None:
         """One engine event (in the pump's greenlet, or in the remote engine's that emitted it)."""
         if type(event) is Delta:  # nearly every event
             self.on_delta(event.text)
@@ -147,12 +156,14 @@ class Run:
                 self.on_done(event)
 
     def send_start(self) -> None:
+        """The ``start`` frame, once."""
         if not self.started:
             self.started = True
             self.forward({"type": "start", "id": self.id, "conversation_id": self.conversation_id,
                           "message_id": self.message_id})
 
     def on_delta(self, text: str) -> None:
+        """Keep the delta for replay, send it, and checkpoint the text now and then."""
         with self.lock:
             index = len(self.deltas)
             self.deltas.append(text)
@@ -162,7 +173,7 @@ class Run:
             self.last_checkpoint = now
             self.write(self.store.save_partial, self.message_id, self.prefix + "".join(self.deltas))
 
-    def write(self, method, *args) -> None:
+    def write(self, method: Callable[..., object], *args) -> None:
         """A store write the answer goes on without: a full store is logged there, the client still gets it."""
         try:
             method(*args)
@@ -170,11 +181,13 @@ class Run:
             pass
 
     def on_refused(self, event: Refused) -> None:
+        """The engine refused the answer: stored as an error, sent as an error frame."""
         self.write(self.store.finish_assistant, self.message_id, self.prefix, "error", {}, {})
         self.service.record(event, "ws", self.id, self.conversation_id)
         self.forward({"type": "error", "id": self.id, "code": event.code, "message": event.message})
 
     def on_done(self, event: Done) -> None:
+        """Store the whole answer, record it, send ``done``."""
         self.send_start()  # a request cancelled while queued still gets start, then done
         text = self.prefix + "".join(self.deltas)
         self.write(self.store.finish_assistant, self.message_id, text, event.reason, event.usage, event.timings)
@@ -187,6 +200,7 @@ class Run:
             self.forward(frame)
 
     def finish(self) -> None:
+        """The pump ended: free the conversation; the run stays resumable for the grace."""
         self.finished = True
         self.service.runs.release(self)
         self.finished_event.set()
@@ -199,6 +213,7 @@ class Run:
         self.service.runs.forget(self)
 
     def forward(self, frame: dict) -> None:
+        """One frame to the run's stream (in Redis) and to the attached connection."""
         if self.mirror is not None:
             self.mirror(frame)
         subscriber = self.subscriber
@@ -245,4 +260,4 @@ class Run:
         while self.subscriber is None and not self.finished and runs.followed(self):
             time.sleep(self.service.settings.resume_grace_s or 1)
         if self.subscriber is None and not self.finished:
-            self.gen.cancel("cancelled")
+            self.cancel("cancelled")

@@ -1,8 +1,10 @@
 """Startup advice when one process is not the whole picture: where the model runs, where shared state lives."""
 from __future__ import annotations
 
+from .config import Settings
 
-def warnings(settings) -> list[str]:
+
+def warnings(settings: Settings) -> list[str]:
     """What the operator should hear at startup about ``settings``' worker topology (empty: nothing)."""
     workers = settings.workers
     if workers <= 1:

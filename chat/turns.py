@@ -8,25 +8,60 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import TYPE_CHECKING, Any, Callable, Protocol, cast
 
 from . import attachments as files
 from .concurrency import spawn
 from .engine import GenParams, Generation
 from .engine.events import Done, Refused
 from .errors import ProtocolError
-from .runs import Run, Runs, Subscriber
+from .limits import Limits
+from .runs import Run, RunHandle, RunRegistry, Subscriber
 from .store import new_id
 
+if TYPE_CHECKING:
+    from .config import Settings
+    from .engine import Engine
+    from .metrics import Metrics
+    from .store import Store
+
 log = logging.getLogger(__name__)
+
+
+class TurnRequest(Protocol):
+    """What the service reads from a validated request (``chat.web.protocol.Request``)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def content(self) -> str: ...
+    @property
+    def conversation_id(self) -> str | None: ...
+    @property
+    def message_id(self) -> str | None: ...
+    @property
+    def system(self) -> str | None: ...
+    @property
+    def params(self) -> dict: ...
+    @property
+    def attachments(self) -> list: ...
 
 
 class TurnService:
     """Turns for every client of one process: checks, the engine, the store, the runs."""
 
-    def __init__(self, settings, engine, store, metrics, limits, shared_runs=None):
-        self.settings, self.engine, self.store = settings, engine, store
+    def __init__(self, settings: Settings, engine: Engine, store: Store | None, metrics: Metrics, limits: Limits,
+                 runs: RunRegistry) -> None:
+        self.settings, self.engine, self._store = settings, engine, store
         self.metrics, self.limits = metrics, limits
-        self.runs = Runs(shared_runs)
+        self.runs = runs
+
+    @property
+    def store(self) -> Store:
+        """The conversation store: every turn but ``answer`` (``/v1``) needs it; an engine-only process has none."""
+        if self._store is None:
+            raise RuntimeError("this process keeps no conversations (CHAT_ENGINE_ONLY)")
+        return self._store
 
     # ---- building a turn
 
@@ -48,7 +83,7 @@ class TurnService:
 
     # ---- WebSocket turns: stored, resumable
 
-    def chat(self, client: str, address: str, req, subscriber: Subscriber) -> Run:
+    def chat(self, client: str, address: str, req: TurnRequest, subscriber: Subscriber) -> Run:
         """Append ``req.content`` (and its attachments) to the conversation's active path (a new
         conversation without ``conversation_id``) and answer."""
         self._check_new(client, req)
@@ -56,7 +91,7 @@ class TurnService:
             self._check_owner(client, req)
         self._check_busy(req)
         new = req.conversation_id is None
-        conv_id = new_id() if new else req.conversation_id
+        conv_id = new_id() if req.conversation_id is None else req.conversation_id
         history = [] if new else self._history(conv_id)
         asked = {"role": "user", "content": files.with_attachments(req.content, req.attachments)}
         messages = self.prompt(history + [asked], req.system if new else None)
@@ -73,46 +108,48 @@ class TurnService:
                 raise
         return self._start(client, address, req, conv_id, messages, write, subscriber)
 
-    def edit(self, client: str, address: str, req, subscriber: Subscriber) -> Run:
+    def edit(self, client: str, address: str, req: TurnRequest, subscriber: Subscriber) -> Run:
         """A new version of a user message on the active path (same parent, same files), answered;
         what followed the old version stays on its branch."""
+        conv_id = cast(str, req.conversation_id)  # required by edit, regenerate and continue (protocol.py)
         edited = self._target(client, req, self.store.user_message, req.message_id)
         # The path above the edited message ("" when it is the first: no messages at all).
-        history = self._history(req.conversation_id, upto=edited["parent_id"] or "")
+        history = self._history(conv_id, upto=edited["parent_id"] or "")
         asked = {"role": "user", "content": files.with_attachments(req.content, edited["attachments"])}
 
         def write() -> None:
             self.store.add_user_message(client, req.conversation_id, req.content, edited["attachments"],
                                         replaces=req.message_id)
-        return self._start(client, address, req, req.conversation_id, self.prompt(history + [asked]), write,
-                           subscriber)
+        return self._start(client, address, req, conv_id, self.prompt(history + [asked]), write, subscriber)
 
-    def regenerate(self, client: str, address: str, req, subscriber: Subscriber) -> Run:
+    def regenerate(self, client: str, address: str, req: TurnRequest, subscriber: Subscriber) -> Run:
         """Answer a user message again (that of ``message_id``, else the last): a new version
         beside the old answer, which is kept."""
+        conv_id = cast(str, req.conversation_id)
         question = self._target(client, req, self.store.question_for, req.message_id)
-        history = self._history(req.conversation_id, upto=question["id"])
-        return self._start(client, address, req, req.conversation_id, self.prompt(history), None, subscriber,
+        history = self._history(conv_id, upto=question["id"])
+        return self._start(client, address, req, conv_id, self.prompt(history), None, subscriber,
                            parent_id=question["id"])
 
-    def continue_(self, client: str, address: str, req, subscriber: Subscriber) -> Run:
+    def continue_(self, client: str, address: str, req: TurnRequest, subscriber: Subscriber) -> Run:
         """Extend the last answer, cut short, in place: the model sees its turn left open and
         the deltas append to its text."""
+        conv_id = cast(str, req.conversation_id)
         answer = self._target(client, req, self.store.continuable)
-        history = self._history(req.conversation_id)
+        history = self._history(conv_id)
         if answer["content"]:  # an empty answer is simply answered afresh
             history[-1] = {**history[-1], "prefix": True}
 
         def write() -> None:
             self.store.reopen_assistant(answer["id"])
-        return self._start(client, address, req, req.conversation_id, self.prompt(history), write, subscriber,
+        return self._start(client, address, req, conv_id, self.prompt(history), write, subscriber,
                            extend=answer)
 
     def cancel(self, client: str, rid: str) -> None:
         """End request ``rid`` with ``done`` ``cancelled`` (a no-op once it finished)."""
-        self.run_of(client, rid, "no request {!r} on this client").gen.cancel("cancelled")
+        self.run_of(client, rid, "no request {!r} on this client").cancel("cancelled")
 
-    def resume(self, client: str, rid: str, start: int, subscriber: Subscriber) -> Run:
+    def resume(self, client: str, rid: str, start: int, subscriber: Subscriber) -> RunHandle:
         """Attach ``subscriber`` to request ``rid``: replay from delta ``start``, then live."""
         run = self.run_of(client, rid, "no request {!r} to resume")
         subscriber.adopt(run)
@@ -121,17 +158,17 @@ class TurnService:
             subscriber.forget(run)
         return run
 
-    def run_of(self, client: str, rid: str, missing: str) -> Run:
+    def run_of(self, client: str, rid: str, missing: str) -> RunHandle:
         run = self.runs.get(client, rid)
         if run is None:
             raise ProtocolError("unknown_id", missing.format(rid), rid)
         return run
 
-    def _check_new(self, client: str, req) -> None:
+    def _check_new(self, client: str, req: TurnRequest) -> None:
         if self.runs.active(client, req.id):
             raise ProtocolError("duplicate_id", f"request {req.id!r} is already active", req.id)
 
-    def _check_owner(self, client: str, req) -> None:
+    def _check_owner(self, client: str, req: TurnRequest) -> None:
         if not self.store.owns(client, req.conversation_id):
             raise ProtocolError("not_found", "no such conversation", req.id)
 
@@ -139,7 +176,7 @@ class TurnService:
         """The stored path the model sees, at most CHAT_MAX_MESSAGES of its newest turns."""
         return self.store.history(conv_id, upto=upto, limit=self.settings.max_messages or None)
 
-    def _target(self, client: str, req, lookup, *args):
+    def _target(self, client: str, req: TurnRequest, lookup: Callable[..., Any], *args) -> Any:
         """Checks for a request on a stored message: a new id, this client's conversation, then
         ``lookup`` (whose bad_message outranks busy), then not busy. Returns what it found."""
         self._check_new(client, req)
@@ -152,7 +189,7 @@ class TurnService:
         self._check_busy(req)
         return found
 
-    def _check_busy(self, req) -> None:
+    def _check_busy(self, req: TurnRequest) -> None:
         if req.conversation_id is not None and self.runs.busy(req.conversation_id):
             raise ProtocolError("busy", "this conversation is already answering", req.id)
 
@@ -171,7 +208,8 @@ class TurnService:
         self.limits.track(ticket, gen)
         return gen
 
-    def _start(self, client: str, address: str, req, conv_id: str, messages: list, write, subscriber,
+    def _start(self, client: str, address: str, req: TurnRequest, conv_id: str, messages: list,
+               write: Callable[[], None] | None, subscriber: Subscriber,
                parent_id: str | None = None, extend: dict | None = None) -> Run:
         """Claim the conversation, submit, then store; a store failure (quota, full disk) cancels the
         generation instead of orphaning it. The answer is a new message under ``parent_id`` (default:
@@ -207,11 +245,11 @@ class TurnService:
 
     # ---- the end of a connection
 
-    def forget_anonymous(self, client: str, runs) -> None:
+    def forget_anonymous(self, client: str, runs: list[RunHandle]) -> None:
         """No one can reach a cookie-less connection's conversations again: delete them once its runs end."""
         def forget() -> None:
             for run in runs:
-                run.finished_event.wait()
+                run.wait()
             self.store.forget_client(client)
         spawn(forget)
 
@@ -226,7 +264,7 @@ class TurnService:
         else:
             self.metrics.finished(end)
         usage, timings = end.usage, end.timings
-        extra = {}
+        extra: dict[str, object] = {}
         if text is not None:
             extra["chars"] = len(text)
         if self.settings.log_content and text is not None:

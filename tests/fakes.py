@@ -6,6 +6,7 @@ import time
 
 from werkzeug.serving import make_server
 
+from chat import app_state
 from chat.concurrency import real_sleep, start_real_thread
 from chat.engine import Delta, Done, Engine, Generation, Queued, Refused, Started
 from chat.errors import Overloaded, PromptTooLong
@@ -149,7 +150,7 @@ class AppServer:
 
     @property
     def state(self):
-        return self.app.extensions["chat"]
+        return app_state(self.app)
 
     def close(self):
         self.server.shutdown()

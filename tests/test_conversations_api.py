@@ -5,7 +5,7 @@ import pytest
 
 from chat import create_app
 from chat.config import Settings
-from chat.web import conversations
+from chat.web import conversations_api as conversations
 from chat.web.identity import COOKIE
 from chat.store import Store
 from fakes import FakeEngine

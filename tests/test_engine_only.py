@@ -14,7 +14,7 @@ from chat.config import Settings
 from chat.engine import GenParams, Generation
 from chat.engine.events import Started
 from chat.errors import ProtocolError
-from chat.web.limits import Limits
+from chat.state.local_limits import LocalLimits as Limits
 from conftest import ROOT, WS, conv_of, cookie_for, http_get, in_threads, text_of, wait_settled
 from fakes import FakeEngine
 

@@ -5,7 +5,8 @@ from chat.config import Settings
 from chat.engine import GenParams, Generation
 from chat.engine.events import Done, Refused, Started
 from chat.errors import ProtocolError
-from chat.web.limits import Limits, address_of
+from chat.limits import address_of
+from chat.state.local_limits import LocalLimits as Limits
 
 A, B = "198.51.100.7", "203.0.113.9"
 

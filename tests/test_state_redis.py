@@ -45,7 +45,7 @@ def pair(redis_server, tmp_path):
     yield start
     for srv in servers:
         srv.state.engine.shutdown()
-        srv.state.shared.close()
+        srv.state.state_backend.close()
         srv.close()
 
 
@@ -169,7 +169,7 @@ def test_per_address_limits_count_on_every_worker(pair):
 
 def test_a_dead_workers_counts_lapse_with_its_lease(redis_server):
     from chat.config import Settings
-    from chat.state import SharedState
+    from chat.state.redis_state import RedisState as SharedState
     import redis
     redis.Redis.from_url(redis_server.url).flushall()
     settings = Settings(state_url=redis_server.url, max_active_per_ip=1, rate_limit_per_ip_per_min=0)

@@ -19,10 +19,10 @@ from .session import (DEFAULT_URL, EXIT_CODES, EXIT_CONNECT, EXIT_ERROR, EXIT_IN
 class _Interrupts:
     """SIGINT while an answer streams: the first press requests a cancel, the second quits."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.event = threading.Event()
 
-    def _handler(self, signum, frame):
+    def _handler(self, signum: int, frame: object) -> None:
         if self.event.is_set():
             raise KeyboardInterrupt
         self.event.set()
@@ -41,7 +41,7 @@ class _Interrupts:
             signal.signal(signal.SIGINT, previous)
 
 
-def _params(args) -> dict:
+def _params(args: argparse.Namespace) -> dict:
     """The ``params`` object from the command-line flags (only those given)."""
     params = {}
     if args.temperature is not None:
@@ -55,7 +55,7 @@ def _params(args) -> dict:
     return params
 
 
-def _check_params(parser: argparse.ArgumentParser, args) -> None:
+def _check_params(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject out-of-range values before connecting (the server would say bad_message)."""
     if args.temperature is not None and not 0 <= args.temperature <= 2:
         parser.error("--temperature must be between 0 and 2")
@@ -136,7 +136,7 @@ def build_load_parser() -> argparse.ArgumentParser:
 class _Printer:
     """Writes answers (or raw frames with --json) to stdout, flushing every piece."""
 
-    def __init__(self, raw: bool):
+    def __init__(self, raw: bool) -> None:
         self.raw = raw
         self.at_line_start = True
 
@@ -197,7 +197,7 @@ def _exit_for(done: dict | None, cancelled: bool) -> int:
     return EXIT_ERROR
 
 
-def _one_shot(session: Session, printer: _Printer, args, prompt: str) -> int:
+def _one_shot(session: Session, printer: _Printer, args: argparse.Namespace, prompt: str) -> int:
     """Ask one question, stream the answer, exit."""
     interrupts = _Interrupts()
     try:
@@ -213,7 +213,7 @@ def _one_shot(session: Session, printer: _Printer, args, prompt: str) -> int:
     return _exit_for(done, cancelled)
 
 
-def _interactive(session: Session, printer: _Printer, args, first: str | None) -> int:
+def _interactive(session: Session, printer: _Printer, args: argparse.Namespace, first: str | None) -> int:
     """A multi-turn chat at a ``> `` prompt."""
     if sys.stdin.isatty():
         try:

@@ -6,6 +6,10 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .session import Session
 
 HELP = ("/new: new conversation; /edit TEXT: replace your last message and ask again (the old one stays "
         "as a version); /continue: extend an answer that was cut off; /search WORDS: search your "
@@ -37,7 +41,7 @@ def highlighted(snippet: str, spans: list) -> str:
 class Commands:
     """Turns a typed line into a request frame, or runs a command that needs none."""
 
-    def __init__(self, session, say):
+    def __init__(self, session: Session, say: Callable[[str], None]) -> None:
         self.session, self.say = session, say
         self.results: list[dict] = []
 
@@ -62,7 +66,7 @@ class Commands:
         except OSError as exc:
             raise LookupError(f"cannot reach {url}: {exc}") from None
 
-    def request_for(self, line: str, conversation: str | None):
+    def request_for(self, line: str, conversation: str | None) -> dict | Open | None:
         """A request frame for ``line``, an ``Open``, or None when the command was handled here."""
         name, _, rest = line.partition(" ") if line.startswith("/") else ("", "", "")
         handler = {"/edit": self._edit, "/continue": self._continue, "/search": self._search,
@@ -92,7 +96,7 @@ class Commands:
             return None
         return {"type": "continue"}
 
-    def _search(self, words: str, _conversation):
+    def _search(self, words: str, _conversation: str | None) -> None:
         if not words:
             self.say("usage: /search WORDS")
             return None
@@ -103,7 +107,7 @@ class Commands:
             self.say(f"{n}. {hit['title']} ({hit['role']}): {highlighted(hit['snippet'], hit['highlights'])}")
         return None
 
-    def _open(self, number: str, _conversation):
+    def _open(self, number: str, _conversation: str | None) -> Open | None:
         if not number.isdigit() or not 1 <= int(number) <= len(self.results):
             self.say("usage: /open N, with N from the last /search")
             return None

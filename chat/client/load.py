@@ -72,6 +72,7 @@ def _one_load_request(session: Session, prompt: str, params: dict | None, system
     if answer.done is None:
         return {"ok": False, "error": "no_done", "message": "the stream ended without done"}
     reason, first, end = answer.done.get("reason"), answer.first_delta_at, answer.done_at
+    assert end is not None  # set with done
     deltas = len(answer.pieces)
     tokens = (answer.done.get("usage") or {}).get("completion_tokens") or deltas
     row = {"ok": reason in ("stop", "length"), "reason": reason, "tokens": tokens, "deltas": deltas,

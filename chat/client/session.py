@@ -52,7 +52,7 @@ class ChatTimeout(ClientError):
 class ServerError(ClientError):
     """The server answered with an ``error`` frame."""
 
-    def __init__(self, code: str, message: str, id: str | None = None):
+    def __init__(self, code: str, message: str, id: str | None = None) -> None:
         super().__init__(f"server error {code}: {message}")
         self.code, self.message, self.id = code, message, id
 
@@ -84,7 +84,7 @@ class Session:
 
     def __init__(self, url: str = DEFAULT_URL, *, api_key: str | None = None,
                  client_id: str | None = None, timeout: float = 60.0, cancel_wait: float = 5.0,
-                 resume: bool = True, on_frame: Callable[[str, str], None] | None = None):
+                 resume: bool = True, on_frame: Callable[[str, str], None] | None = None) -> None:
         self.url = ws_url(url)
         self.api_key = api_key
         self.client_id = client_id or secrets.token_urlsafe(24)

@@ -1,49 +1,67 @@
-"""State every worker shares, in Redis (``CHAT_STATE_URL``); without it, each process keeps its own.
+"""Where runs, busy conversations and limits are kept: in this process, or shared by every worker in Redis.
 
-Only this package imports ``redis``.
+The core declares what it needs (``chat.runs.RunRegistry``, ``chat.limits.Limits``);
+``local_*`` modules keep it in this process, ``redis_*`` modules in Redis
+(``CHAT_STATE_URL``), and ``open_state`` picks one at start-up. Only the ``redis_*``
+modules import ``redis``.
 """
 from __future__ import annotations
 
-import logging
-import time
+from typing import TYPE_CHECKING, Callable, Protocol
 
-from ..concurrency import spawn
+from ..limits import Limits
+from ..runs import RunRegistry
+from .local_limits import LocalLimits
+from .local_runs import LocalRuns
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from ..config import Settings
+    from ..store import Store
 
-RECOVER_EVERY_S = 5.0  # one indexed query for streaming answers
 
+class StateBackend(Protocol):
+    """The run registry and limits of one worker, and what else the app needs from where they live."""
 
-class SharedState:
-    """The shared parts of one worker: the connection, the run registry's Redis side, the limits."""
+    @property
+    def runs(self) -> RunRegistry:
+        """Every run by (client, request id), and the busy conversations."""
 
-    def __init__(self, settings):
-        from .limits import SharedLimits
-        from .runs import SharedRuns
-        from .shared import Shared
-        self.shared = Shared(settings.state_url)
-        self.runs = SharedRuns(self.shared, settings.resume_grace_s, settings.max_new_tokens + 16)
-        self.limits = SharedLimits(self.shared, settings)
+    @property
+    def limits(self) -> Limits:
+        """Admission for connections and answers."""
 
-    def alive(self, owner: str | None) -> bool:
-        """Whether a streaming answer's writer may be at work: this host's processes are checked
-        directly, other hosts' by their heartbeat in Redis."""
-        from ..store.liveness import local_alive
-        return local_alive(owner, other_hosts=True) and self.shared.alive(owner)
+    @property
+    def alive(self) -> Callable[[str | None], bool] | None:
+        """Whether the writer of a streaming answer may still be at work (see ``Store.recover``);
+        None: the store's own check."""
 
-    def start(self, store) -> None:
-        """Start the heartbeat and control channel, and sweep answers whose writer died elsewhere."""
-        self.shared.start()
-        spawn(self._recover, store)
-
-    def _recover(self, store) -> None:
-        while not self.shared.closed:
-            time.sleep(RECOVER_EVERY_S)
-            try:
-                if store.recover():
-                    log.info("marked answers of dead workers interrupted")
-            except Exception:
-                log.exception("recover failed")
+    def start(self, store: Store | None) -> None:
+        """Start background work (once the store is open)."""
 
     def close(self) -> None:
-        self.shared.close()
+        """Stop it; what this worker held is released or lapses."""
+
+
+class LocalState:
+    """Runs and limits of this process alone: nothing to start or close."""
+
+    alive = None
+
+    def __init__(self, settings: Settings) -> None:
+        self.runs = LocalRuns()
+        self.limits = LocalLimits(settings)
+
+    def start(self, store: Store | None) -> None:
+        """Nothing runs in the background."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def open_state(settings: Settings) -> StateBackend:
+    """Redis with CHAT_STATE_URL (except in an engine-only process, which keeps no runs of its own
+    and leaves per-address limits to the web hosts), else this process alone."""
+    if settings.state_url and not settings.engine_only:
+        from .redis_state import RedisState
+        return RedisState(settings)
+    return LocalState(settings)

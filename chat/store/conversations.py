@@ -10,7 +10,7 @@ import uuid
 from .. import attachments as files
 from ..errors import ProtocolError
 from . import liveness, transfer, tree
-from .guard import guarded as _guarded
+from .disk_full import guarded as _guarded
 from .tree import valid as _valid
 from .versions import Versions
 

@@ -31,6 +31,7 @@ def ts_query(text: str) -> str | None:
 
 def highlights(marked: str) -> tuple[str, list[list[int]]]:
     """(plain snippet, [[start, end], ...] character offsets of the matches) from a marked snippet."""
+    out: list[str]
     out, spans, start = [], [], None
     for ch in marked:
         if ch == _OPEN:

@@ -1,6 +1,8 @@
 """Export formats out, and imports in: a JSON export or an OpenAI-style ``messages`` list."""
 from __future__ import annotations
 
+from typing import NoReturn
+
 import math
 import re
 import unicodedata
@@ -39,7 +41,7 @@ def markdown(conv: dict) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def _bad(message: str):
+def _bad(message: str) -> NoReturn:
     raise ProtocolError("bad_message", message)
 
 

@@ -17,6 +17,7 @@ def valid(*ids) -> bool:
 def path(db, conv_id: str, leaf: str | None = None, limit: int | None = None) -> list:
     """Message rows from the root down to ``leaf`` (default: the active leaf), oldest first;
     only the newest ``limit`` of them when given."""
+    args: tuple[str, ...]
     if leaf is None:
         start, args = "SELECT active_id, 0 FROM conversations WHERE id = ?", (conv_id,)
     else:

@@ -1,9 +1,11 @@
 """Versions: the Store's operations on a conversation's message tree (edit, regenerate, continue, switch)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Callable
+
 from ..errors import ProtocolError
 from . import tree
-from .guard import guarded
+from .disk_full import guarded
 
 # Answers that ``continue`` may extend: cut short, not ended by the model.
 CONTINUABLE = ("length", "cancelled", "timeout", "shutdown")
@@ -12,13 +14,23 @@ CONTINUABLE = ("length", "cancelled", "timeout", "shutdown")
 class Versions:
     """Mixed into Store: looks up the targets of edit/regenerate/continue and switches versions."""
 
+    if TYPE_CHECKING:  # what Store, which this is mixed into, provides
+        _conn: Callable[[], Any]
+        _owned: Callable[[Any, str | None, Any], bool]
+        _message: Callable[[Any], dict]
+        get_conversation: Callable[[str | None, Any], dict | None]
+
+        @property
+        def _owner(self) -> str: ...
+
     def _on_path(self, db, conv_id: str, message_id, role: str):
         """The message of ``role`` on the active path, or bad_message (never another conversation's)."""
         if tree.valid(message_id):
             for row in tree.path(db, conv_id):
                 if row["id"] == message_id and row["role"] == role:
                     return row
-        raise ProtocolError("bad_message", f"message_id is not one of the {role} messages on this conversation's active path")
+        raise ProtocolError("bad_message",
+                            f"message_id is not one of the {role} messages on this conversation's active path")
 
     def user_message(self, client_id: str | None, conv_id, message_id) -> dict | None:
         """For edit: the user message ``message_id`` on the active path (bad_message when it is

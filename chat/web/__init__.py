@@ -1,13 +1,15 @@
 """The transports: the page, the WebSocket, the conversations API, the OpenAI-compatible API."""
 from __future__ import annotations
 
+from flask import Flask
 
-def init_app(app, engine_only: bool = False) -> None:
+
+def init_app(app: Flask, engine_only: bool = False) -> None:
     """Register the blueprints, the WebSocket route and the error handlers.
 
     ``engine_only``: only ``/v1`` and health, for web workers that use this process as their backend.
     """
-    from . import conversations, errors, health, openai_api, pages, ws
+    from . import conversations_api, error_responses, health, openai_api, pages, ws
     app.register_blueprint(health.bp)
     app.register_blueprint(openai_api.bp)
     if engine_only:  # the page's app-wide hooks (hardening headers, proxy warning), without the page
@@ -15,6 +17,6 @@ def init_app(app, engine_only: bool = False) -> None:
         app.after_request(pages.security_headers)
     else:
         app.register_blueprint(pages.bp)
-        app.register_blueprint(conversations.bp)
+        app.register_blueprint(conversations_api.bp)
         ws.init_app(app)
-    errors.init_app(app)
+    error_responses.init_app(app)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 from contextlib import contextmanager
+from typing import Any, Iterator
 
 from ..concurrency import gevent_active
 
@@ -12,7 +13,7 @@ class SendTimeout(Exception):
 
 
 @contextmanager
-def within(seconds: float):
+def within(seconds: float) -> Iterator[None]:
     """Raise SendTimeout in the block after ``seconds`` (under gevent; 0 or no gevent: no bound)."""
     if not seconds or not gevent_active():
         yield
@@ -30,7 +31,7 @@ class Bound:
     part of each delta. Not reentrant: the caller serializes its sends.
     """
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float) -> None:
         self._timer = None
         if seconds and gevent_active():
             import gevent
@@ -45,7 +46,7 @@ class Bound:
             self._timer.cancel()
 
 
-def cut(ws) -> None:
+def cut(ws: Any) -> None:
     """Tear the connection down at once: a close frame would wait on the same full buffer.
 
     The socket's reader then sees the end, and the session ends like any disconnect.

@@ -1,14 +1,17 @@
 """Who may connect: the origin check, the API key, and the client identity a request carries."""
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from flask import request
 
+from ..config import Settings
 from ..errors import RequestError
 from . import identity
-from .limits import address_of
+from ..limits import address_of
 
 
-def origin_allowed(origin: str, host: str, scheme: str, allowed) -> bool:
+def origin_allowed(origin: str, host: str, scheme: str, allowed: Collection[str]) -> bool:
     """The page's own origin (exactly its scheme + Host) or one listed in CHAT_ALLOWED_ORIGINS."""
     origin = origin.rstrip("/")
     return origin == f"{scheme}://{host}" or origin in allowed or "*" in allowed
@@ -20,7 +23,7 @@ def bearer_ok(key: str, socket: bool = True) -> bool:
     return identity.has_key(request, key, socket)
 
 
-def check_origin(settings) -> None:
+def check_origin(settings: Settings) -> None:
     """Refuse a cross-origin request (403) unless its origin is allowed; no Origin is fine."""
     origin = request.headers.get("Origin")
     if origin is None:
@@ -31,7 +34,7 @@ def check_origin(settings) -> None:
         raise RequestError("forbidden", "cross-origin WebSocket refused", 403)
 
 
-def key_ok(settings, socket: bool) -> bool:
+def key_ok(settings: Settings, socket: bool) -> bool:
     """Without CHAT_API_KEY, always; with it, whether the request has the key (or, on the socket,
     the page's signed identity cookie)."""
     key = settings.api_key
@@ -44,11 +47,11 @@ def socket_client() -> str:
     return identity.current_client() or identity.ANONYMOUS + identity.new_client_id()
 
 
-def remote_ip(settings) -> str:
+def remote_ip(settings: Settings) -> str:
     """The caller's address, as far as trusted proxies vouch for it."""
     return identity.remote_ip(request, settings.trusted_proxies)
 
 
-def address(settings) -> str:
+def address(settings: Settings) -> str:
     """The address the caller's limits count against (IPv6 by its /64)."""
     return address_of(remote_ip(settings))

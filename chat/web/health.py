@@ -1,23 +1,25 @@
 """Health, readiness and metrics endpoints."""
 from __future__ import annotations
 
-from flask import Blueprint, Response, current_app, jsonify
+from flask import Blueprint, Response, jsonify
+from flask.typing import ResponseReturnValue
 
+from ..app_state import app_state
 from ..metrics import CONTENT_TYPE_LATEST
 
 bp = Blueprint("api", __name__)
 
 
 @bp.get("/healthz")
-def healthz():
+def healthz() -> ResponseReturnValue:
     """Liveness: the event loop answers."""
     return jsonify({"status": "ok"})
 
 
 @bp.get("/readyz")
-def readyz():
+def readyz() -> ResponseReturnValue:
     """200 once the model is loaded and warmed up, else 503."""
-    engine = current_app.extensions["chat"].engine
+    engine = app_state().engine
     if engine.ready:
         return jsonify({"status": "ready", "model": engine.model_name})
     if engine.error:  # the reason (paths, backend URL) is in the server log, not for anyone who asks
@@ -26,6 +28,6 @@ def readyz():
 
 
 @bp.get("/metrics")
-def metrics():
+def metrics() -> Response:
     """Prometheus text format."""
-    return Response(current_app.extensions["chat"].metrics.render(), mimetype=CONTENT_TYPE_LATEST)
+    return Response(app_state().metrics.render(), mimetype=CONTENT_TYPE_LATEST)

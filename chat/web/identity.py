@@ -8,14 +8,14 @@ import logging
 import re
 import secrets
 
+from ..clients import ANONYMOUS, KEY_HOLDER  # noqa: F401  (re-exported for the web layer)
+
 log = logging.getLogger(__name__)
 
 COOKIE = "chat_client"
 # Over https the cookie carries the __Host- prefix: the browser then accepts it only from this
 # exact host, Secure, Path=/, so a sibling subdomain cannot plant an identity.
 HOST_COOKIE = "__Host-chat_client"
-ANONYMOUS = "anon:"  # a connection without a cookie; ':' never occurs in a cookie id
-KEY_HOLDER = "key:"  # programs that proved the API key name identities in their own namespace
 SUBPROTOCOL = "chat.v1"
 KEY_SUBPROTOCOL = "bearer."  # Sec-WebSocket-Protocol: chat.v1, bearer.<key> (browsers cannot set headers)
 _ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
@@ -132,8 +132,10 @@ def set_cookie(response, value: str, secure: bool) -> None:
 
 def browser_client() -> str | None:
     """The identity of the Flask request being served, from its cookie alone."""
-    from flask import current_app, request
-    settings = current_app.extensions["chat"].settings
+    from flask import request
+
+    from ..app_state import app_state
+    settings = app_state().settings
     return client_id(request, settings.api_key, is_https(request, settings.trusted_proxies))
 
 
@@ -143,8 +145,10 @@ def current_client() -> str | None:
     With CHAT_API_KEY set, a program holding the key may name itself with an unsigned
     cookie; that name lives in its own namespace, so it never reaches a browser's conversations.
     """
-    from flask import current_app, request
-    settings = current_app.extensions["chat"].settings
+    from flask import request
+
+    from ..app_state import app_state
+    settings = app_state().settings
     client = browser_client()
     if client is None and settings.api_key and has_key(request, settings.api_key):
         named = parse_cookie(request.cookies.get(HOST_COOKIE) or request.cookies.get(COOKIE, ""))

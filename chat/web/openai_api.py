@@ -8,11 +8,19 @@ import time
 import uuid
 from json.encoder import encode_basestring
 
-from flask import Blueprint, Response, current_app, jsonify, request
+from typing import TYPE_CHECKING, Any, Iterator
 
+from flask import Blueprint, Response, jsonify, request
+
+from ..app_state import app_state
+from ..config import Settings
+from ..engine import Engine, Generation
 from ..engine.events import Delta, Done, Refused
 from ..errors import PROTOCOL_STATUS, ChatError, EngineError, RequestError
 from . import guard
+
+if TYPE_CHECKING:
+    from ..turns import TurnService
 
 log = logging.getLogger(__name__)
 
@@ -27,19 +35,15 @@ _STARTED = int(time.time())
 _MARK = "@@chat-content@@"  # stands for a delta's text in the prebuilt chunk
 
 
-def _state():
-    return current_app.extensions["chat"]
-
-
 @bp.before_request
 def _authorize():
     """With CHAT_API_KEY set, every /v1 call needs ``Authorization: Bearer <key>``."""
-    if not guard.key_ok(_state().settings, socket=False):
+    if not guard.key_ok(app_state().settings, socket=False):
         raise RequestError("invalid_api_key", "missing or invalid API key (use Authorization: Bearer <key>)", 401)
 
 
 def _engine_ready():
-    engine = _state().engine
+    engine = app_state().engine
     if not engine.ready:  # the load error names paths and URLs: it stays in the log
         raise RequestError("model_not_ready", "the model is not ready yet", 503)
     return engine
@@ -52,7 +56,7 @@ def _bad(name: str, message: str) -> RequestError:
 
 
 def _number(low: float, high: float, low_open: bool = False):
-    def parse(value, name, settings):
+    def parse(value: Any, name: str, settings: Settings) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise _bad(name, "must be a number")
         if value < low or value > high or (low_open and value == low):
@@ -62,7 +66,7 @@ def _number(low: float, high: float, low_open: bool = False):
 
 
 def _integer(low: int, high: int | None = None):
-    def parse(value, name, settings):
+    def parse(value: Any, name: str, settings: Settings) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _bad(name, "must be an integer")
         if value < low or (high is not None and value > high):
@@ -71,19 +75,19 @@ def _integer(low: int, high: int | None = None):
     return parse
 
 
-def _boolean(value, name, settings):
+def _boolean(value: Any, name: str, settings: Settings) -> Any:
     if not isinstance(value, bool):
         raise _bad(name, "must be a boolean")
     return value
 
 
-def _string(value, name, settings):
+def _string(value: Any, name: str, settings: Settings) -> Any:
     if not isinstance(value, str):
         raise _bad(name, "must be a string")
     return value
 
 
-def _n(value, name, settings):
+def _n(value: Any, name: str, settings: Settings) -> Any:
     _integer(1)(value, name, settings)
     if value != 1:
         raise RequestError("unsupported_value", "'n' must be 1: this server returns one choice per request",
@@ -91,7 +95,7 @@ def _n(value, name, settings):
     return value
 
 
-def _stop(value, name, settings):
+def _stop(value: Any, name: str, settings: Settings) -> Any:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise _bad(name, "must be a non-empty string or a list of them")
@@ -100,7 +104,7 @@ def _stop(value, name, settings):
     return tuple(stops)
 
 
-def _stream_options(value, name, settings):
+def _stream_options(value: Any, name: str, settings: Settings) -> Any:
     if not isinstance(value, dict):
         raise _bad(name, "must be an object")
     include = value.get("include_usage", False)
@@ -109,7 +113,7 @@ def _stream_options(value, name, settings):
     return {"include_usage": include}
 
 
-def _content(value, name: str) -> str:
+def _content(value: Any, name: str) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
@@ -123,7 +127,7 @@ def _content(value, name: str) -> str:
     raise _bad(name, "must be a string or a list of text parts")
 
 
-def _top_k(value, name, settings):
+def _top_k(value: Any, name: str, settings: Settings) -> Any:
     return max(0, _integer(-1)(value, name, settings))  # -1, other servers' "off", means off here too
 
 
@@ -131,7 +135,7 @@ def _too_large(name: str, message: str) -> RequestError:
     return RequestError("too_large", f"'{name}' {message}", 413, name)
 
 
-def _messages(value, name, settings):
+def _messages(value: Any, name: str, settings: Settings) -> Any:
     if not isinstance(value, list) or not value:
         raise _bad(name, "must be a non-empty list")
     if settings.max_messages and len(value) > settings.max_messages:
@@ -155,7 +159,7 @@ def _messages(value, name, settings):
 
 
 def _unsupported(message: str):
-    def parse(value, name, settings):
+    def parse(value: Any, name: str, settings: Settings) -> Any:
         if value not in (False, [], {"type": "text"}):
             raise RequestError("unsupported_parameter", f"'{name}' is not supported: {message}", 400, name)
         return value
@@ -184,7 +188,7 @@ FIELDS = {
 REQUIRED = ("messages",)
 
 
-def parse_request(body, settings) -> dict:
+def parse_request(body: Any, settings: Settings) -> dict:
     """Validate a chat.completions body; null counts as absent, unknown fields are ignored."""
     if not isinstance(body, dict):
         raise RequestError("invalid_request", "the request body must be a JSON object")
@@ -218,18 +222,18 @@ def _read_json():
 
 # ---- routes
 
-def _model_card(engine) -> dict:
+def _model_card(engine: Engine) -> dict:
     return {"id": engine.model_name, "object": "model", "created": _STARTED, "owned_by": "chat"}
 
 
 @bp.get("/models")
-def list_models():
+def list_models() -> Response:
     """The one model this server serves (503 until it is ready)."""
     return jsonify({"object": "list", "data": [_model_card(_engine_ready())]})
 
 
 @bp.get("/models/<path:model_id>")
-def get_model(model_id):
+def get_model(model_id: str) -> Response:
     """One model by id."""
     engine = _engine_ready()
     if model_id != engine.model_name:
@@ -238,9 +242,9 @@ def get_model(model_id):
 
 
 @bp.post("/chat/completions")
-def chat_completions():
+def chat_completions() -> Response:
     """Answer a conversation, streamed as SSE chunks or as one JSON object."""
-    state = _state()
+    state = app_state()
     values = parse_request(_read_json(), state.settings)
     engine = _engine_ready()
     gen = state.turns.answer(guard.address(state.settings), values["messages"], gen_params(values))
@@ -270,9 +274,10 @@ def _failure(end: Done | Refused, request_id: str) -> ChatError:
     return ChatError(f"the engine failed while generating (request id {request_id})")
 
 
-def _complete(gen, meta: dict, turns):
+def _complete(gen: Generation, meta: dict, turns: TurnService) -> Response:
     """Wait for the whole answer; one ``chat.completion`` object."""
-    texts, end = [], None
+    texts: list[str] = []
+    end: Done | Refused | None = None
     try:
         for event in gen.events():
             match event:
@@ -283,6 +288,7 @@ def _complete(gen, meta: dict, turns):
     finally:
         gen.cancel()  # a no-op once done; frees the engine if this greenlet is killed
         gen.close()
+    assert end is not None  # events() ends with Done or Refused
     turns.record(end, "v1", meta["id"])
     if not isinstance(end, Done) or end.reason not in _FINISH:
         raise _failure(end, meta["id"])
@@ -292,13 +298,13 @@ def _complete(gen, meta: dict, turns):
                     "usage": _usage(end)})
 
 
-def _sse(data) -> str:
+def _sse(data: object) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _stream(gen, meta: dict, include_usage: bool, turns):
+def _stream(gen: Generation, meta: dict, include_usage: bool, turns: TurnService) -> Iterator[str]:
     """SSE chunks as the engine makes them; leaving early (client gone) cancels the generation."""
-    def chunk(delta, finish=None):
+    def chunk(delta: dict, finish: str | None = None) -> str:
         out = {**meta, "object": "chat.completion.chunk",
                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
         if include_usage:
@@ -308,7 +314,7 @@ def _stream(gen, meta: dict, include_usage: bool, turns):
     # A content chunk is nearly every chunk: the text spliced into the chunk's own encoding
     # (byte for byte what ``chunk`` writes) instead of building and dumping a dict each time.
     head, _, tail = chunk({"content": _MARK}).rpartition(json.dumps(_MARK))
-    end = None
+    end: Done | Refused | None = None
     try:
         yield chunk({"role": "assistant", "content": ""})
         for event in gen.events(KEEPALIVE_S):
@@ -319,6 +325,7 @@ def _stream(gen, meta: dict, include_usage: bool, turns):
                     yield head + encode_basestring(text) + tail
                 case Done() | Refused():
                     end = event
+        assert end is not None  # events() ends with Done or Refused
         turns.record(end, "v1", meta["id"])
         if isinstance(end, Done) and end.reason in _FINISH:
             yield chunk({}, _FINISH[end.reason])

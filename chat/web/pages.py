@@ -1,8 +1,9 @@
 """GET / (the chat page) with the identity cookie, and the security headers of every page."""
 from __future__ import annotations
 
-from flask import Blueprint, current_app, render_template, request
+from flask import Blueprint, Response, current_app, render_template, request
 
+from ..app_state import app_state
 from . import identity
 
 bp = Blueprint("pages", __name__)
@@ -13,9 +14,9 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' 
 
 
 @bp.get("/")
-def index():
+def index() -> Response:
     """The chat page; gives a new visitor a random identity cookie."""
-    settings = current_app.extensions["chat"].settings
+    settings = app_state().settings
     response = current_app.make_response(render_template("index.html"))
     if identity.browser_client() is None:
         value = identity.cookie_value(identity.new_client_id(), settings.api_key)
@@ -28,13 +29,13 @@ _proxy_warning = identity.ProxyWarning()
 
 
 @bp.before_app_request
-def warn_about_untrusted_proxy():
+def warn_about_untrusted_proxy() -> None:
     """Tell the operator once that a proxy's X-Forwarded-For is being ignored."""
-    _proxy_warning.check(request, current_app.extensions["chat"].settings.trusted_proxies)
+    _proxy_warning.check(request, app_state().settings.trusted_proxies)
 
 
 @bp.after_app_request
-def security_headers(response):
+def security_headers(response: Response) -> Response:
     """CSP and the usual hardening headers on every response."""
     headers = response.headers
     headers.setdefault("X-Content-Type-Options", "nosniff")

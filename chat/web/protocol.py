@@ -5,6 +5,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from .. import attachments as files
 from ..errors import PROTOCOL_STATUS, ChatError, ProtocolError
@@ -29,56 +30,56 @@ class Request:
     t: object = None
 
 
-def _is_int(v) -> bool:
+def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v) -> bool:
+def _is_number(v: Any) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
-def _req_id(v) -> str | None:
+def _req_id(v: Any) -> str | None:
     if not isinstance(v, str) or not ID.fullmatch(v):
         return "must be 1-64 characters of A-Z, a-z, 0-9, _ or -"
     return None
 
 
-def _content(v) -> str | None:
+def _content(v: Any) -> str | None:
     if not isinstance(v, str) or not v.strip():
         return "must be a non-empty string"
     return None
 
 
-def _conv_id(v) -> str | None:
+def _conv_id(v: Any) -> str | None:
     # Malformed but string ids are left to the store, which answers not_found for them.
     if not isinstance(v, str) or len(v) > 200:
         return "must be a conversation id string"
     return None
 
 
-def _message_id(v) -> str | None:
+def _message_id(v: Any) -> str | None:
     # Like conversation ids: the store answers bad_message for one that is not on the path.
     return _conv_id(v) and "must be a message id string"
 
 
-def _opt_str(v) -> str | None:
+def _opt_str(v: Any) -> str | None:
     return None if isinstance(v, str) else "must be a string"
 
 
-def _from(v) -> str | None:
+def _from(v: Any) -> str | None:
     return None if _is_int(v) and v >= 0 else "must be an integer >= 0"
 
 
-def _any(v) -> str | None:
+def _any(v: Any) -> str | None:
     return None
 
 
-def _params(v) -> str | None:
+def _params(v: Any) -> str | None:
     return None if isinstance(v, dict) else "must be an object"
 
 
 # field -> (required, check); one row per message type.
-MESSAGES = {
+MESSAGES: dict[str, dict[str, tuple[bool, Callable[[Any], str | None]]]] = {
     "chat": {"id": (True, _req_id), "content": (True, _content), "conversation_id": (False, _conv_id),
              "system": (False, _opt_str), "params": (False, _params), "attachments": (False, files.problem)},
     "regenerate": {"id": (True, _req_id), "conversation_id": (True, _conv_id), "message_id": (False, _message_id),
@@ -105,7 +106,7 @@ def _param_rules(max_new_tokens: int) -> dict:
     }
 
 
-def parse(raw, max_content_chars: int, max_new_tokens: int) -> Request:
+def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int) -> Request:
     """Turn one WebSocket frame into a Request; errors follow protocol.md's precedence."""
     if isinstance(raw, (bytes, bytearray)):
         raise ProtocolError("bad_message", "binary frames are not accepted; send JSON text")

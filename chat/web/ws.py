@@ -6,12 +6,14 @@ import logging
 import threading
 from json.encoder import encode_basestring
 
-from flask import Blueprint, current_app
+from flask import Blueprint
 from flask_sock import Sock
 from simple_websocket import ConnectionClosed
 from wsproto.connection import ConnectionState
 
+from ..app_state import app_state
 from ..errors import ChatError, ProtocolError, RequestError
+from ..runs import RunHandle
 from . import backpressure, guard, identity
 from .protocol import PROTOCOL, error_frame, parse
 
@@ -26,14 +28,11 @@ def init_app(app) -> None:
     app.register_blueprint(bp)
 
 
-def _state():
-    return current_app.extensions["chat"]
-
-
 @bp.before_request
 def handshake():
     """Refuse the upgrade before it happens: origin, API key, per-IP connection limit."""
-    state, settings = _state(), _state().settings
+    state = app_state()
+    settings = state.settings
     try:
         guard.check_origin(settings)
         if not guard.key_ok(settings, socket=True):
@@ -48,7 +47,7 @@ def handshake():
 @sock.route("/ws", bp=bp)
 def websocket(ws):
     """Serve one connection until it closes."""
-    state = _state()
+    state = app_state()
     address = guard.address(state.settings)
     state.limits.connect(address)
     state.metrics.connections.inc()
@@ -102,7 +101,7 @@ def _send_all(sock, data: bytes) -> None:
 def _send_now(sock, data: bytes) -> int:
     """Bytes of ``data`` the kernel takes at once, without waiting (nor a timer): gevent's socket
     wraps a non-blocking one, and a small frame nearly always fits in its buffer."""
-    raw = getattr(sock, "_sock", None)
+    raw = getattr(sock, "_sock", None)  # gevent's private wrapped socket (bounded in requirements.txt)
     if raw is None or raw.gettimeout() != 0.0:
         return 0
     try:
@@ -114,6 +113,7 @@ def _send_now(sock, data: bytes) -> int:
 def plain_connection(ws):
     """The socket's wsproto connection when frames may be written directly: a server socket
     with no extension negotiated (permessage-deflate must go through wsproto); else None."""
+    # simple-websocket's wsproto connection and wsproto's private frame protocol (both bounded in requirements.txt)
     conn = getattr(getattr(ws, "ws", None), "connection", None)
     proto = getattr(conn, "_proto", None)
     if proto is None or proto.extensions or not getattr(ws, "is_server", False):
@@ -127,7 +127,7 @@ class Session:
     def __init__(self, ws, state, client: str, address: str = "?"):
         self.ws, self.state, self.client, self.address = ws, state, client, address
         self.settings, self.turns = state.settings, state.turns
-        self.runs: dict = {}  # request id -> Run attached to this connection
+        self.runs: dict[str, RunHandle] = {}  # request id -> run attached to this connection
         self.send_lock = threading.Lock()
         self.send_bound = backpressure.Bound(self.settings.send_timeout_s)  # used under send_lock only
         self.plain = plain_connection(ws)
@@ -219,17 +219,17 @@ class Session:
     def on_stop(self, req) -> bool:
         runs = [r for r in self.runs.values() if not r.finished]
         for run in runs:
-            run.gen.cancel("cancelled")
+            run.cancel("cancelled")
         for run in runs:
-            run.finished_event.wait(10)
+            run.wait(10)
         self.close(1000, "stop")
         return False
 
-    def adopt(self, run) -> None:
+    def adopt(self, run: RunHandle) -> None:
         """A run now sends its frames here."""
         self.runs[run.id] = run
 
-    def forget(self, run) -> None:
+    def forget(self, run: RunHandle) -> None:
         """The run ended, or moved to another connection."""
         if self.runs.get(run.id) is run:
             del self.runs[run.id]
@@ -242,10 +242,3 @@ class Session:
         except Exception:  # already gone, or a stalled reader (SendTimeout): tear it down
             backpressure.cut(self.ws)
 
-
-def graceful_shutdown(state, timeout: float) -> None:
-    """Let answers finish within ``timeout`` (the rest end with ``shutdown`` and are stored),
-    then close the sockets (1001) so the worker can exit before its graceful timeout."""
-    state.turns.shutdown(timeout)
-    for session in list(state.sessions):  # a reader that stalls gets 1 s, not CHAT_SEND_TIMEOUT_S
-        session.close(1001, "server shutting down", timeout=1.0)

@@ -1,4 +1,4 @@
-"""``web.limits.Limits`` kept in Redis, so every worker and host counts the same requests.
+"""``chat.limits.Limits`` kept in Redis, so every worker and host counts the same requests.
 
 Running answers and open sockets are members of sorted sets scored by a lease
 deadline, which the owning worker's heartbeat renews: a worker that dies takes
@@ -10,9 +10,13 @@ from __future__ import annotations
 import itertools
 import time
 
+from redis.client import Pipeline
+
 from ..concurrency import real_lock
-from ..web.limits import Limits, rate_key, refusal
-from .shared import LEASE_S, Shared, best_effort, required
+from ..config import Settings
+from ..engine import Generation
+from ..limits import Ticket, follow_generation, rate_key, refusal
+from .redis_conn import LEASE_S, RedisConn, best_effort, required
 
 # KEYS: client set, address set, client bucket, address bucket, addresses, waiting
 # ARGV: now, ticket, max per client, max per address, client/min, address/min, batch,
@@ -77,10 +81,10 @@ return 0
 """
 
 
-class SharedTicket:
+class RedisTicket:
     """One admitted answer, counted in Redis until released; safe to end from any thread."""
 
-    def __init__(self, limits: "SharedLimits", client: str | None, address: str, id: str):
+    def __init__(self, limits: "RedisLimits", client: str | None, address: str, id: str) -> None:
         self.limits, self.client, self.address, self.id = limits, client, address, id
         self.waiting = True
         self.released = False
@@ -91,23 +95,21 @@ class SharedTicket:
             if not self.waiting or self.released:
                 return
             self.waiting = False
-        self.limits.shared.call_soon(self.limits.started, self)
+        self.limits.conn.call_soon(self.limits.started, self)
 
     def release(self) -> None:
         with self.lock:
             if self.released:
                 return
             self.released = True
-        self.limits.shared.call_soon(self.limits.release, self)
+        self.limits.conn.call_soon(self.limits.release, self)
 
 
-class SharedLimits:
-    """The same admission rules as ``Limits``, counted across every worker (see the module doc)."""
+class RedisLimits:
+    """The same admission rules as ``LocalLimits``, counted across every worker (see the module doc)."""
 
-    track = Limits.track
-
-    def __init__(self, shared: Shared, settings):
-        self.shared, self.redis = shared, shared.redis
+    def __init__(self, conn: RedisConn, settings: Settings) -> None:
+        self.conn, self.redis = conn, conn.redis
         self.max_connections = settings.max_connections_per_ip
         self.max_per_client = settings.max_active_per_connection
         self.max_per_address = settings.max_active_per_ip
@@ -120,13 +122,13 @@ class SharedLimits:
         self.sockets: dict = {}  # address -> this worker's socket members there
         self._admit = self.redis.register_script(_ADMIT)
         self._release = self.redis.register_script(_RELEASE)
-        shared.renewers.append(self._renew)
+        conn.renewers.append(self._renew)
 
     def _key(self, *parts: str) -> str:
-        return self.shared.key("lim", *parts)
+        return self.conn.key("lim", *parts)
 
     def _member(self) -> str:
-        return f"{self.shared.worker}:{next(self.serial)}"
+        return f"{self.conn.worker}:{next(self.serial)}"
 
     # ---- connections
 
@@ -161,9 +163,9 @@ class SharedLimits:
     # ---- answers
 
     @required
-    def admit(self, address: str, client: str | None = None, rid: str | None = None) -> SharedTicket:
-        """A ticket for one more answer, or the protocol error that refuses it (as ``Limits.admit``)."""
-        ticket = SharedTicket(self, client, address, self._member())
+    def admit(self, address: str, client: str | None = None, rid: str | None = None) -> RedisTicket:
+        """A ticket for one more answer, or the protocol error that refuses it (as ``LocalLimits.admit``)."""
+        ticket = RedisTicket(self, client, address, self._member())
         bucket = rate_key(client, address)
         verdict = self._admit(keys=self._keys(ticket) + [
             self._key("rate", bucket or "-"), self._key("rate", "@" + address), self._key("addresses"),
@@ -176,21 +178,25 @@ class SharedLimits:
         self.tickets.add(ticket)
         return ticket
 
+    def track(self, ticket: Ticket, gen: Generation) -> None:
+        """Count ``ticket`` until ``gen`` ends."""
+        follow_generation(ticket, gen)
+
     def _client_key(self, client: str | None) -> str:
         return self._key("client", client) if client is not None else ""
 
-    def _keys(self, ticket: SharedTicket) -> list:
+    def _keys(self, ticket: RedisTicket) -> list:
         return [self._client_key(ticket.client), self._key("active", ticket.address)]
 
-    def started(self, ticket: SharedTicket) -> None:
+    def started(self, ticket: RedisTicket) -> None:
         self.redis.zrem(self._key("waiting"), f"{ticket.address}|{ticket.id}")
 
-    def release(self, ticket: SharedTicket) -> None:
+    def release(self, ticket: RedisTicket) -> None:
         self.tickets.discard(ticket)
         self._release(keys=self._keys(ticket) + [self._key("addresses"), self._key("waiting")],
                       args=[ticket.id, ticket.address])
 
-    def _renew(self, pipe, now: float) -> None:
+    def _renew(self, pipe: Pipeline, now: float) -> None:
         deadline, ttl = now + self.lease_s, int(self.lease_s) + 1
         for ticket in list(self.tickets):
             if ticket.client is not None:
@@ -202,5 +208,5 @@ class SharedLimits:
             if ticket.waiting:
                 pipe.zadd(self._key("waiting"), {f"{ticket.address}|{ticket.id}": deadline}, xx=True)
         for address, members in list(self.sockets.items()):
-            pipe.zadd(self._key("conn", address), {m: deadline for m in members})
+            pipe.zadd(self._key("conn", address), dict.fromkeys(members, deadline))
             pipe.expire(self._key("conn", address), ttl)

@@ -1,43 +1,22 @@
-"""One registry of who may do what: connections, request rate and running answers, per client and per address.
-
-A new cookie (or none) must not reset a limit, so every limit that a client could
-escape by becoming someone else is also counted per address; IPv6 addresses are
-grouped by /64, the block one subscriber usually gets. Answers are counted from
-admission until their generation emits ``Done`` (or ``Refused``), so answers that
-outlive their socket for the resume grace still count. In memory, per worker process.
-"""
+"""``chat.limits.Limits`` counted in this process alone: one worker's connections, rates and answers."""
 from __future__ import annotations
 
-import ipaddress
 import math
 import time
 
 from ..concurrency import real_lock
-from ..engine.events import END, Started
-from ..errors import ProtocolError
-from .identity import ANONYMOUS
+from ..config import Settings
+from ..engine import Generation
+from ..limits import Ticket, follow_generation, rate_key, refusal
 
 IDLE_BUCKETS = 10_000  # past this many buckets, forget the ones idle for a while
 IDLE_S = 120.0
 
 
-def address_of(ip: str) -> str:
-    """The address a limit counts: IPv4 as is, IPv6 by its /64 (IPv4-mapped IPv6 as IPv4)."""
-    try:
-        parsed = ipaddress.ip_address(ip)
-    except ValueError:
-        return ip
-    if parsed.version == 6:
-        if parsed.ipv4_mapped is not None:
-            return str(parsed.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{parsed}/64", strict=False))
-    return str(parsed)
-
-
 class Buckets:
     """Token buckets by key: ``per_min`` a minute, bursts up to the same; 0 means unlimited."""
 
-    def __init__(self, per_min: int):
+    def __init__(self, per_min: int) -> None:
         self.per_min = per_min
         self.state: dict = {}
 
@@ -56,36 +35,16 @@ class Buckets:
             self.state = {k: v for k, v in self.state.items() if now - v[1] < IDLE_S}
 
 
-def rate_key(client: str | None, address: str) -> str | None:
-    """Whose request rate a request spends: the client's, or for a connection without a cookie
-    (a new client each time) its address's; None for ``/v1`` (counted per address only)."""
-    if client is None:
-        return None
-    return "anon@" + address if client.startswith(ANONYMOUS) else client
-
-
-def refusal(reason: str, limits, rid: str | None) -> ProtocolError:
-    """The error for an admission refused because of ``reason`` (client, address, rate, share)."""
-    if reason == "client":
-        return ProtocolError("busy", f"at most {limits.max_per_client} answers at once per client", rid)
-    if reason == "address":
-        return ProtocolError("busy", f"at most {limits.max_per_address} answers at once per address", rid)
-    if reason == "rate":
-        return ProtocolError("rate_limited", "too many requests; slow down", rid)
-    return ProtocolError("overloaded", "this address has its share of the server while others wait; try "
-                                       "again when one of its answers ends", rid)
-
-
 def _decrement(counts: dict, key: str) -> None:
     counts[key] -= 1
     if not counts[key]:
         del counts[key]
 
 
-class Ticket:
+class LocalTicket:
     """One admitted answer: counted against its client and address until released."""
 
-    def __init__(self, limits: "Limits", client: str, address: str):
+    def __init__(self, limits: "LocalLimits", client: str | None, address: str) -> None:
         self.limits, self.client, self.address = limits, client, address
         self.waiting = True  # until the engine starts it
         self.released = False
@@ -110,10 +69,10 @@ class Ticket:
             _decrement(limits.by_address, self.address)
 
 
-class Limits:
-    """Admission for connections and answers; shared by the WebSocket and ``/v1``."""
+class LocalLimits:
+    """Admission for connections and answers, counted in this process (see ``chat.limits``)."""
 
-    def __init__(self, settings):
+    def __init__(self, settings: Settings) -> None:
         self.max_connections = settings.max_connections_per_ip
         self.max_per_client = settings.max_active_per_connection
         # An engine-only process hears a few web hosts, which limit their own users: no per-address limits.
@@ -136,10 +95,12 @@ class Limits:
             return not self.max_connections or self.connections.get(address, 0) < self.max_connections
 
     def connect(self, address: str) -> None:
+        """Count one more open socket from ``address``."""
         with self.lock:
             self.connections[address] = self.connections.get(address, 0) + 1
 
     def disconnect(self, address: str) -> None:
+        """Count one socket from ``address`` fewer."""
         with self.lock:
             left = self.connections.get(address, 1) - 1
             if left > 0:
@@ -149,7 +110,7 @@ class Limits:
 
     # ---- answers
 
-    def admit(self, address: str, client: str | None = None, rid: str | None = None) -> Ticket:
+    def admit(self, address: str, client: str | None = None, rid: str | None = None) -> LocalTicket:
         """A ticket for one more answer, or the protocol error that refuses it (in protocol order).
 
         ``client`` None (``/v1``) counts only against the address.
@@ -173,7 +134,7 @@ class Limits:
                 self.by_client[client] = self.by_client.get(client, 0) + 1
             self.by_address[address] = active + 1
             self.waiting[address] = self.waiting.get(address, 0) + 1
-            return Ticket(self, client, address)
+            return LocalTicket(self, client, address)
 
     def fair_share(self) -> int:
         """Batch slots for each address that has answers running or waiting."""
@@ -182,17 +143,6 @@ class Limits:
     def _others_waiting(self, address: str) -> bool:
         return any(count for addr, count in self.waiting.items() if addr != address)
 
-    def track(self, ticket: Ticket, gen) -> None:
-        """Follow ``gen``'s events as the engine emits them: started on ``Started``, released at the end.
-
-        Watching the engine's side (not the consumer's) keeps the count right for answers whose
-        client is gone, or whose channel was closed after a failed store write.
-        """
-        gen.observe(lambda event: _observe(ticket, event))
-
-
-def _observe(ticket: Ticket, event) -> None:
-    if isinstance(event, Started):
-        ticket.started()
-    elif isinstance(event, END):
-        ticket.release()
+    def track(self, ticket: Ticket, gen: Generation) -> None:
+        """Count ``ticket`` until ``gen`` ends."""
+        follow_generation(ticket, gen)

@@ -16,6 +16,7 @@ import os
 import socket
 import time
 import uuid
+from typing import Any, Callable, TypeVar, cast
 
 import redis
 
@@ -23,6 +24,7 @@ from ..concurrency import Channel, spawn
 from ..errors import ProtocolError
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
 
 HEARTBEAT_S = 2.0
 ALIVE_TTL_S = 10  # a process silent this long is taken for dead
@@ -33,11 +35,11 @@ CONFIRM_DEAD_S = 10  # a process silent this long (after its beat's ALIVE_TTL_S 
 class StateUnavailable(ProtocolError):
     """Redis cannot be reached: new requests are refused until it is back; running ones go on."""
 
-    def __init__(self, id: str | None = None):
+    def __init__(self, id: str | None = None) -> None:
         super().__init__("overloaded", "the server's shared state is unreachable: try again shortly", id)
 
 
-def required(method):
+def required(method: F) -> F:
     """For what a new request needs from Redis: a Redis failure refuses it with StateUnavailable."""
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
@@ -46,10 +48,10 @@ def required(method):
         except redis.RedisError as exc:
             log.warning("shared state unreachable: %s", exc)
             raise StateUnavailable() from None
-    return wrapper
+    return cast(F, wrapper)
 
 
-def best_effort(method):
+def best_effort(method: F) -> F:
     """For what a running answer does in Redis: a failure is logged and the answer goes on."""
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
@@ -57,7 +59,7 @@ def best_effort(method):
             return method(*args, **kwargs)
         except redis.RedisError as exc:
             log.warning("shared state: %s failed: %s", method.__name__, exc)
-    return wrapper
+    return cast(F, wrapper)
 
 
 def process_key() -> str:
@@ -65,10 +67,10 @@ def process_key() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-class Shared:
+class RedisConn:
     """One Redis client, this worker's identity, its heartbeat and its control channel."""
 
-    def __init__(self, url: str, prefix: str = "chat:"):
+    def __init__(self, url: str, prefix: str = "chat:") -> None:
         self.url, self.prefix = url, prefix
         self.redis = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2,
                                           health_check_interval=30, decode_responses=True)
@@ -130,7 +132,7 @@ class Shared:
 
     # ---- control messages between workers
 
-    def on(self, op: str, handler) -> None:
+    def on(self, op: str, handler: Callable[[dict], None]) -> None:
         self.handlers[op] = handler
 
     def send(self, worker: str, op: str, **fields) -> None:
@@ -153,7 +155,7 @@ class Shared:
                 log.warning("shared state: control channel lost (%s); resubscribing", exc)
                 time.sleep(1)
 
-    def _dispatch(self, data) -> None:
+    def _dispatch(self, data: Any) -> None:
         try:
             message = json.loads(data)
             handler = self.handlers[message["op"]]
@@ -167,7 +169,7 @@ class Shared:
 
     # ---- calls from other threads
 
-    def call_soon(self, fn, *args) -> None:
+    def call_soon(self, fn: Callable[..., object], *args) -> None:
         """Run ``fn(*args)`` on this worker's hub: Redis's sockets belong to it, not to engine threads."""
         self.calls.put((fn, args))
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, Response, jsonify, request
 
+from ..app_state import app_state
 from ..errors import ProtocolError
 from .identity import current_client
 
@@ -18,7 +19,7 @@ MAX_QUERY_CHARS = 500
 
 def _store():
     """The app's conversation store."""
-    return current_app.extensions["chat"].store
+    return app_state().store
 
 
 def _found(value):
@@ -109,7 +110,7 @@ def import_():
         body = json.loads(raw)
     except (ValueError, RecursionError):
         raise ProtocolError("bad_message", "the body is not valid JSON") from None
-    settings = current_app.extensions["chat"].settings
+    settings = app_state().settings
     conv_id = _store().import_conversation(client, body, settings.max_content_chars)
     return jsonify(id=conv_id), 201
 

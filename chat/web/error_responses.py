@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 import uuid
 
-from flask import jsonify, request
+from typing import Any
+
+from flask import Flask, Response, jsonify, request
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException, InternalServerError
 
@@ -25,7 +27,7 @@ _CODES = {400: "bad_message", 401: "unauthorized", 403: "forbidden", 404: "not_f
 class SafeJSONProvider(DefaultJSONProvider):
     """Flask's JSON, with too-deep nesting reported as invalid JSON instead of a RecursionError."""
 
-    def loads(self, s, **kwargs):
+    def loads(self, s: str | bytes, **kwargs) -> Any:
         try:
             return super().loads(s, **kwargs)
         except RecursionError:
@@ -41,7 +43,7 @@ def _is_api() -> bool:
     return request.path.startswith(API_PREFIXES) or request.path in ("/api", "/v1")
 
 
-def response(exc: ChatError, extra: dict | None = None):
+def response(exc: ChatError, extra: dict | None = None) -> Response:
     """The JSON response for ``exc``: OpenAI's shape on /v1, ``{"error": {code, message}}`` elsewhere."""
     v1 = request.path.startswith("/v1")
     body = openai_api.error_body(exc) if v1 else {"error": {"code": exc.code, "message": exc.message}}
@@ -53,7 +55,7 @@ def response(exc: ChatError, extra: dict | None = None):
     return out
 
 
-def init_app(app) -> None:
+def init_app(app: Flask) -> None:
     """Install the JSON provider and the app-wide handlers."""
     app.json = SafeJSONProvider(app)
 
@@ -66,7 +68,7 @@ def init_app(app) -> None:
         if not _is_api():
             return exc
         message = (exc.description or exc.name).strip() if exc.code != 413 else "the request body is too large"
-        return response(ChatError(message, _CODES.get(exc.code, "internal"), exc.code))
+        return response(ChatError(message, _CODES.get(exc.code or 0, "internal"), exc.code))
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):
