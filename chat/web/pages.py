@@ -1,4 +1,4 @@
-"""GET / (the chat page) with the identity cookie, and the security headers of every page."""
+"""GET / and GET /c/<id> (the chat page) with the identity cookie, and the security headers of every page."""
 from __future__ import annotations
 
 from flask import Blueprint, current_app, render_template, request
@@ -13,8 +13,10 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' 
 
 
 @bp.get("/")
-def index():
-    """The chat page; gives a new visitor a random identity cookie."""
+@bp.get("/c/<conv_id>")
+def index(conv_id=None):
+    """The chat page (at /c/<id> it opens that conversation); gives a new visitor a random identity
+    cookie. The same page for every id: whether a conversation is the caller's is the API's to say."""
     settings = current_app.extensions["chat"].settings
     response = current_app.make_response(render_template("index.html"))
     if identity.browser_client() is None:
