@@ -5,32 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from chat.errors import ProtocolError
 from chat.store import MIGRATIONS, Store
 from chat.store import pg_schema
-
-ALICE = "alice-client-0123456789"
-BOB = "bob-client-0123456789ab"
-LIMIT = 1000
-
-
-@pytest.fixture
-def store(db_path):
-    s = Store(db_path)
-    yield s
-    s.close()
-
-
-def _answer(store, conv_id, text, parent=None, reason="stop"):
-    mid = store.start_assistant(conv_id, parent)
-    store.finish_assistant(mid, text, reason, {"prompt_tokens": 1, "completion_tokens": 1}, {})
-    return mid
-
-
-def _code(call, *args):
-    with pytest.raises(ProtocolError) as err:
-        call(*args)
-    return err.value.code
+from test_store_versions import ALICE, BOB, LIMIT, _answer, _code, store  # noqa: F401  (store: a fixture)
 
 
 def _ids(store, client=ALICE):
