@@ -6,12 +6,12 @@ import math
 SEED_RANGE = (-(2 ** 63), 2 ** 64)  # what torch.manual_seed accepts (the upper end excluded)
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def rules(max_new_tokens: int | None = None) -> dict:
@@ -28,7 +28,7 @@ def rules(max_new_tokens: int | None = None) -> dict:
     }
 
 
-def problem(params, max_new_tokens: int | None = None, where: str = "params") -> str | None:
+def problem(params: object, max_new_tokens: int | None = None, where: str = "params") -> str | None:
     """Why ``params`` is not a valid parameter object (None when it is); unknown names are ignored."""
     if not isinstance(params, dict):
         return f"{where} must be an object"
@@ -40,7 +40,7 @@ def problem(params, max_new_tokens: int | None = None, where: str = "params") ->
     return None
 
 
-def clean(params) -> dict:
+def clean(params: dict | None) -> dict:
     """The known, set parameters of a valid object (unknown names and nulls dropped)."""
     known = rules()
     return {k: v for k, v in (params or {}).items() if k in known and v is not None}

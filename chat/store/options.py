@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING, Any, Callable
 
 from .guard import guarded
 
@@ -26,6 +27,10 @@ def conversation(row) -> dict:
 
 class Options:
     """Mixed into Store: changes a conversation's settings, and reads those its turns use."""
+
+    if TYPE_CHECKING:  # what Store, which this is mixed into, provides
+        _conn: Callable[[], Any]
+        _owned: Callable[[Any, str | None, Any], bool]
 
     @guarded
     def update(self, client_id: str | None, conv_id, changes: dict) -> dict | None:

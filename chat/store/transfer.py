@@ -98,7 +98,7 @@ def imported_title(title: str) -> str:
     return base[:MAX_TITLE_CHARS - len(IMPORTED)].rstrip() + IMPORTED
 
 
-def _tree(nodes, max_content_chars: int, limit: int) -> tuple[list, int]:
+def _tree(nodes, max_content_chars: int, limit: int) -> tuple[list, dict]:
     """(messages, index of the active leaf) from an export's ``tree``: every version, each
     message after its parent (``parent_id`` null or an earlier ``id``)."""
     if not isinstance(nodes, list):
@@ -142,10 +142,10 @@ def parse_import(body, max_content_chars: int, max_messages: int = 0) -> dict:
         raise ProtocolError("too_large", f"the system prompt is longer than {max_content_chars} characters")
     if body.get("tree") is not None:
         messages, ids = _tree(body["tree"], max_content_chars, limit)
-        active = body.get("active_id")
-        if active is not None and active not in ids:
+        active_id = body.get("active_id")
+        if active_id is not None and active_id not in ids:
             _bad("active_id must be the id of a message in 'tree'")
-        active = ids[active] if active is not None else len(messages) - 1
+        active = ids[active_id] if active_id is not None else len(messages) - 1
     else:
         raw = body["messages"]
         if raw and isinstance(raw[0], dict) and raw[0].get("role") == "system":
