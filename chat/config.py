@@ -267,6 +267,11 @@ class Settings:
     backend_model: str = _setting(
         "CHAT_BACKEND_MODEL", "", str,
         doc="Model name sent to the backend. Empty: the first model its `/v1/models` lists.")
+    backend_models: str = _setting(
+        "CHAT_BACKEND_MODELS", "", str,
+        doc="Which of the backend's models users may pick (on the page, and as `/v1` `model`): "
+            "comma-separated names, `*` and `?` as wildcards, for example `qwen*,llama3.2:3b`. Empty: every "
+            "model its `/v1/models` lists. The default model (`CHAT_BACKEND_MODEL`) is always offered.")
     backend_timeout_s: float = _setting(
         "CHAT_BACKEND_TIMEOUT_S", 60.0, float, low=0.1, high=3600,
         doc="Network timeout for the backend: connecting, and the longest silence while streaming.")

@@ -45,6 +45,8 @@ class TurnRequest(Protocol):
     def params(self) -> dict: ...
     @property
     def attachments(self) -> list: ...
+    @property
+    def model(self) -> str | None: ...
 
 
 class TurnService:
@@ -65,14 +67,31 @@ class TurnService:
 
     # ---- building a turn
 
-    def params(self, given: dict) -> GenParams:
+    def params(self, given: dict, model: str | None = None) -> GenParams:
         """Sampling parameters: the request's (GenParams names), else the server's; max tokens capped."""
         s = self.settings
         return GenParams(temperature=given.get("temperature", s.temperature),
                          top_p=given.get("top_p", s.top_p),
                          max_new_tokens=min(given.get("max_new_tokens", s.max_new_tokens), s.max_new_tokens),
                          top_k=given.get("top_k", 0), min_p=given.get("min_p", 0.0),
-                         seed=given.get("seed"), stop=tuple(given.get("stop", ())))
+                         seed=given.get("seed"), stop=tuple(given.get("stop", ())), model=model)
+
+    def model(self, wanted: str | None, rid: str | None = None) -> str | None:
+        """``wanted`` when the engine serves it (None: its default); bad_message when it does not."""
+        if wanted is None or wanted == self.engine.model_name:
+            return None
+        if wanted not in self.engine.models():
+            raise ProtocolError("bad_message", f"the model {wanted!r} is not served here", rid)
+        return wanted
+
+    def _options(self, conv_id: str, req: TurnRequest) -> tuple[dict, str | None]:
+        """(params, model) of a turn: the request's over the conversation's own settings. A stored
+        model the engine no longer serves gives way to its default."""
+        stored = self.store.options(conv_id)
+        model = stored["model"] if stored["model"] in self.engine.models() else None
+        if getattr(req, "model", None) is not None:
+            model = self.model(req.model, req.id)
+        return {**stored["params"], **req.params}, model
 
     def prompt(self, messages: list, system: str | None = None) -> list:
         """The messages the model sees: a system prompt first when they bring none."""
@@ -86,6 +105,7 @@ class TurnService:
     def chat(self, client: str, address: str, req: TurnRequest, subscriber: Subscriber) -> Run:
         """Append ``req.content`` (and its attachments) to the conversation's active path (a new
         conversation without ``conversation_id``) and answer."""
+        model = self.model(req.model, req.id)
         self._check_new(client, req)
         if req.conversation_id is not None:
             self._check_owner(client, req)
@@ -100,7 +120,9 @@ class TurnService:
             if not new:
                 self.store.add_user_message(client, conv_id, req.content, req.attachments)
                 return
-            self.store.create_conversation(client, system=req.system or self.settings.system_prompt, id=conv_id)
+            # What the first turn was asked with becomes the conversation's own settings.
+            self.store.create_conversation(client, system=req.system or self.settings.system_prompt, id=conv_id,
+                                           params=req.params, model=model)
             try:
                 self.store.add_user_message(client, conv_id, req.content, req.attachments)
             except BaseException:  # no empty "New chat" left behind by a refused first message
@@ -217,7 +239,8 @@ class TurnService:
         if not self.runs.claim(conv_id, client, req.id):  # the check above raced another request
             raise ProtocolError("busy", "this conversation is already answering", req.id)
         try:
-            gen = self._submit(address, client, req.id, messages, self.params(req.params), key=conv_id)
+            params, model = self._options(conv_id, req)  # a new conversation: not stored yet, no settings
+            gen = self._submit(address, client, req.id, messages, self.params(params, model), key=conv_id)
         except BaseException:
             self.runs.unclaim(conv_id, client, req.id)
             raise
@@ -239,9 +262,11 @@ class TurnService:
 
     # ---- /v1 turns: stateless
 
-    def answer(self, address: str, messages: list, given: dict) -> Generation:
-        """Submit a whole conversation the caller brings; nothing is stored; counted per address only."""
-        return self._submit(address, None, None, self.prompt(messages), self.params(given))
+    def answer(self, address: str, messages: list, given: dict, model: str | None = None) -> Generation:
+        """Submit a whole conversation the caller brings (to ``model``, one of the engine's); nothing is
+        stored; counted per address only."""
+        return self._submit(address, None, None, self.prompt(messages),
+                            self.params(given, None if model == self.engine.model_name else model))
 
     # ---- the end of a connection
 

@@ -66,7 +66,8 @@ def test_list(alice, store, conv):
     listed = response.get_json()
     assert [c["id"] for c in listed] == [newer["id"], conv["id"]]
     assert listed[1] == {"id": conv["id"], "title": "What is 2+2?", "system": "Be brief.",
-                         "created_at": conv["created_at"], "updated_at": listed[1]["updated_at"]}
+                         "created_at": conv["created_at"], "updated_at": listed[1]["updated_at"],
+                         "pinned": False, "params": {}, "model": None}
 
 
 @pytest.mark.parametrize("cookie", [None, BOB, "short", "bad cookie value with spaces!!"])
@@ -90,7 +91,8 @@ def test_show(alice, conv):
 def test_rename(alice, store, conv, title, stored):
     response = alice.patch(f"/api/conversations/{conv['id']}", json={"title": title})
     assert response.status_code == 200
-    assert response.get_json() == {"id": conv["id"], "title": stored}
+    body = response.get_json()
+    assert (body["id"], body["title"]) == (conv["id"], stored) and "messages" not in body
     assert store.get_conversation(ALICE, conv["id"])["title"] == stored
 
 
@@ -114,6 +116,36 @@ def test_rename_rejects_bad_body(alice, store, conv, kwargs):
     assert response.status_code == 400
     assert response.get_json()["error"]["code"] == "bad_message"
     assert store.get_conversation(ALICE, conv["id"])["title"] == "What is 2+2?"
+
+
+def test_patch_changes_pin_and_settings_and_keeps_the_order(alice, store, conv):
+    newer = store.create_conversation(ALICE)
+    url = f"/api/conversations/{conv['id']}"
+    body = alice.patch(url, json={"pinned": True, "system": "Be long.", "model": "fake-model",
+                                  "params": {"temperature": 0.3, "seed": 9, "unknown": 1}}).get_json()
+    assert (body["pinned"], body["system"], body["model"], body["params"]) == (
+        True, "Be long.", "fake-model", {"temperature": 0.3, "seed": 9})
+    assert alice.get(url).get_json()["params"] == {"temperature": 0.3, "seed": 9}
+    assert [c["id"] for c in alice.get("/api/conversations").get_json()] == [conv["id"], newer["id"]]
+    body = alice.patch(url, json={"pinned": False, "system": None, "params": None, "model": None}).get_json()
+    assert (body["pinned"], body["system"], body["model"], body["params"]) == (False, None, None, {})
+    assert [c["id"] for c in alice.get("/api/conversations").get_json()] == [newer["id"], conv["id"]]
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"pinned": "yes"}, "bad_message"), ({"pinned": 1}, "bad_message"),
+    ({"system": 5}, "bad_message"), ({"system": "s" * (Settings().max_content_chars + 1)}, "too_large"),
+    ({"params": {"temperature": 3}}, "bad_message"), ({"params": {"seed": 1.5}}, "bad_message"),
+    ({"params": {"max_new_tokens": Settings().max_new_tokens + 1}}, "bad_message"), ({"params": []}, "bad_message"),
+    ({"model": "not-served"}, "bad_message"), ({"model": ""}, "bad_message"), ({"model": 3}, "bad_message"),
+    ({"title": "ok", "pinned": "no"}, "bad_message"),
+])
+def test_patch_rejects_bad_fields(alice, store, conv, body, code):
+    response = alice.patch(f"/api/conversations/{conv['id']}", json=body)
+    assert response.status_code == (413 if code == "too_large" else 400)
+    assert response.get_json()["error"]["code"] == code
+    kept = store.get_conversation(ALICE, conv["id"])
+    assert (kept["title"], kept["pinned"], kept["system"], kept["params"]) == ("What is 2+2?", False, "Be brief.", {})
 
 
 def test_delete(alice, store, conv):
@@ -206,7 +238,7 @@ def test_import_round_trip(alice, store, conv):
     assert new_id != conv["id"] and set(response.get_json()) == {"id"}
     again = json.loads(alice.get(f"/api/conversations/{new_id}/export?format=json").get_data())
     before = json.loads(exported)
-    assert again["title"] == before["title"] and again["system"] == before["system"]
+    assert again["title"] == before["title"] + " (imported)" and again["system"] == before["system"]
     keep = ("role", "content", "status", "reason", "usage", "timings", "created_at", "attachments")
     assert [{k: m[k] for k in keep} for m in again["messages"]] == [{k: m[k] for k in keep} for m in before["messages"]]
 
@@ -216,7 +248,7 @@ def test_import_openai_messages(alice):
         {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]})
     assert response.status_code == 201
     listed = alice.get("/api/conversations").get_json()
-    assert [(c["id"], c["title"]) for c in listed] == [(response.get_json()["id"], "Imported")]
+    assert [(c["id"], c["title"]) for c in listed] == [(response.get_json()["id"], "Imported (imported)")]
 
 
 @pytest.mark.parametrize("kwargs", [

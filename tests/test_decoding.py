@@ -39,6 +39,20 @@ def test_multibyte_character_is_held_until_complete(tokenizer):
     assert out[:-1] == [""] * (len(ids) - 1) and out[-1] == "😀"
 
 
+@pytest.mark.parametrize("text", ["Paris 😀", "你好世界", "naïve café 🇫🇷"])
+def test_an_answer_cut_inside_a_character_ends_without_a_replacement_char(tokenizer, text):
+    """max_new_tokens can end an answer between the tokens of one character: its first bytes are dropped."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    full = IncrementalDecoder(tokenizer)
+    cuts = [n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith("\ufffd")]
+    assert cuts, "the text has no multi-byte character split across tokens"
+    for n in cuts:
+        decoder = IncrementalDecoder(tokenizer)
+        answer = "".join([decoder.push(i) for i in ids[:n]] + [decoder.flush()])
+        assert "\ufffd" not in answer and text.startswith(answer), (n, answer)
+    assert "".join([full.push(i) for i in ids] + [full.flush()]) == text
+
+
 @pytest.mark.parametrize("chunks,stops,expected,hit", [
     (["Hello ", "wor", "ld"], ["world"], "Hello ", True),
     (["ab", "c", "d"], ["cd"], "ab", True),

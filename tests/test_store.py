@@ -303,7 +303,12 @@ def test_export_json(store, conv):
     body, mimetype, filename = store.export(ALICE, conv["id"], "json")
     assert mimetype == "application/json"
     assert filename == f"hello-{conv['id'][:8]}.json"
-    assert json.loads(body) == store.get_conversation(ALICE, conv["id"])
+    exported, shown = json.loads(body), store.get_conversation(ALICE, conv["id"])
+    tree, active = exported.pop("tree"), exported.pop("active_id")
+    assert exported == shown
+    assert active == shown["messages"][-1]["id"]
+    assert tree == [{k: v for k, v in m.items() if k not in ("conversation_id", "versions")}
+                    for m in shown["messages"]]
 
 
 def test_export_markdown(store, conv):

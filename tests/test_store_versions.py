@@ -251,8 +251,8 @@ def test_search_skips_streaming_text_and_deleted_conversations(store, chat):
 
 
 def _strip(conv):
-    """An export without what an import renews: ids, parents, update time."""
-    out = {k: v for k, v in conv.items() if k not in ("id", "updated_at")}
+    """An export without what an import renews: ids, parents, update time, the title's mark."""
+    out = {k: v for k, v in conv.items() if k not in ("id", "updated_at", "title", "tree", "active_id")}
     out["messages"] = [{k: v for k, v in m.items() if k not in ("id", "conversation_id", "parent_id", "versions")}
                        for m in conv["messages"]]
     return out
@@ -267,8 +267,10 @@ def test_import_of_an_export_round_trips(store, chat):
     again = json.loads(store.export(ALICE, new_id, "json")[0])
     assert new_id != conv_id and _strip(again) == _strip(exported)
     assert [m["versions"]["count"] for m in again["messages"]] == [1] * 6
+    assert again["title"] == exported["title"] + " (imported)"
     third = json.loads(store.export(ALICE, store.import_conversation(ALICE, again, LIMIT), "json")[0])
     assert _strip(third) == _strip(again)
+    assert third["title"] == again["title"], "an import of an import is marked once"
     assert store.get_conversation(BOB, new_id) is None
 
 
@@ -278,7 +280,7 @@ def test_import_openai_messages(store):
         {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
         {"role": "assistant", "content": "Hello!"}]}, LIMIT)
     conv = store.get_conversation(ALICE, new_id)
-    assert (conv["title"], conv["system"]) == ("Hi there", "Be kind.")
+    assert (conv["title"], conv["system"]) == ("Hi there (imported)", "Be kind.")
     assert [(m["role"], m["content"], m["status"]) for m in conv["messages"]] == [
         ("user", "Hi there", "complete"), ("assistant", "Hello!", "complete")]
     assert store.history(new_id)[0] == {"role": "system", "content": "Be kind."}

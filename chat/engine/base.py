@@ -25,6 +25,7 @@ class GenParams:
     max_new_tokens: int = 512
     seed: int | None = None
     stop: tuple = ()
+    model: str | None = None  # one of Engine.models(); None: the engine's default (model_name)
 
 
 _ids = itertools.count(1)
@@ -166,6 +167,10 @@ class Engine:
         Raises an ``EngineError`` (``Overloaded``, ``PromptTooLong``...) when refused at once.
         """
         raise NotImplementedError
+
+    def models(self) -> list[str]:
+        """The models a request may name (``GenParams.model``), the default (``model_name``) first."""
+        return [self.model_name]
 
     def stats(self) -> dict:
         """Active and queued counts for health and metrics."""

@@ -29,11 +29,12 @@ class IncrementalDecoder:
         return ""
 
     def flush(self) -> str:
-        """Whatever is still held back, at the end of the answer."""
+        """Whatever is still held back, at the end of the answer; the bytes of a character that an
+        answer cut short (length) left incomplete are dropped, not shown as U+FFFD."""
         before = self._decode(self.ids[self.prefix:self.read])
         after = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
-        return after[len(before):] if after.startswith(before) else ""
+        return after[len(before):].rstrip("\ufffd") if after.startswith(before) else ""
 
 
 class StopMatcher:

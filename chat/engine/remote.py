@@ -1,6 +1,7 @@
 """An engine that streams from an OpenAI-compatible backend (vLLM, llama.cpp, TGI, Ollama, this server)."""
 from __future__ import annotations
 
+import fnmatch
 import http.client
 import json
 import logging
@@ -21,6 +22,7 @@ _FINISH = {"stop": "stop", "length": "length"}
 AT_CAPACITY = (429, 503)  # the engine's queue is full: the client may retry, as with our own queue
 _decode = json.JSONDecoder().raw_decode
 WATCH_EVERY_S = 1.0  # the silence watchdog's period (at most a quarter of CHAT_BACKEND_TIMEOUT_S)
+MODELS_FRESH_S = 60.0  # how long the backend's model list is used before it is asked again
 
 
 class _Call:
@@ -58,6 +60,10 @@ class RemoteEngine(Engine):
         self._host, self._port, self._base = url.hostname, url.port, url.path
         self.backend_model = settings.backend_model
         self.model_name = settings.model_name or settings.backend_model or "remote"
+        self._patterns = [p.strip() for p in settings.backend_models.split(",") if p.strip()]
+        self._listed: list[str] = []  # the backend's other models users may pick, from /models
+        self._listed_at = 0.0
+        self._listing = False
         self.ready = False
         self.error = None
         self._lock = real_lock()
@@ -112,7 +118,8 @@ class RemoteEngine(Engine):
             body = response.read()
             if response.status != 200:
                 raise BackendError(_error_text(response.status, body))
-            models = [m["id"] for m in json.loads(body).get("data", []) if isinstance(m, dict) and "id" in m]
+            models = [m["id"] for m in json.loads(body).get("data", [])
+                      if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]]
         finally:
             conn.close()
         if not self.backend_model:
@@ -121,8 +128,34 @@ class RemoteEngine(Engine):
             self.backend_model = models[0]
             if not self.settings.model_name:
                 self.model_name = models[0]
+        self._listed = [m for m in dict.fromkeys(models) if m not in (self.backend_model, self.model_name)
+                        and (not self._patterns or any(fnmatch.fnmatchcase(m, p) for p in self._patterns))]
+        self._listed_at = time.monotonic()
+
+    def _refresh_models(self) -> None:
+        try:
+            self._fetch_models()
+        except (OSError, http.client.HTTPException, BackendError, ValueError) as exc:
+            log.warning("backend %s: listing its models failed: %s", self.settings.backend_url, exc)
+        finally:
+            self._listing = False
 
     # ---- the Engine interface
+
+    def models(self) -> list[str]:
+        """The default model (``model_name``), then the backend's others that CHAT_BACKEND_MODELS
+        allows; a list older than MODELS_FRESH_S is asked for again in the background."""
+        with self._lock:
+            stale = self.ready and not self._listing and time.monotonic() - self._listed_at > MODELS_FRESH_S
+            if stale:
+                self._listing = True
+        if stale:
+            spawn(self._refresh_models)
+        return [self.model_name, *self._listed]
+
+    def _upstream_model(self, model: str | None) -> str:
+        """The backend's name for a model users named (the default is shown under ``model_name``)."""
+        return self.backend_model if model in (None, self.model_name) else model
 
     def submit(self, messages: list, params: GenParams, key: str | None = None) -> Generation:
         """Start one upstream call; events arrive on the returned Generation."""
@@ -193,7 +226,7 @@ class RemoteEngine(Engine):
 
     def _body(self, gen: Generation) -> bytes:
         p = gen.params
-        body = {"model": self.backend_model, "messages": [{"role": m["role"], "content": m["content"]}
+        body = {"model": self._upstream_model(p.model), "messages": [{"role": m["role"], "content": m["content"]}
                                                           for m in gen.messages],
                 "stream": True, "stream_options": {"include_usage": True},
                 "temperature": p.temperature, "top_p": p.top_p, "max_tokens": p.max_new_tokens}

@@ -11,14 +11,13 @@ from .. import attachments as files
 from ..errors import ProtocolError
 from . import liveness, transfer, tree
 from .disk_full import guarded as _guarded
+from .options import CONVERSATION_COLUMNS as _CONV, Options, conversation as _conversation
 from .tree import valid as _valid
 from .versions import Versions
 
 PLACEHOLDER_TITLE = "New chat"
 TITLE_CHARS = 60
 FINISHED = ("stop", "length")
-
-_CONV = "id, title, system, created_at, updated_at"
 
 
 def new_id() -> str:
@@ -45,7 +44,7 @@ def backend_for(target: str, max_mb: int = 0):
     return SQLite(target, max_mb)
 
 
-class Store(Versions):
+class Store(Versions, Options):
     """Conversations of many clients; safe to share between greenlets and OS threads."""
 
     def __init__(self, path: str | os.PathLike, max_conversations: int = 0, max_messages: int = 0,
@@ -118,18 +117,21 @@ class Store(Versions):
         return len(stale)
 
     @_guarded
-    def create_conversation(self, client_id: str, system: str | None = None,
-                            title: str | None = None, id: str | None = None) -> dict:
-        """Start an empty conversation for ``client_id`` (under ``id`` when the caller chose it)."""
+    def create_conversation(self, client_id: str, system: str | None = None, title: str | None = None,
+                            id: str | None = None, params: dict | None = None, model: str | None = None) -> dict:
+        """Start an empty conversation for ``client_id`` (under ``id`` when the caller chose it), with
+        the sampling ``params`` and ``model`` its turns use."""
         now = time.time()
         conv = {"id": id or new_id(), "title": title or PLACEHOLDER_TITLE, "system": system or None,
-                "created_at": now, "updated_at": now}
+                "created_at": now, "updated_at": now, "pinned": False, "params": params or {},
+                "model": model or None}
         with self._conn() as db, db.transaction():
             self._check_room(db, client_id)
             db.execute(
-                "INSERT INTO conversations (id, client_id, title, title_set, system, created_at, updated_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (conv["id"], client_id, conv["title"], int(bool(title)), conv["system"], now, now))
+                "INSERT INTO conversations (id, client_id, title, title_set, renamed, system, params, model,"
+                " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (conv["id"], client_id, conv["title"], int(bool(title)), int(bool(title)), conv["system"],
+                 json.dumps(params) if params else None, conv["model"], now, now))
         return conv
 
     def _check_room(self, db, client_id: str) -> None:
@@ -152,30 +154,25 @@ class Store(Versions):
         with self._conn() as db:
             if not self._owned(db, client_id, conv_id):
                 return None
-            conv = dict(db.execute(f"SELECT {_CONV} FROM conversations WHERE id = ?", (conv_id,)).fetchone())
+            conv = _conversation(db.execute(f"SELECT {_CONV} FROM conversations WHERE id = ?", (conv_id,)).fetchone())
             conv["messages"] = [self._message(r) for r in tree.path(db, conv_id)]
             tree.versions(db, conv_id, conv["messages"])
         return conv
 
     def list_conversations(self, client_id: str | None) -> list[dict]:
-        """This client's conversations, most recently updated first, without messages."""
+        """This client's conversations without messages: pinned ones first, then most recently
+        updated first (a new message updates; renaming, pinning and settings do not)."""
         if not client_id:
             return []
         with self._conn() as db:
             rows = db.execute(
                 f"SELECT {_CONV} FROM conversations WHERE client_id = ?"
-                " ORDER BY updated_at DESC, rowid DESC", (client_id,)).fetchall()
-        return [dict(r) for r in rows]
+                " ORDER BY pinned DESC, updated_at DESC, rowid DESC", (client_id,)).fetchall()
+        return [_conversation(r) for r in rows]
 
-    @_guarded
     def rename(self, client_id: str | None, conv_id, title: str) -> bool:
-        """Set the title; False if the conversation is not this client's."""
-        with self._conn() as db:
-            if not self._owned(db, client_id, conv_id):
-                return False
-            db.execute("UPDATE conversations SET title = ?, title_set = 1, updated_at = ? WHERE id = ?",
-                             (title, time.time(), conv_id))
-        return True
+        """Set the title, keeping the conversation's place; False if it is not this client's."""
+        return self.update(client_id, conv_id, {"title": title}) is not None
 
     @_guarded
     def delete(self, client_id: str | None, conv_id) -> bool:
@@ -224,7 +221,10 @@ class Store(Versions):
                 parent = self._on_path(db, conv_id, replaces, "user")["parent_id"] if replaces is not None else leaf
                 msg["id"], msg["parent_id"] = self._insert(db, conv_id, parent, msg), parent
                 db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conv_id))
-                db.execute("UPDATE conversations SET title = ?, title_set = 1 WHERE id = ? AND title_set = 0",
+                # The first message names the conversation, and a new version of it renames it,
+                # unless the user chose the title.
+                first = "title_set = 0" if parent is not None else "renamed = 0"
+                db.execute(f"UPDATE conversations SET title = ?, title_set = 1 WHERE id = ? AND {first}",
                            (_title_from(content), conv_id))
         return msg
 
@@ -298,25 +298,32 @@ class Store(Versions):
 
     @_guarded
     def import_conversation(self, client_id: str, body, max_content_chars: int) -> str:
-        """Create a conversation of ``client_id`` from an export or a ``messages`` list; its id."""
+        """Create a conversation of ``client_id`` from an export (every version of its tree) or a
+        ``messages`` list; its id. The copy's title says it was imported."""
         data = transfer.parse_import(body, max_content_chars, self.max_messages)
         first = next((m["content"] for m in data["messages"] if m["role"] == "user"), "")
+        title = data["title"] or (_title_from(first) if first else PLACEHOLDER_TITLE)
         conv_id, now = new_id(), time.time()
         created = data["created_at"] or now
         with self._conn() as db, db.transaction():
             self._check_room(db, client_id)
             db.execute(
-                "INSERT INTO conversations (id, client_id, title, title_set, system, created_at, updated_at)"
-                " VALUES (?, ?, ?, 1, ?, ?, ?)",
-                (conv_id, client_id, data["title"] or (_title_from(first) if first else PLACEHOLDER_TITLE),
-                 data["system"], created, now))
-            parent = None
+                "INSERT INTO conversations (id, client_id, title, title_set, renamed, system, params, model,"
+                " created_at, updated_at) VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?)",
+                (conv_id, client_id, transfer.imported_title(title), int(data["title"] is not None),
+                 data["system"], json.dumps(data["params"]) if data["params"] else None, data["model"],
+                 created, now))
+            ids: list = []
             for msg in data["messages"]:
-                parent = self._insert(db, conv_id, parent, {**msg, "created_at": msg["created_at"] or now})
+                parent = ids[msg["parent"]] if msg["parent"] is not None else None
+                ids.append(self._insert(db, conv_id, parent, {**msg, "created_at": msg["created_at"] or now}))
+            if ids:
+                db.execute("UPDATE conversations SET active_id = ? WHERE id = ?", (ids[data["active"]], conv_id))
         return conv_id
 
     def export(self, client_id: str | None, conv_id, fmt: str) -> tuple[str, str, str] | None:
-        """(body, mimetype, filename) of the conversation as Markdown or JSON, or None."""
+        """(body, mimetype, filename) of the conversation as Markdown (the active path) or JSON (the
+        conversation as get_conversation has it, plus its whole ``tree`` and ``active_id``), or None."""
         if fmt not in ("md", "json"):
             raise ValueError(f"unknown export format {fmt!r}")
         conv = self.get_conversation(client_id, conv_id)
@@ -324,6 +331,11 @@ class Store(Versions):
             return None
         filename = transfer.filename(conv, fmt)
         if fmt == "json":
+            with self._conn() as db:
+                conv["tree"] = [self._message(r) for r in tree.every(db, conv_id)]
+            for msg in conv["tree"]:
+                del msg["conversation_id"]
+            conv["active_id"] = conv["messages"][-1]["id"] if conv["messages"] else None
             return json.dumps(conv, ensure_ascii=False, indent=2) + "\n", "application/json", filename
         return transfer.markdown(conv), "text/markdown", filename
 

@@ -41,6 +41,17 @@ MIGRATIONS = [
         """CREATE INDEX messages_search ON messages USING GIN (to_tsvector('simple', content))
             WHERE status <> 'streaming'""",
     ),
+    (
+        # Per-conversation settings (schema.py's third migration).
+        "ALTER TABLE conversations ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE conversations ADD COLUMN params TEXT",
+        "ALTER TABLE conversations ADD COLUMN model TEXT",
+        "ALTER TABLE conversations ADD COLUMN renamed INTEGER NOT NULL DEFAULT 0",
+        """UPDATE conversations SET renamed = 1 WHERE title_set = 1 AND NOT EXISTS (
+            SELECT 1 FROM messages m WHERE m.conversation_id = conversations.id AND m.parent_id IS NULL
+            AND m.role = 'user' AND (m.content = conversations.title OR (conversations.title LIKE '%…'
+            AND strpos(m.content, left(conversations.title, -1)) = 1)))""",
+    ),
 ]
 
 

@@ -53,6 +53,20 @@ MIGRATIONS = [
         """CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
             DELETE FROM messages_fts WHERE rowid = old.seq; END""",
     ),
+    (
+        # Per-conversation settings: pinned in the sidebar, the sampling parameters and the model its
+        # turns use, and whether the user named it (then an edited first message keeps the title).
+        "ALTER TABLE conversations ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE conversations ADD COLUMN params TEXT",
+        "ALTER TABLE conversations ADD COLUMN model TEXT",
+        "ALTER TABLE conversations ADD COLUMN renamed INTEGER NOT NULL DEFAULT 0",
+        # Which titles a user chose is not recorded before this: a title that is not its first
+        # message (whole, or cut at "…") counts as chosen, so an edit never overwrites a user's.
+        """UPDATE conversations SET renamed = 1 WHERE title_set = 1 AND NOT EXISTS (
+            SELECT 1 FROM messages m WHERE m.conversation_id = conversations.id AND m.parent_id IS NULL
+            AND m.role = 'user' AND (m.content = conversations.title OR (conversations.title LIKE '%…'
+            AND instr(m.content, substr(conversations.title, 1, length(conversations.title) - 1)) = 1)))""",
+    ),
 ]
 
 

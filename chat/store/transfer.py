@@ -9,10 +9,13 @@ import unicodedata
 from datetime import datetime, timezone
 
 from .. import attachments as files
+from .. import params as sampling
 from ..errors import ProtocolError
 
 MAX_IMPORT_MESSAGES = 5000
 MAX_TITLE_CHARS = 200
+MAX_ID_CHARS = 200
+IMPORTED = " (imported)"
 STATUSES = ("complete", "partial", "interrupted")
 REASONS = ("stop", "length", "cancelled", "timeout", "shutdown", "error")
 
@@ -63,9 +66,9 @@ def _optional(msg: dict, name: str, ok, where: str):
     return value
 
 
-def _message(msg, i: int, max_content_chars: int) -> dict:
+def _message(msg, i: int, max_content_chars: int, where: str | None = None) -> dict:
     """One imported message, checked and reduced to the stored fields."""
-    where = f"messages[{i}]"
+    where = where or f"messages[{i}]"
     if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
         _bad(f"{where} must be an object with role 'user' or 'assistant'")
     content = _text(msg.get("content", ""), where)
@@ -91,25 +94,75 @@ def _message(msg, i: int, max_content_chars: int) -> dict:
     }
 
 
+def imported_title(title: str) -> str:
+    """The title of an imported copy: marked as one (once), within MAX_TITLE_CHARS."""
+    base = title[:-len(IMPORTED)] if title.endswith(IMPORTED) else title
+    return base[:MAX_TITLE_CHARS - len(IMPORTED)].rstrip() + IMPORTED
+
+
+def _tree(nodes, max_content_chars: int, limit: int) -> tuple[list, dict]:
+    """(messages, index of the active leaf) from an export's ``tree``: every version, each
+    message after its parent (``parent_id`` null or an earlier ``id``)."""
+    if not isinstance(nodes, list):
+        _bad("'tree' must be a list")
+    if len(nodes) > limit:
+        raise ProtocolError("too_large", f"at most {limit} messages can be imported")
+    index: dict = {}
+    out = []
+    for i, node in enumerate(nodes):
+        where = f"tree[{i}]"
+        msg = _message(node, i, max_content_chars, where)
+        key, parent = node.get("id"), node.get("parent_id")
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_ID_CHARS or key in index:
+            _bad(f"{where}.id must be a unique string of 1-{MAX_ID_CHARS} characters")
+        if parent is not None and parent not in index:
+            _bad(f"{where}.parent_id must be null or the id of a message before it")
+        msg["parent"] = index[parent] if parent is not None else None
+        index[key] = i
+        out.append(msg)
+    return out, index
+
+
 def parse_import(body, max_content_chars: int, max_messages: int = 0) -> dict:
-    """{title, system, created_at, messages} from an import body; ProtocolError when it is not one."""
-    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+    """{title, system, created_at, params, model, messages, active} from an import body (an export
+    with its ``tree``, an older export's or an OpenAI-style ``messages`` list); each message names
+    its ``parent`` by index, ``active`` is the index of the active leaf. ProtocolError when it is
+    not one."""
+    if not isinstance(body, dict) or not isinstance(body.get("messages", body.get("tree")), list):
         _bad("the body must be a JSON object with a 'messages' list")
     title = _optional(body, "title", lambda v: isinstance(v, str) and len(v.strip()) <= MAX_TITLE_CHARS, "body")
     system = _optional(body, "system", lambda v: isinstance(v, str), "body")
     created = _optional(body, "created_at", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
                         and math.isfinite(v) and v >= 0, "body")
-    raw = body["messages"]
-    if raw and isinstance(raw[0], dict) and raw[0].get("role") == "system":
-        if system is not None:
-            _bad("a system prompt is given twice")
-        system, raw = _text(raw[0].get("content", ""), "messages[0]"), raw[1:]
+    model = _optional(body, "model", lambda v: isinstance(v, str) and 0 < len(v) <= 200, "body")
+    params = body.get("params") or {}
+    problem = sampling.problem(params, where="body.params")
+    if problem:
+        _bad(problem)
     limit = min(MAX_IMPORT_MESSAGES, max_messages or MAX_IMPORT_MESSAGES)
-    if len(raw) > limit:
-        raise ProtocolError("too_large", f"at most {limit} messages can be imported")
     if system is not None and len(system) > max_content_chars:
         raise ProtocolError("too_large", f"the system prompt is longer than {max_content_chars} characters")
-    offset = len(body["messages"]) - len(raw)
+    if body.get("tree") is not None:
+        messages, ids = _tree(body["tree"], max_content_chars, limit)
+        active_id = body.get("active_id")
+        if active_id is not None and active_id not in ids:
+            _bad("active_id must be the id of a message in 'tree'")
+        active = ids[active_id] if active_id is not None else len(messages) - 1
+    else:
+        raw = body["messages"]
+        if raw and isinstance(raw[0], dict) and raw[0].get("role") == "system":
+            if system is not None:
+                _bad("a system prompt is given twice")
+            system, raw = _text(raw[0].get("content", ""), "messages[0]"), raw[1:]
+            if len(system) > max_content_chars:
+                raise ProtocolError("too_large", f"the system prompt is longer than {max_content_chars} characters")
+        if len(raw) > limit:
+            raise ProtocolError("too_large", f"at most {limit} messages can be imported")
+        offset = len(body["messages"]) - len(raw)
+        messages = [_message(m, i + offset, max_content_chars) for i, m in enumerate(raw)]
+        for i, msg in enumerate(messages):  # one path: each message's parent is the one before it
+            msg["parent"] = i - 1 if i else None
+        active = len(messages) - 1
     return {"title": title.strip() if title and title.strip() else None, "system": system or None,
-            "created_at": created,
-            "messages": [_message(m, i + offset, max_content_chars) for i, m in enumerate(raw)]}
+            "created_at": created, "params": sampling.clean(params), "model": model,
+            "messages": messages, "active": active if messages else None}

@@ -30,6 +30,12 @@ def path(db, conv_id: str, leaf: str | None = None, limit: int | None = None) ->
         args + (limit or _DEEPEST,)).fetchall()
 
 
+def every(db, conv_id: str) -> list:
+    """Every message row of the conversation, each after its parent (in the order they were made)."""
+    return db.execute(f"SELECT {MESSAGE_COLUMNS} FROM messages m WHERE m.conversation_id = ? ORDER BY m.seq",
+                      (conv_id,)).fetchall()
+
+
 def versions(db, conv_id: str, messages: list[dict]) -> None:
     """Give each message of a path its ``versions``: {index, count, ids} of its siblings."""
     siblings: dict = {}

@@ -1,4 +1,5 @@
-"""HTTP API over the caller's own conversations: list, read, rename, delete, versions, export, import, search."""
+"""HTTP API over the caller's own conversations: list, read, change (title, pin, settings), delete,
+versions, export, import, search."""
 from __future__ import annotations
 
 import json
@@ -7,11 +8,11 @@ from flask import Blueprint, Response, jsonify, request
 
 from ..app_state import app_state
 from ..errors import ProtocolError
+from . import conversation_patch
 from .identity import current_client
 
 bp = Blueprint("conversations", __name__, url_prefix="/api")
 
-MAX_TITLE_CHARS = 200
 EXPORT_FORMATS = ("md", "json")
 MAX_IMPORT_BYTES = 2 * 2**20  # the same cap as nginx's client_max_body_size
 MAX_QUERY_CHARS = 500
@@ -27,17 +28,6 @@ def _found(value):
     if value is None or value is False:
         raise ProtocolError("not_found", "conversation not found")
     return value
-
-
-def _title() -> str:
-    """The new title from the JSON body: a non-empty string of at most MAX_TITLE_CHARS."""
-    body = request.get_json(silent=True)
-    title = body.get("title") if isinstance(body, dict) else None
-    if not isinstance(title, str) or not title.strip():
-        raise ProtocolError("bad_message", "body must be a JSON object with a non-empty string 'title'")
-    if len(title.strip()) > MAX_TITLE_CHARS:
-        raise ProtocolError("bad_message", f"'title' is longer than {MAX_TITLE_CHARS} characters")
-    return title.strip()
 
 
 @bp.after_request
@@ -60,11 +50,11 @@ def show(conv_id):
 
 
 @bp.patch("/conversations/<conv_id>")
-def rename(conv_id):
-    """Rename a conversation."""
-    title = _title()
-    _found(_store().rename(current_client(), conv_id, title))
-    return jsonify(id=conv_id, title=title)
+def update(conv_id):
+    """Rename, pin, or change the settings its turns use; the conversation without its messages."""
+    state = app_state()
+    changes = conversation_patch.parse(request.get_json(silent=True), state.settings, state.engine)
+    return jsonify(_found(_store().update(current_client(), conv_id, changes)))
 
 
 @bp.delete("/conversations/<conv_id>")

@@ -14,7 +14,7 @@ from flask import Blueprint, Response, jsonify, request
 
 from ..app_state import app_state
 from ..config import Settings
-from ..engine import Engine, Generation
+from ..engine import Generation
 from ..engine.events import Delta, Done, Refused
 from ..errors import PROTOCOL_STATUS, ChatError, EngineError, RequestError
 from . import guard
@@ -222,23 +222,22 @@ def _read_json():
 
 # ---- routes
 
-def _model_card(engine: Engine) -> dict:
-    return {"id": engine.model_name, "object": "model", "created": _STARTED, "owned_by": "chat"}
+def _model_card(model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": _STARTED, "owned_by": "chat"}
 
 
 @bp.get("/models")
 def list_models() -> Response:
-    """The one model this server serves (503 until it is ready)."""
-    return jsonify({"object": "list", "data": [_model_card(_engine_ready())]})
+    """The models this server serves, its default first (503 until it is ready)."""
+    return jsonify({"object": "list", "data": [_model_card(m) for m in _engine_ready().models()]})
 
 
 @bp.get("/models/<path:model_id>")
 def get_model(model_id: str) -> Response:
     """One model by id."""
-    engine = _engine_ready()
-    if model_id != engine.model_name:
+    if model_id not in _engine_ready().models():
         raise RequestError("model_not_found", f"the model '{model_id}' does not exist", 404, "model")
-    return jsonify(_model_card(engine))
+    return jsonify(_model_card(model_id))
 
 
 @bp.post("/chat/completions")
@@ -247,8 +246,10 @@ def chat_completions() -> Response:
     state = app_state()
     values = parse_request(_read_json(), state.settings)
     engine = _engine_ready()
-    gen = state.turns.answer(guard.address(state.settings), values["messages"], gen_params(values))
-    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
+    # A model this server does not serve gets the default, as before there were several.
+    model = values.get("model") if values.get("model") in engine.models() else engine.model_name
+    gen = state.turns.answer(guard.address(state.settings), values["messages"], gen_params(values), model)
+    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     if values.get("stream"):
         include_usage = values.get("stream_options", {}).get("include_usage", False)
         return Response(_stream(gen, meta, include_usage, state.turns), mimetype="text/event-stream",

@@ -1,4 +1,4 @@
-"""GET / (the chat page) with the identity cookie, and the security headers of every page."""
+"""GET / and GET /c/<id> (the chat page) with the identity cookie, and the security headers of every page."""
 from __future__ import annotations
 
 from flask import Blueprint, Response, current_app, render_template, request
@@ -14,8 +14,10 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' 
 
 
 @bp.get("/")
-def index() -> Response:
-    """The chat page; gives a new visitor a random identity cookie."""
+@bp.get("/c/<conv_id>")
+def index(conv_id: str | None = None) -> Response:
+    """The chat page (at /c/<id> it opens that conversation); gives a new visitor a random identity
+    cookie. The same page for every id: whether a conversation is the caller's is the API's to say."""
     settings = app_state().settings
     response = current_app.make_response(render_template("index.html"))
     if identity.browser_client() is None:

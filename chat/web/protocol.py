@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .. import attachments as files
+from .. import params as sampling
 from ..errors import PROTOCOL_STATUS, ChatError, ProtocolError
 
 PROTOCOL = "chat.v1"
@@ -26,16 +26,13 @@ class Request:
     params: dict = field(default_factory=dict)
     message_id: str | None = None
     attachments: list = field(default_factory=list)
+    model: str | None = None
     from_index: int = 0
     t: object = None
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
 def _req_id(v: Any) -> str | None:
@@ -62,6 +59,11 @@ def _message_id(v: Any) -> str | None:
     return _conv_id(v) and "must be a message id string"
 
 
+def _model(v: Any) -> str | None:
+    # Whether the engine serves it is the turn service's check.
+    return None if isinstance(v, str) and 0 < len(v) <= 200 else "must be a model name of 1-200 characters"
+
+
 def _opt_str(v: Any) -> str | None:
     return None if isinstance(v, str) else "must be a string"
 
@@ -81,7 +83,8 @@ def _params(v: Any) -> str | None:
 # field -> (required, check); one row per message type.
 MESSAGES: dict[str, dict[str, tuple[bool, Callable[[Any], str | None]]]] = {
     "chat": {"id": (True, _req_id), "content": (True, _content), "conversation_id": (False, _conv_id),
-             "system": (False, _opt_str), "params": (False, _params), "attachments": (False, files.problem)},
+             "system": (False, _opt_str), "params": (False, _params), "attachments": (False, files.problem),
+             "model": (False, _model)},
     "regenerate": {"id": (True, _req_id), "conversation_id": (True, _conv_id), "message_id": (False, _message_id),
                    "params": (False, _params)},
     "edit": {"id": (True, _req_id), "conversation_id": (True, _conv_id), "message_id": (True, _message_id),
@@ -92,18 +95,6 @@ MESSAGES: dict[str, dict[str, tuple[bool, Callable[[Any], str | None]]]] = {
     "resume": {"id": (True, _req_id), "from": (True, _from)},
     "ping": {"t": (False, _any)},
 }
-
-
-def _param_rules(max_new_tokens: int) -> dict:
-    return {
-        "temperature": (lambda v: _is_number(v) and 0 <= v <= 2, "a number from 0 to 2"),
-        "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number greater than 0 and at most 1"),
-        "top_k": (lambda v: _is_int(v) and 0 <= v <= 1_000_000, "an integer from 0 (off) to 1000000"),
-        "min_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number from 0 (off) to 1"),
-        "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= max_new_tokens,
-                           f"an integer from 1 to {max_new_tokens}"),
-        "seed": (lambda v: _is_int(v) and -(2 ** 63) <= v < 2 ** 64, "an integer"),
-    }
 
 
 def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int) -> Request:
@@ -134,14 +125,10 @@ def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int) -> Requ
         if problem:
             raise ProtocolError("bad_message", f"field {name!r} {problem}", rid)
     params = msg.get("params") or {}
-    rules = _param_rules(max_new_tokens)
-    for name, value in params.items():
-        rule = rules.get(name)
-        if rule is None:
-            continue  # unknown extra fields are ignored
-        if value is not None and not rule[0](value):
-            raise ProtocolError("bad_message", f"params.{name} must be {rule[1]}", rid)
-    params = {k: v for k, v in params.items() if k in rules and v is not None}
+    problem = sampling.problem(params, max_new_tokens)  # unknown extra fields are ignored
+    if problem:
+        raise ProtocolError("bad_message", problem, rid)
+    params = sampling.clean(params)
     attached = files.clean(msg.get("attachments")) if "attachments" in spec else []
     if isinstance(msg.get("system"), str) and len(msg["system"]) > max_content_chars:
         raise ProtocolError("too_large", f"system is longer than {max_content_chars} characters", rid)
@@ -151,6 +138,7 @@ def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int) -> Requ
     return Request(type=kind, id=msg.get("id"), content=msg.get("content"),
                    conversation_id=msg.get("conversation_id"), system=msg.get("system"),
                    params=params, message_id=msg.get("message_id"), attachments=attached,
+                   model=msg.get("model") if "model" in spec else None,
                    from_index=msg.get("from", 0), t=msg.get("t"))
 
 

@@ -163,9 +163,11 @@ class Session:
 
     def serve(self) -> None:
         s = self.settings
-        self.send({"type": "ready", "protocol": PROTOCOL, "model": self.state.engine.model_name, "limits": {
-            "max_content_chars": s.max_content_chars, "max_new_tokens": s.max_new_tokens,
-            "context_tokens": s.context_tokens, "max_active_per_connection": s.max_active_per_connection}})
+        engine = self.state.engine
+        limits = {"max_content_chars": s.max_content_chars, "max_new_tokens": s.max_new_tokens,
+                  "context_tokens": s.context_tokens, "max_active_per_connection": s.max_active_per_connection}
+        self.send({"type": "ready", "protocol": PROTOCOL, "model": engine.model_name, "models": engine.models(),
+                   "limits": limits})
         try:
             while self.open:
                 raw = self.ws.receive()

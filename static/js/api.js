@@ -20,11 +20,12 @@ async function call(path, { method = 'GET', json } = {}) {
   return res.json();
 }
 
-/** This client's conversations, newest first (a list of {id, title, ...}). */
+/** This client's conversations, pinned first, then newest first (a list of {id, title, pinned, ...}). */
 export const listConversations = () => call('/api/conversations');
 /** One conversation with its messages. */
 export const getConversation = (id) => call(url(id));
-export const renameConversation = (id, title) => call(url(id), { method: 'PATCH', json: { title } });
+/** Change a conversation's title, pinned, system, params or model; returns it (without messages). */
+export const updateConversation = (id, changes) => call(url(id), { method: 'PATCH', json: changes });
 export const deleteConversation = (id) => call(url(id), { method: 'DELETE' });
 /** Where to download a conversation as ``md`` or ``json``. */
 export const exportUrl = (id, format) => `${url(id)}/export?format=${format}`;

@@ -3,7 +3,10 @@
 import * as api from './api.js';
 import * as attachments from './attachments.js';
 import * as composer from './composer.js';
+import { els } from './dom.js';
+import * as models from './models.js';
 import * as requests from './requests.js';
+import * as router from './router.js';
 import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
@@ -12,6 +15,7 @@ import { AssistantMessage, REASONS, editInPlace, setUserText } from './message.j
 import { announce, newId } from './util.js';
 
 let viewToken = 0; // the latest openConversation; older loads arriving late are dropped
+let shown = null; // the open conversation's record as the server sent it (title, system, params, model)
 
 const inView = () => requests.activeIn(sidebar.currentId());
 
@@ -24,10 +28,18 @@ export function refreshControls() {
 
 // ---------------------------------------------------------------- what the person does
 
-/** Send the composer's text as a chat message. */
+/** Send the composer's text as a chat message; while an answer is being written, it is kept and
+ * sent when that answer ends. */
 export function send() {
   const content = composer.content();
-  if (!content.trim() || inView().length) return;
+  if (!content.trim()) return;
+  if (inView().length) {
+    composer.setQueued(true);
+    announce('Your message will be sent when this answer finishes.');
+    refreshControls();
+    return;
+  }
+  composer.setQueued(false);
   if (!socket.isReady()) {
     composer.showError('Not connected to the server yet. Your message is kept; send it once the connection is back.');
     return;
@@ -43,9 +55,29 @@ export function send() {
   const conversationId = sidebar.currentId();
   const message = { type: 'chat', id: newId(), content };
   if (files.length) message.attachments = files;
-  if (conversationId) message.conversation_id = conversationId;
-  else if (settings.systemPrompt()) message.system = settings.systemPrompt();
+  if (conversationId) {
+    message.conversation_id = conversationId;
+  } else {
+    if (settings.systemPrompt()) message.system = settings.systemPrompt();
+    if (models.several()) message.model = models.forNewChat();
+  }
   submit(message, { conversationId, content, files, userEl: thread.appendUser(content, files) });
+}
+
+/** After an answer ends: a message typed while it was written goes out now. */
+function sendQueued() {
+  if (!composer.isQueued() || inView().length) return;
+  if (!composer.content().trim()) {
+    composer.setQueued(false);
+    return;
+  }
+  send();
+}
+
+/** Keep the typed text, but do not send it when the answer ends. */
+export function cancelQueued() {
+  composer.setQueued(false);
+  refreshControls();
 }
 
 /** Whether a new request may start in the open conversation; says why not when it may not. */
@@ -116,29 +148,88 @@ async function syncIds() {
   try { conversation = await api.getConversation(id); } catch { return false; }
   if (sidebar.currentId() !== id || inView().length) return false;
   if (!thread.applyIds(conversation.messages)) thread.showStored(conversation.messages, []);
+  showRecord(conversation);
   refreshControls();
   return true;
 }
 
-/** Answer the last user message again: a new version beside the last answer. */
+/** The open conversation's record: its title (an edited first message renames it), its own
+ * settings in the line above the thread, its model in the picker. */
+function showRecord(conversation) {
+  const { messages, ...record } = conversation;
+  shown = record;
+  sidebar.setEntry(record);
+  const line = settings.summary(record);
+  els.chatInfo.hidden = !line;
+  els.chatInfo.textContent = line;
+  els.chatInfo.title = line ? 'This chat’s own settings: click to change them' : '';
+  models.showFor(record);
+}
+
+/** Open the settings dialog on the open conversation's own settings. */
+export async function openChatSettings() {
+  const id = sidebar.currentId();
+  if (!id) return;
+  if (shown?.id !== id) {
+    try { showRecord(await api.getConversation(id)); } catch (err) {
+      composer.showError(`Could not load this chat’s settings: ${err.message}`);
+      return;
+    }
+  }
+  settings.open(shown, async (changes) => {
+    const record = await api.updateConversation(id, changes);
+    if (sidebar.currentId() === id) showRecord(record);
+  });
+}
+
+/** The model picker changed: the open conversation's model, or the next new chat's. */
+export async function pickModel(model) {
+  const id = sidebar.currentId();
+  if (!id) {
+    models.rememberForNewChat(model);
+    return;
+  }
+  try {
+    const record = await api.updateConversation(id, { model });
+    if (sidebar.currentId() === id) showRecord(record);
+    announce(`This chat now uses ${model}.`);
+  } catch (err) {
+    composer.showError(`Could not switch the model: ${err.message}`);
+    models.showFor(shown);
+  }
+}
+
+/** Answer the last user message again: a new version beside the last answer. The old answer
+ * stays in view until the new one's first words arrive; the new version's number shows at once. */
 export function regenerate() {
   const conversationId = sidebar.currentId();
   const last = thread.lastMessage();
   if (!socket.isReady() || !conversationId || inView().length || !last?.classList.contains('msg-assistant')) return;
   composer.clearError();
-  submit({ type: 'regenerate', id: newId(), conversation_id: conversationId }, { conversationId, oldView: last });
+  const view = new AssistantMessage();
+  const count = (last.versions?.count || 1) + 1;
+  view.showPendingVersion(count - 1, count);
+  view.setThinking();
+  last.view.setRegenerating(`Writing version ${count} of ${count}…`);
+  submit({ type: 'regenerate', id: newId(), conversation_id: conversationId }, { conversationId, oldView: last, view });
+}
+
+/** The `params` a turn sends: none for a conversation with settings of its own (the server keeps
+ * them), else the defaults from Settings. */
+function turnParams(conversationId) {
+  const own = conversationId && shown?.id === conversationId && Object.keys(shown.params || {}).length;
+  return own ? null : settings.params(socket.limits());
 }
 
 /** Show a waiting answer, track the request and send it (or leave it for the next `ready`). */
 function submit(message, record) {
-  const params = settings.params(socket.limits());
+  const params = turnParams(record.conversationId);
   if (params) message.params = params;
   let view = record.view;
   if (!view) {
     view = new AssistantMessage();
     view.setThinking();
-    if (record.oldView) record.oldView.replaceWith(view.el);
-    else thread.append(view.el);
+    thread.append(view.el);
   }
   const req = requests.add({ ...record, id: message.id, view });
   req.sent = socket.send(message);
@@ -157,12 +248,18 @@ export function stop() {
 }
 
 /** Show conversation ``id`` (null: a new chat) as the server has stored it; with ``reveal``,
- * scroll to that message, first switching to its branch when it is on another. */
-export async function openConversation(id, { keepError = false, reveal = null } = {}) {
+ * scroll to that message, first switching to its branch when it is on another. ``address``:
+ * 'push' a history entry for it, 'replace' the current one, or leave the address (Back/Forward). */
+export async function openConversation(id, { keepError = false, reveal = null, address = 'push' } = {}) {
   const token = ++viewToken;
   if (!keepError) composer.clearError();
+  if (id !== sidebar.currentId()) cancelQueued();
+  if (address) router.show(id, { replace: address === 'replace' });
   sidebar.setCurrent(id);
   thread.reset(!id);
+  shown = null;
+  els.chatInfo.hidden = true;
+  models.showFor(null);
   refreshControls();
   if (!id) return;
   let conversation;
@@ -170,6 +267,7 @@ export async function openConversation(id, { keepError = false, reveal = null } 
     conversation = await api.getConversation(id);
   } catch (err) {
     if (token !== viewToken) return;
+    // Not this client's (or gone): the empty page, never an error that says whether it exists.
     if (err.status === 404) forgetConversation(id);
     else composer.showError(`Could not load this conversation: ${err.message}`);
     return;
@@ -187,14 +285,14 @@ export async function openConversation(id, { keepError = false, reveal = null } 
   }
   thread.showStored(conversation.messages, live);
   if (reveal) requestAnimationFrame(() => thread.reveal(reveal));
-  if (conversation.title) sidebar.setTitle(conversation.id, conversation.title);
+  showRecord(conversation);
   refreshControls();
 }
 
 function forgetConversation(id) {
   const wasOpen = sidebar.currentId() === id;
   sidebar.forget(id);
-  if (wasOpen) openConversation(null);
+  if (wasOpen) openConversation(null, { address: 'replace' });
 }
 
 /** Delete a conversation after asking, cancelling its answers first. */
@@ -231,7 +329,8 @@ function rollback(req) {
   if (req.reload) {
     if (req.conversationId === sidebar.currentId()) openConversation(req.conversationId, { keepError: true });
   } else if (req.oldView) {
-    req.view.el.replaceWith(req.oldView);
+    if (req.view.el.isConnected) req.view.el.replaceWith(req.oldView);
+    req.oldView.view.setRegenerating(null);
   } else {
     req.view.el.remove();
     req.userEl?.remove();
@@ -241,15 +340,25 @@ function rollback(req) {
   thread.showEmptyIfNone();
 }
 
+/** A regenerated answer takes the old one's place once it has something to show. */
+function swapIn(req) {
+  if (!req.oldView || req.view.el.isConnected || !req.oldView.isConnected) return;
+  req.oldView.replaceWith(req.view.el);
+  req.oldView.view.setRegenerating(null);
+}
+
 /** End a started request with the text that has arrived, drawn final. */
 function settle(req) {
   requests.finish(req);
+  swapIn(req);
   thread.cancelRender(req.view);
   req.view.setText(req.prefix + req.text, true);
 }
 
 function onReady() {
   settings.showServer(socket.model(), socket.limits());
+  models.setModels(socket.models(), socket.model());
+  models.showFor(shown);
   for (const req of requests.all()) {
     if (req.sent) {
       req.resuming = true;
@@ -279,7 +388,10 @@ function onStart(msg) {
     const viewingIt = sidebar.currentId() === null;
     req.conversationId = msg.conversation_id;
     sidebar.added(msg.conversation_id, req.content);
-    if (viewingIt) sidebar.setCurrent(msg.conversation_id);
+    if (viewingIt) {
+      sidebar.setCurrent(msg.conversation_id);
+      router.show(msg.conversation_id, { replace: true }); // the new chat's address becomes its own
+    }
     sidebar.render();
   }
   requests.remember(req);
@@ -289,7 +401,9 @@ function onStart(msg) {
 
 function onDelta(msg) {
   const req = requests.get(msg.id);
-  if (req && requests.addDelta(req, msg.index, msg.text)) thread.scheduleRender(req.view, req.prefix + req.text);
+  if (!req || !requests.addDelta(req, msg.index, msg.text)) return;
+  swapIn(req);
+  thread.scheduleRender(req.view, req.prefix + req.text);
 }
 
 function onDone(msg) {
@@ -304,6 +418,7 @@ function onDone(msg) {
     const reason = REASONS[msg.reason] ? ` (${REASONS[msg.reason]})` : '';
     announce(`Answer${reason}: ${req.text.slice(0, 2000)}`);
     syncIds(); // the new messages' ids and versions, for Edit and the version switcher
+    sendQueued();
   }
   sidebar.refreshSoon();
 }
@@ -333,6 +448,7 @@ function onError(msg) {
     req.view.fail(text);
   }
   refreshControls();
+  if (req && req.conversationId === sidebar.currentId()) sendQueued();
 }
 
 const HANDLERS = { ready: onReady, queued: onQueued, start: onStart, delta: onDelta, done: onDone, error: onError };

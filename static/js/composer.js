@@ -4,6 +4,7 @@ import * as socket from './socket.js';
 import { charLength } from './util.js';
 
 let composing = false; // an IME composition is open
+let queued = false; // the box's text goes out when the answer being written ends
 
 const FRIENDLY = {
   too_large: () => {
@@ -71,15 +72,32 @@ export function isSendKey(e) {
   return !(e.isComposing || e.keyCode === 229 || composing);
 }
 
-/** Send or Stop, whether Send is possible, and the count when a message nears the limit. */
+/** Mark the box's text to be sent when the answer being written ends (or not). */
+export function setQueued(value) {
+  queued = value;
+  els.queued.hidden = !value;
+  els.prompt.classList.toggle('queued', value);
+}
+
+export const isQueued = () => queued;
+
+/** Send or Stop (both while an answer streams and something is typed), whether Send is possible
+ * and why not, and the count when a message nears the limit. */
 export function update(streaming) {
-  const hadFocus = document.activeElement === els.send || document.activeElement === els.stop;
-  els.send.hidden = streaming;
-  els.stop.hidden = !streaming;
+  const focused = [els.send, els.stop].find((b) => b === document.activeElement);
   const text = els.prompt.value;
-  els.send.disabled = !socket.isReady() || !text.trim();
-  els.send.title = socket.isReady() ? 'Send (Enter)' : 'Waiting for the connection…';
-  if (hadFocus) (streaming ? els.stop : els.send).focus();
+  if (queued && !text.trim()) setQueued(false);
+  els.send.hidden = streaming && !text.trim();
+  els.stop.hidden = !streaming;
+  els.send.disabled = !socket.isReady() || !text.trim() || (streaming && queued);
+  els.send.classList.toggle('waiting', streaming);
+  let why = 'Send (Enter)';
+  if (!socket.isReady()) why = 'Waiting for the connection…';
+  else if (streaming && queued) why = 'Queued: it sends when this answer finishes';
+  else if (streaming) why = 'Send when this answer finishes (Enter)';
+  els.send.title = why;
+  els.send.setAttribute('aria-label', why);
+  if (focused?.hidden) (focused === els.send ? els.stop : els.send).focus();
   const max = socket.limits().max_content_chars;
   const length = max && text.length > max * 0.5 ? charLength(text) : 0;
   if (max && length > max * 0.8) {

@@ -4,6 +4,8 @@ import * as attachments from './attachments.js';
 import * as chat from './chat.js';
 import * as composer from './composer.js';
 import { importFile } from './importer.js';
+import * as models from './models.js';
+import * as router from './router.js';
 import * as search from './search.js';
 import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
@@ -15,8 +17,15 @@ import * as thread from './thread.js';
 els.messages.addEventListener('scroll', thread.onScroll, { passive: true });
 els.messages.addEventListener('wheel', thread.onWheel, { passive: true });
 els.messages.addEventListener('keydown', thread.onKeydown);
-// Keep the latest line in view when the viewport or composer changes size.
-new ResizeObserver(thread.onResize).observe(els.messages);
+els.messages.addEventListener('pointerdown', thread.onPointerdown);
+document.addEventListener('pointerup', thread.onPointerup);
+els.messages.addEventListener('touchstart', thread.onTouchstart, { passive: true });
+els.messages.addEventListener('touchmove', thread.onTouchmove, { passive: true });
+// Keep the latest line in view when the viewport or composer changes size, and while the
+// thread's own content settles (code highlighted, tables laid out, far messages measured).
+const resized = new ResizeObserver(thread.onResize);
+resized.observe(els.messages);
+resized.observe(els.thread);
 els.jump.addEventListener('click', thread.jump);
 // Message actions (copy, regenerate, continue, edit, versions), through one delegated listener.
 const MESSAGE_ACTIONS = {
@@ -53,6 +62,10 @@ els.composer.addEventListener('submit', (e) => {
 });
 els.stop.addEventListener('click', () => {
   chat.stop();
+  els.prompt.focus();
+});
+els.queuedCancel.addEventListener('click', () => {
+  chat.cancelQueued();
   els.prompt.focus();
 });
 
@@ -94,6 +107,13 @@ document.addEventListener('keydown', (e) => {
 document.addEventListener('click', (e) => {
   if (els.exportMenu.open && !els.exportMenu.contains(e.target)) els.exportMenu.open = false;
 });
+// The conversation menu closes once a choice is made (a download does not navigate away).
+els.exportMenu.querySelector('.export-menu').addEventListener('click', (e) => {
+  if (e.target.closest('a, button')) els.exportMenu.open = false;
+});
+els.openChatSettings.addEventListener('click', chat.openChatSettings);
+els.chatInfo.addEventListener('click', chat.openChatSettings);
+els.modelPicker.addEventListener('change', () => chat.pickModel(els.modelPicker.value));
 
 // ---------------------------------------------------------------- the sidebar
 
@@ -102,6 +122,7 @@ els.list.addEventListener('click', (e) => {
   if (!item) return;
   const action = e.target.closest('[data-action]')?.dataset.action;
   if (action === 'rename') sidebar.startRename(item);
+  else if (action === 'pin') sidebar.togglePin(item.dataset.id);
   else if (action === 'delete') chat.deleteConversation(item.dataset.id);
   else if (action === 'export') sidebar.closeDrawer();
   else if (e.target.closest('.conversation-open')) {
@@ -148,6 +169,7 @@ els.openSettings.addEventListener('click', () => {
   sidebar.closeDrawer();
   settings.open();
 });
+els.settings.addEventListener('close', settings.closed);
 els.settings.addEventListener('click', (e) => {
   if (e.target === els.settings) els.settings.close(); // click on the backdrop
 });
@@ -155,6 +177,11 @@ els.settings.addEventListener('click', (e) => {
 // ---------------------------------------------------------------- the connection
 
 window.addEventListener('online', socket.reconnectNow);
+// Back and Forward: show the conversation in the address, without adding an entry.
+window.addEventListener('popstate', () => {
+  chat.openConversation(router.idFromPath(), { address: false });
+  sidebar.closeDrawer();
+});
 document.addEventListener('visibilitychange', () => {
   if (document.visibilityState === 'visible') socket.reconnectNow();
 });
@@ -163,11 +190,13 @@ document.addEventListener('visibilitychange', () => {
 
 settings.show();
 settings.showServer(socket.model(), socket.limits());
+models.setModels(socket.models(), socket.model());
 socket.start({ frame: chat.onFrame, closed: chat.refreshControls });
-const saved = sidebar.savedId();
-if (saved) {
-  chat.adoptInflight(saved);
-  chat.openConversation(saved);
+// The conversation in the address (/c/<id>), else the one open last time ("/" after New chat: none).
+const opening = router.idFromPath() || sidebar.savedId();
+if (opening) {
+  chat.adoptInflight(opening);
+  chat.openConversation(opening, { address: 'replace' });
 } else {
   sidebar.updateHeader();
 }

@@ -41,15 +41,20 @@ export function userMessage(content, files = []) {
   article.setAttribute('aria-label', 'You');
   const main = document.createElement('div');
   main.className = 'msg-main';
+  // The actions (versions, Edit) sit beside the bubble, not under it: no empty row between a
+  // question and its answer.
+  const row = document.createElement('div');
+  row.className = 'msg-row';
   const body = document.createElement('div');
   body.className = 'msg-body';
   body.textContent = content;
   const meta = document.createElement('div');
   meta.className = 'msg-meta';
-  meta.innerHTML = `<span class="msg-actions"><button type="button" class="icon-btn" data-action="edit" data-testid="edit">${ICON_EDIT}<span>Edit</span></button></span>`;
-  main.append(body);
+  meta.innerHTML = '<span class="msg-actions"><button type="button" class="icon-btn" data-action="edit" data-testid="edit"'
+    + ` aria-label="Edit" title="Edit">${ICON_EDIT}</button></span>`;
+  row.append(meta, body);
+  main.append(row);
   if (files.length) main.append(fileChips(files));
-  main.append(meta);
   article.append(main);
   article.content = content;
   article.files = files;
@@ -60,6 +65,12 @@ export function userMessage(content, files = []) {
 export function setIdentity(el, { id, versions }) {
   el.dataset.id = id;
   el.versions = versions;
+  showVersions(el, versions);
+}
+
+/** The "< 2/3 >" switcher of ``versions`` in the message's meta row; with ``locked`` both arrows
+ * are off (the version is still being written). */
+function showVersions(el, versions, locked = false) {
   el.querySelector('.versions')?.remove();
   if (!versions || versions.count < 2) return;
   const box = document.createElement('span');
@@ -78,24 +89,50 @@ export function setIdentity(el, { id, versions }) {
   const label = document.createElement('span');
   label.className = 'versions-label';
   label.textContent = `${versions.index + 1}/${versions.count}`;
-  box.append(button('version-prev', 'Previous version', '‹', versions.index === 0), label,
-    button('version-next', 'Next version', '›', versions.index === versions.count - 1));
+  label.setAttribute('aria-label', `Version ${versions.index + 1} of ${versions.count}`);
+  box.append(button('version-prev', 'Previous version', '‹', locked || versions.index === 0), label,
+    button('version-next', 'Next version', '›', locked || versions.index === versions.count - 1));
   el.querySelector('.msg-meta').prepend(box);
 }
 
-/** Turn a user message into a text box: Enter calls ``submit(text)``, Esc puts it back. */
+/** Turn a user message into a text box with Save and Cancel: Save (or Enter) calls
+ * ``submit(text)``, Cancel (or Esc) puts the message back. */
 export function editInPlace(article, submit) {
   if (article.querySelector('.msg-edit')) return;
   const body = article.querySelector('.msg-body');
+  const form = document.createElement('div');
+  form.className = 'msg-edit-form';
   const box = document.createElement('textarea');
   box.className = 'msg-edit';
   box.dataset.testid = 'edit-box';
-  box.setAttribute('aria-label', 'Edit message (Enter sends, Esc cancels)');
+  box.setAttribute('aria-label', 'Edit message (Enter saves and sends, Esc cancels)');
   box.value = article.content;
+  const actions = document.createElement('div');
+  actions.className = 'msg-edit-actions';
+  actions.innerHTML = '<button type="button" class="btn-secondary small" data-testid="edit-cancel">Cancel</button>'
+    + '<button type="button" class="btn-primary small" data-testid="edit-save" title="Save and send (Enter)">Save</button>';
+  const [cancel, save] = actions.querySelectorAll('button');
+  form.append(box, actions);
   body.hidden = true;
-  body.after(box);
+  article.querySelector('.msg-meta').hidden = true;
+  body.after(form);
   box.focus();
-  const close = () => { box.remove(); body.hidden = false; };
+  box.setSelectionRange(box.value.length, box.value.length);
+  const close = () => {
+    form.remove();
+    body.hidden = false;
+    article.querySelector('.msg-meta').hidden = false;
+  };
+  const done = () => {
+    if (!box.value.trim()) return;
+    const text = box.value.trimEnd();
+    close();
+    submit(text);
+  };
+  const refresh = () => { save.disabled = !box.value.trim(); };
+  box.addEventListener('input', refresh);
+  cancel.addEventListener('click', close);
+  save.addEventListener('click', done);
   box.addEventListener('keydown', (e) => {
     if (e.key === 'Escape') {
       e.preventDefault();
@@ -103,10 +140,7 @@ export function editInPlace(article, submit) {
       close();
     } else if (e.key === 'Enter' && !e.shiftKey && !e.isComposing && e.keyCode !== 229) {
       e.preventDefault();
-      if (!box.value.trim()) return;
-      const text = box.value.trimEnd();
-      close();
-      submit(text);
+      done();
     }
   });
 }
@@ -162,6 +196,7 @@ export class AssistantMessage {
     this.status.innerHTML = '<span class="thinking" aria-hidden="true"><span></span><span></span><span></span></span>';
     this.status.append(span('status-text', label || 'Thinking…', 'thinking'));
     this.meta.replaceChildren();
+    if (this.pendingVersions) showVersions(this.el, this.pendingVersions, true);
   }
 
   setText(text, final) {
@@ -194,6 +229,25 @@ export class AssistantMessage {
     }
     this.meta.prepend(actions);
     if (this.el.versions) setIdentity(this.el, { id: this.el.dataset.id, versions: this.el.versions });
+    else if (this.pendingVersions) showVersions(this.el, this.pendingVersions, true);
+  }
+
+  /** Say that a new version of this answer is being written (``label``), or no longer (null);
+   * the answer stays readable meanwhile. */
+  setRegenerating(label) {
+    this.el.classList.toggle('superseded', Boolean(label));
+    this.el.querySelector('.msg-regenerating')?.remove();
+    if (!label) return;
+    const note = span('msg-regenerating', '', 'regenerating');
+    note.innerHTML = '<span class="thinking" aria-hidden="true"><span></span><span></span><span></span></span>';
+    note.append(span('status-text', label));
+    this.body.before(note);
+  }
+
+  /** While it streams, show which version it will be (``index`` of ``count``, arrows off). */
+  showPendingVersion(index, count) {
+    this.pendingVersions = { index, count };
+    showVersions(this.el, this.pendingVersions, true);
   }
 
   /** Stream more text onto this answer (continue): its text so far stays. */

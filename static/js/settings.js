@@ -1,4 +1,5 @@
-// The settings dialog: generation settings kept in the browser, and what the server said about its model.
+// The settings dialog, in two scopes: the defaults for new chats (kept in the browser), and one
+// conversation's own settings (kept on the server with it). Also what the server said about its model.
 import { els } from './dom.js';
 import { storage } from './util.js';
 
@@ -6,10 +7,12 @@ const KEY_SETTINGS = 'chat.settings';
 // null means "not set": the server's default applies and nothing is sent.
 const DEFAULTS = { system: '', temperature: null, top_p: null, max_new_tokens: null, seed: null };
 const SLIDER_DEFAULTS = { temperature: 0.7, top_p: 0.9 };
+const PARAMS = ['temperature', 'top_p', 'max_new_tokens', 'seed'];
+const SAVE_DELAY_MS = 400;
 
 const intOrNull = (raw, low) => {
   const value = parseInt(raw, 10);
-  return Number.isInteger(value) && value >= low ? value : null;
+  return Number.isSafeInteger(value) && value >= low ? value : null;
 };
 
 // How each field of the form (by its name) becomes a setting.
@@ -21,17 +24,22 @@ const PARSE = {
   seed: (raw) => intOrNull(raw, 0),
 };
 
-let settings = { ...DEFAULTS, ...storage.get(KEY_SETTINGS, {}) };
+let defaults = { ...DEFAULTS, ...storage.get(KEY_SETTINGS, {}) };
+// The scope the dialog edits: null for the defaults, else {id, values, save(changes) -> Promise}.
+let scope = null;
+let values = defaults;
+let saveTimer = 0;
+let unsaved = null;
 
 /** The system prompt for a new conversation, or '' for the server's. */
-export const systemPrompt = () => (settings.system.trim() ? settings.system : '');
+export const systemPrompt = () => (defaults.system.trim() ? defaults.system : '');
 
-/** The `params` of a chat or regenerate frame (capped at the server's limit), or null for none. */
-export function params(limits) {
+/** ``values``'s sampling parameters as a `params` object (capped at the server's limit), or null for none. */
+export function paramsOf(settings, limits = {}) {
   const params = {};
-  if (settings.temperature !== null) params.temperature = settings.temperature;
-  if (settings.top_p !== null) params.top_p = settings.top_p;
-  if (settings.max_new_tokens !== null) {
+  if (Number.isFinite(settings.temperature)) params.temperature = settings.temperature;
+  if (Number.isFinite(settings.top_p)) params.top_p = settings.top_p;
+  if (Number.isInteger(settings.max_new_tokens)) {
     const cap = limits.max_new_tokens;
     params.max_new_tokens = cap ? Math.min(settings.max_new_tokens, cap) : settings.max_new_tokens;
   }
@@ -39,40 +47,96 @@ export function params(limits) {
   return Object.keys(params).length ? params : null;
 }
 
-function showOutputs() {
-  els.outTemperature.textContent = settings.temperature === null ? 'default' : settings.temperature.toFixed(2);
-  els.outTopP.textContent = settings.top_p === null ? 'default' : settings.top_p.toFixed(2);
+/** The `params` of the defaults (for a new chat, or a conversation without settings of its own). */
+export const params = (limits) => paramsOf(defaults, limits);
+
+/** A conversation's settings as the form holds them (its stored params, else the defaults it follows). */
+export function valuesOf(conversation) {
+  const own = conversation.params && Object.keys(conversation.params).length ? conversation.params : null;
+  const base = own ? { ...DEFAULTS, ...own } : { ...DEFAULTS, ...Object.fromEntries(PARAMS.map((k) => [k, defaults[k]])) };
+  return { ...base, system: conversation.system || '' };
 }
 
-/** Fill the form from the saved settings. */
+function showOutputs() {
+  els.outTemperature.textContent = values.temperature === null ? 'default' : values.temperature.toFixed(2);
+  els.outTopP.textContent = values.top_p === null ? 'default' : values.top_p.toFixed(2);
+}
+
+/** Fill the form from the scope's values. */
 export function show() {
-  els.setSystem.value = settings.system;
-  els.setTemperature.value = settings.temperature ?? SLIDER_DEFAULTS.temperature;
-  els.setTopP.value = settings.top_p ?? SLIDER_DEFAULTS.top_p;
-  els.setMaxTokens.value = settings.max_new_tokens ?? '';
-  els.setSeed.value = settings.seed ?? '';
+  els.setSystem.value = values.system;
+  els.setTemperature.value = values.temperature ?? SLIDER_DEFAULTS.temperature;
+  els.setTopP.value = values.top_p ?? SLIDER_DEFAULTS.top_p;
+  els.setMaxTokens.value = values.max_new_tokens ?? '';
+  els.setSeed.value = values.seed ?? '';
   showOutputs();
+}
+
+function status(text) {
+  els.settingsStatus.textContent = text;
+}
+
+/** Send what changed in the conversation scope (a moment after the last change, or at once). */
+async function flush() {
+  clearTimeout(saveTimer);
+  if (!scope || !unsaved) return;
+  const target = scope;
+  const changes = { system: unsaved.system.trim() ? unsaved.system : null, params: paramsOf(unsaved) || {} };
+  unsaved = null;
+  status('Saving…');
+  try {
+    await target.save(changes);
+    if (target === scope) status('Saved for this chat.');
+  } catch (err) {
+    if (target === scope) status(`Not saved: ${err.message}`);
+  }
+}
+
+function changed() {
+  if (!scope) {
+    storage.set(KEY_SETTINGS, defaults);
+    return;
+  }
+  unsaved = values;
+  clearTimeout(saveTimer);
+  saveTimer = setTimeout(flush, SAVE_DELAY_MS);
 }
 
 /** A form field changed: keep its value. */
 export function read(input) {
   const parse = PARSE[input.name];
   if (!parse) return;
-  settings[input.name] = parse(input.value);
-  storage.set(KEY_SETTINGS, settings);
+  values[input.name] = parse(input.value);
   showOutputs();
+  changed();
 }
 
 export function reset() {
-  settings = { ...DEFAULTS };
-  storage.set(KEY_SETTINGS, settings);
+  Object.assign(values, DEFAULTS);
   show();
+  changed();
 }
 
-export function open() {
+/** Open the dialog on the defaults (``conversation`` null) or on that conversation's own settings:
+ * ``conversation`` {id, system, params, model}, ``save(changes)`` stores {system, params} for it. */
+export function open(conversation = null, save = null) {
+  flush();
+  scope = conversation ? { id: conversation.id, save } : null;
+  values = conversation ? valuesOf(conversation) : defaults;
+  status('');
+  els.settingsTitle.textContent = conversation ? 'Chat settings' : 'Settings';
+  els.settingsScope.textContent = conversation
+    ? 'For this conversation only: every answer in it uses these. Defaults for new chats are under Settings in the sidebar.'
+    : 'Defaults for new chats. Each conversation keeps its own: ⋯ → Chat settings.';
+  els.systemHelp.textContent = conversation ? 'Used from the next answer on.' : 'Used when a new conversation starts.';
+  els.settingsReset.textContent = conversation ? 'Reset to server defaults' : 'Reset to defaults';
+  els.settingsModel.textContent = conversation?.model || els.modelName.textContent || '—';
   show();
   els.settings.showModal();
 }
+
+/** The dialog closed: what is still waiting to be saved goes now. */
+export const closed = () => flush();
 
 /** Show the model's name and limits from `ready` (in the top bar, the welcome text and the dialog). */
 export function showServer(model, limits) {
@@ -86,6 +150,21 @@ export function showServer(model, limits) {
   els.settingsLimits.textContent = parts.join(' · ') || '—';
   if (limits.max_new_tokens) {
     els.setMaxTokens.max = limits.max_new_tokens;
-    els.maxTokensHelp.textContent = `Up to ${limits.max_new_tokens.toLocaleString()}. Empty uses the server default.`;
+    els.maxTokensHelp.textContent = `Up to ${limits.max_new_tokens.toLocaleString()}. Empty: the server default.`;
   }
+}
+
+/** A short line of a conversation's own settings (system prompt, sampling), '' when it has none. */
+export function summary(conversation) {
+  const parts = [];
+  if (conversation.system) {
+    const text = conversation.system.replace(/\s+/g, ' ').trim();
+    parts.push(`System: ${text.length > 60 ? `${text.slice(0, 59)}…` : text}`);
+  }
+  const p = conversation.params || {};
+  if (Number.isFinite(p.temperature)) parts.push(`temperature ${p.temperature}`);
+  if (Number.isFinite(p.top_p)) parts.push(`top p ${p.top_p}`);
+  if (Number.isInteger(p.max_new_tokens)) parts.push(`${p.max_new_tokens} tokens`);
+  if (Number.isInteger(p.seed)) parts.push(`seed ${p.seed}`);
+  return parts.join(' · ');
 }

@@ -1,5 +1,5 @@
-// The conversation list: which conversations there are, which one is open, its title in the
-// top bar, renaming, and the drawer it becomes on small screens.
+// The conversation list: which conversations there are (pinned first, then by date), which one
+// is open, its title in the top bar, renaming and pinning, and the drawer it becomes on small screens.
 import { els } from './dom.js';
 import * as api from './api.js';
 import * as requests from './requests.js';
@@ -52,13 +52,17 @@ export function added(id, content) {
     titles[id] = content.slice(0, 80);
     storage.set(KEY_TITLES, titles);
   }
-  if (!conversations.some((c) => c.id === id)) conversations.unshift({ id, title: '' });
+  const now = Date.now() / 1000;
+  if (!conversations.some((c) => c.id === id)) conversations.unshift({ id, title: '', updated_at: now, pinned: false });
 }
 
-/** The server's title for a conversation, from its full record. */
-export function setTitle(id, title) {
-  const entry = conversations.find((c) => c.id === id);
-  if (entry) entry.title = title;
+/** The server's record of a conversation (title, pin, settings), from a GET or a PATCH. */
+export function setEntry(record) {
+  const entry = conversations.find((c) => c.id === record.id);
+  if (entry) {
+    const { messages, ...fields } = record;
+    Object.assign(entry, fields);
+  }
   updateHeader();
 }
 
@@ -75,7 +79,7 @@ export function setCurrent(id) {
   current = id;
   if (id) storage.set(KEY_CONVERSATION, id);
   else storage.remove(KEY_CONVERSATION);
-  for (const item of els.list.children) {
+  for (const item of els.list.querySelectorAll('.conversation')) {
     const isCurrent = item.dataset.id === id;
     item.setAttribute('aria-current', isCurrent ? 'true' : 'false');
     const open = item.querySelector('.conversation-open');
@@ -96,6 +100,10 @@ function item(c) {
   open.title = title;
   if (isCurrent) open.setAttribute('aria-current', 'page');
   li.querySelector('[data-action="rename"]').setAttribute('aria-label', `Rename “${title}”`);
+  const pin = li.querySelector('[data-action="pin"]');
+  pin.setAttribute('aria-label', c.pinned ? `Unpin “${title}”` : `Pin “${title}”`);
+  pin.setAttribute('aria-pressed', c.pinned ? 'true' : 'false');
+  li.classList.toggle('pinned', Boolean(c.pinned));
   li.querySelector('[data-action="delete"]').setAttribute('aria-label', `Delete “${title}”`);
   const exp = li.querySelector('[data-action="export"]');
   exp.href = api.exportUrl(c.id, 'md');
@@ -105,14 +113,72 @@ function item(c) {
 
 const focusItem = (id) => els.list.querySelector(`[data-id="${CSS.escape(id)}"] .conversation-open`)?.focus();
 
+const DAY_MS = 86400000;
+
+/** The sidebar group of a conversation: Pinned, then by the day it last changed. */
+function groupOf(c, today) {
+  if (c.pinned) return 'Pinned';
+  const at = (c.updated_at || 0) * 1000;
+  if (at >= today) return 'Today';
+  if (at >= today - DAY_MS) return 'Yesterday';
+  if (at >= today - 7 * DAY_MS) return 'Previous 7 days';
+  return 'Older';
+}
+
+/** The conversations under their group headings, in the server's order (pinned first, newest first). */
+function grouped() {
+  const midnight = new Date();
+  midnight.setHours(0, 0, 0, 0);
+  const groups = new Map();
+  for (const c of conversations) {
+    const name = groupOf(c, midnight.getTime());
+    if (!groups.has(name)) groups.set(name, []);
+    groups.get(name).push(c);
+  }
+  return [...groups].map(([name, list]) => {
+    const li = document.createElement('li');
+    li.className = 'conversation-group';
+    li.dataset.testid = 'conversation-group';
+    const heading = document.createElement('h3');
+    heading.className = 'group-title';
+    heading.textContent = name;
+    const ul = document.createElement('ul');
+    ul.setAttribute('aria-label', name);
+    ul.append(...list.map(item));
+    li.append(heading, ul);
+    return li;
+  });
+}
+
+/** Pin or unpin a conversation; the list moves it at once and follows the server's answer. */
+export async function togglePin(id) {
+  const entry = conversations.find((c) => c.id === id);
+  if (!entry) return;
+  entry.pinned = !entry.pinned;
+  render();
+  try {
+    setEntry(await api.updateConversation(id, { pinned: entry.pinned }));
+  } catch (err) {
+    entry.pinned = !entry.pinned;
+    showError(`Could not ${entry.pinned ? 'unpin' : 'pin'}: ${err.message}`);
+  }
+  await refresh();
+  focusItem(id);
+}
+
 export function render() {
   if (els.list.querySelector('.conversation-rename')) return; // do not pull the field away from someone typing
   const focusedId = document.activeElement?.closest?.('.conversation')?.dataset.id;
-  els.list.replaceChildren(...conversations.map(item));
+  // Pinned first, keeping the order within each part (a pin shows at once, before the server's list).
+  conversations = [...conversations.filter((c) => c.pinned), ...conversations.filter((c) => !c.pinned)];
+  els.list.replaceChildren(...grouped());
   els.listEmpty.hidden = conversations.length > 0;
   if (focusedId) focusItem(focusedId);
   updateHeader();
 }
+
+/** The server's record of a listed conversation (title, pinned, system, params, model), or undefined. */
+export const entry = (id) => conversations.find((c) => c.id === id);
 
 /** The top bar: the open conversation's title and its export links. */
 export function updateHeader() {
@@ -149,7 +215,7 @@ export function startRename(li) {
       const conversation = conversations.find((c) => c.id === id);
       if (conversation) conversation.title = title;
       try {
-        await api.renameConversation(id, title);
+        setEntry(await api.updateConversation(id, { title }));
       } catch (err) {
         showError(`Could not rename: ${err.message}`);
       }

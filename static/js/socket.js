@@ -8,13 +8,15 @@ let everReady = false;
 let attempt = 0;
 let reconnectTimer = 0;
 let countdownTimer = 0;
-let server = { model: '', limits: {} };
+let server = { model: '', models: [], limits: {} };
 let listener = { frame() {}, closed() {} };
 
 /** True between `ready` and the socket closing. */
 export const isReady = () => ready;
 /** The model's display name from `ready` ('' before the first). */
 export const model = () => server.model;
+/** Every model the server serves, its default first, from `ready` ([] before the first). */
+export const models = () => server.models;
 /** The server's limits from `ready` ({} before the first). */
 export const limits = () => server.limits;
 
@@ -54,7 +56,7 @@ function setConn(kind, text) {
 function onReady(msg) {
   ready = true;
   attempt = 0;
-  server = { model: msg.model || '', limits: msg.limits || {} };
+  server = { model: msg.model || '', models: Array.isArray(msg.models) ? msg.models : [], limits: msg.limits || {} };
   setConn('open', 'Connected');
   everReady = true;
 }

@@ -1,5 +1,6 @@
 // The message list: adding and clearing messages, streaming renders batched per frame,
-// following the latest line while the reader lets it, and the copy buttons.
+// following the latest line while the reader lets it (also while late layout settles:
+// highlighting, tables, messages laid out only once near the view), and the copy buttons.
 import { els } from './dom.js';
 import { AssistantMessage, setIdentity, userMessage } from './message.js';
 import { codeTextFor } from './markdown.js';
@@ -7,8 +8,11 @@ import { ICON_CHECK } from './icons.js';
 import { announce } from './util.js';
 
 let follow = true;
+let anchor = null; // a revealed message kept in view while layout settles, until the reader scrolls
 let lastScrollTop = 0;
 let expectedScrollTop = -1;
+let dragging = false; // the reader holds the scrollbar
+let touchY = null;
 const dirty = new Map(); // view -> its newest text, drawn at the next frame
 let frameRequested = false;
 
@@ -76,7 +80,8 @@ export function reveal(id) {
   const el = messageEl(id);
   if (!el) return false;
   follow = false;
-  el.scrollIntoView({ block: 'center' });
+  anchor = el;
+  centre(el);
   el.classList.add('found');
   setTimeout(() => el.classList.remove('found'), 2000);
   return true;
@@ -87,6 +92,7 @@ export function reset(showEmpty) {
   for (const node of [...els.thread.children]) if (node !== els.empty) node.remove();
   els.empty.hidden = !showEmpty;
   follow = true;
+  anchor = null;
 }
 
 /** Show the welcome text again once the last message is gone. */
@@ -165,6 +171,17 @@ function scrollToBottom(smooth = false) {
   else m.scrollTop = top;
 }
 
+function centre(el) {
+  el.scrollIntoView({ block: 'center' });
+  expectedScrollTop = els.messages.scrollTop;
+}
+
+/** The reader moved up: stop following and holding a revealed message. */
+function readerScrolledUp() {
+  follow = false;
+  anchor = null;
+}
+
 function updateJump() {
   els.jump.hidden = follow || distanceFromBottom() < 40;
 }
@@ -187,29 +204,55 @@ export function jump() {
   els.jump.hidden = true;
 }
 
-/** A scroll event: near the bottom resumes following; scrolling up by the reader stops it. */
+/** A scroll event: near the bottom resumes following. Only the reader's own scrolling up stops
+ * it (the wheel, keys, a touch, the scrollbar): content that shrinks or a layout that shifts
+ * moves scrollTop too, and must not. */
 export function onScroll() {
   const top = els.messages.scrollTop;
   const ours = Math.abs(top - expectedScrollTop) < 2;
-  if (distanceFromBottom() < 24) follow = true;
-  else if (!ours && top < lastScrollTop) follow = false;
+  if (distanceFromBottom() < 24 && !anchor) follow = true;
+  else if (!ours && dragging && top < lastScrollTop) readerScrolledUp();
   lastScrollTop = top;
   updateJump();
 }
 
 /** Wheel intent to read upward wins at once, even before the next scroll event. */
 export function onWheel(e) {
-  if (e.deltaY < 0 && els.messages.scrollTop > 0) follow = false;
+  if (e.deltaY < 0 && els.messages.scrollTop > 0) readerScrolledUp();
+  else if (e.deltaY > 0) anchor = null;
 }
 
 /** So do the keys that scroll up. */
 export function onKeydown(e) {
-  if (['PageUp', 'ArrowUp', 'Home'].includes(e.key)) follow = false;
+  if (['PageUp', 'ArrowUp', 'Home'].includes(e.key) || (e.key === ' ' && e.shiftKey)) readerScrolledUp();
 }
 
-/** The viewport or composer changed size. */
+/** A press on the scroller itself is on its scrollbar. */
+export function onPointerdown(e) {
+  if (e.target === els.messages) dragging = true;
+}
+
+export function onPointerup() {
+  dragging = false;
+}
+
+export function onTouchstart(e) {
+  touchY = e.touches[0]?.clientY ?? null;
+}
+
+/** A finger moving down scrolls the thread up: the reader takes over, fling included. */
+export function onTouchmove(e) {
+  const y = e.touches[0]?.clientY;
+  if (touchY !== null && y !== undefined && y > touchY + 2) readerScrolledUp();
+  touchY = y ?? touchY;
+}
+
+/** The viewport, the composer or the thread's content changed size: keep the latest line (or
+ * the revealed message) where the reader expects it. */
 export function onResize() {
   if (follow) scrollToBottom();
+  else if (anchor?.isConnected) centre(anchor);
+  updateJump();
 }
 
 // ---------------------------------------------------------------- copy buttons

@@ -1,0 +1,46 @@
+"""Sampling parameters as clients send them (WebSocket ``params``, a conversation's settings): the rules."""
+from __future__ import annotations
+
+import math
+
+SEED_RANGE = (-(2 ** 63), 2 ** 64)  # what torch.manual_seed accepts (the upper end excluded)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def rules(max_new_tokens: int | None = None) -> dict:
+    """name -> (check, what it must be); ``max_new_tokens`` None: no upper bound (capped at each turn)."""
+    most = max_new_tokens or 2 ** 31
+    return {
+        "temperature": (lambda v: _is_number(v) and 0 <= v <= 2, "a number from 0 to 2"),
+        "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number greater than 0 and at most 1"),
+        "top_k": (lambda v: _is_int(v) and 0 <= v <= 1_000_000, "an integer from 0 (off) to 1000000"),
+        "min_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number from 0 (off) to 1"),
+        "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= most,
+                           f"an integer from 1 to {most}" if max_new_tokens else "an integer of at least 1"),
+        "seed": (lambda v: _is_int(v) and SEED_RANGE[0] <= v < SEED_RANGE[1], "an integer"),
+    }
+
+
+def problem(params: object, max_new_tokens: int | None = None, where: str = "params") -> str | None:
+    """Why ``params`` is not a valid parameter object (None when it is); unknown names are ignored."""
+    if not isinstance(params, dict):
+        return f"{where} must be an object"
+    table = rules(max_new_tokens)
+    for name, value in params.items():
+        rule = table.get(name)
+        if rule is not None and value is not None and not rule[0](value):
+            return f"{where}.{name} must be {rule[1]}"
+    return None
+
+
+def clean(params: dict | None) -> dict:
+    """The known, set parameters of a valid object (unknown names and nulls dropped)."""
+    known = rules()
+    return {k: v for k, v in (params or {}).items() if k in known and v is not None}
