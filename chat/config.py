@@ -77,6 +77,15 @@ class Settings:
         "CHAT_DTYPE", "auto", _choice("auto", "float32", "bfloat16"),
         doc="Weight type: `auto`, `float32` or `bfloat16`. `auto` picks bfloat16 on CUDA and on CPUs with "
             "native bf16 (`avx512_bf16` or `amx_bf16`), and float32 elsewhere.")
+    quant: str = _setting(
+        "CHAT_QUANT", "auto", _choice("auto", "int4", "off"),
+        doc="Weights of a GGUF model on the CPU. `auto`: the file's 4-bit blocks (Q4_0, Q4_1; Q8_0 for the token "
+            "table) on torch's int4 kernel for decode steps, plus dense bfloat16 copies of the layers for long "
+            "prefills, each product picking the faster by a crossover measured at start-up; the 4-bit path is "
+            "checked against dense weights at start-up and left for dense with a warning if they disagree. "
+            "`int4`: the 4-bit weights only (least memory, slower long prompts). `off`: dense weights only. "
+            "CPUs without native bf16 (`avx512_bf16`/`amx_bf16`) and other model formats always use dense "
+            "weights. `/readyz` and `/metrics` report which (`weights`).")
     device: str = _setting(
         "CHAT_DEVICE", "auto", _choice("auto", "cpu", "cuda"),
         doc="`auto`, `cpu` or `cuda`. `auto` uses CUDA when available.")

@@ -37,6 +37,7 @@ class Metrics:
     """The server's counters, gauges and histograms."""
 
     def __init__(self, engine: Engine) -> None:
+        self.engine = engine
         self.registry = CollectorRegistry()
         r = self.registry
         self.multiprocess = multiprocess()
@@ -71,6 +72,8 @@ class Metrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.rate = Histogram("chat_tokens_per_second", "Decode speed per generation",
                               buckets=RATE_BUCKETS, registry=r)
+        self.weights = Gauge("chat_model_weights", "1 for the weight format the local model's decode step uses "
+                             "(int4, bfloat16, float32)", ["weights"], registry=r, multiprocess_mode="livemax")
 
     def finished(self, done: Done) -> None:
         """Record one ``Done`` event."""
@@ -85,6 +88,8 @@ class Metrics:
             self.rate.observe(done.timings["tokens_per_s"])
 
     def render(self) -> bytes:
+        if self.engine.weights:
+            self.weights.labels(self.engine.weights).set(1)
         if not self.multiprocess:
             return generate_latest(self.registry)
         from prometheus_client import multiprocess as mp

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import logging
 import time
+from pathlib import Path
 
 import torch
 
 from ..concurrency import run_in_thread, start_real_thread
 from ..errors import EngineError, EngineUnavailable, Overloaded
-from . import attention, prompt
+from . import attention, prompt, quant, weights
 from . import model as model_loader
 from .base import Engine, GenParams, Generation
 from .events import Delta, Done, Queued, Refused, Started
@@ -49,6 +51,7 @@ class LocalEngine(Engine):
         self.ready = False
         self.error = None
         self.loaded = None
+        self.decoder = None  # the own forward (decoder.py), or None for transformers'
         self.rows: list[Slot] = []  # decoding; row i is row i of self.kv
         self.kv: KVBuffer | None = None
         self.prefix = PrefixCache(settings.kv_cache_mb * 1024 * 1024)
@@ -57,6 +60,7 @@ class LocalEngine(Engine):
         self.stopping = None  # reason, once shutdown was asked
         self.closed = False  # the engine thread has ended
         self.trimmed = True
+        self.chores = None  # idle work after start-up (see _chores): an iterator, one step per idle turn
         self.tokens_generated = 0
         self.step_s = 0.05  # measured: a decode step's forward (moving average)
         start_real_thread(self._run, name="engine")
@@ -153,6 +157,10 @@ class LocalEngine(Engine):
         for job, logits in queue.take_joining():
             self._join(job, logits)
         if not queue.busy:
+            if self.chores is not None and not queue.waiting:
+                if next(self.chores, None) is None:
+                    self.chores = None
+                return  # one step of idle work at a time, then look for requests again
             if not self.trimmed:
                 _release_memory()
                 self.trimmed = True
@@ -162,13 +170,20 @@ class LocalEngine(Engine):
         with torch.inference_mode():
             self.loaded = model_loader.load(self.settings)
             self.model_name = self.loaded.name
-            attention.use(self.loaded.model)
-            cfg = self.loaded.model.config.get_text_config(decoder=True)
-            heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            self.dims = (cfg.num_hidden_layers, heads, head_dim, self.loaded.dtype, self.loaded.device)
+            decoder = self.decoder = self.loaded.decoder
+            if decoder is not None:
+                s = decoder.shape
+                self.dims = (s.layers, s.kv_heads, s.head_dim, self.loaded.dtype, self.loaded.device)
+            else:
+                attention.use(self.loaded.model)
+                cfg = self.loaded.model.config.get_text_config(decoder=True)
+                heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+                head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+                self.dims = (cfg.num_hidden_layers, heads, head_dim, self.loaded.dtype, self.loaded.device)
             if self.settings.warmup:
                 self._warmup()
+            self.weights = self.loaded.weights
+            self.chores = self._chores()
         # Everything loaded so far lives for the whole process: keep it out of the GC's
         # full collections, which otherwise stall the event loop for tenths of a second.
         gc.collect()
@@ -176,6 +191,29 @@ class LocalEngine(Engine):
         self.ready = True
         log.info("engine ready: %s, max batch %d, prefill chunk %d", self.model_name,
                  self.settings.max_batch, self.settings.prefill_chunk)
+
+    def _chores(self):
+        """What the engine does while idle once it is ready, a step per turn: the dense copies of a
+        GGUF's int4 products (``CHAT_QUANT=auto``), then their crossovers (kept for the next start)."""
+        decoder, source = self.decoder, self.loaded.source
+        if decoder is None or source is None or decoder.weights != "int4" or self.settings.quant != "auto":
+            return
+        yield from weights.add_dense(source, decoder)
+        store = Path(self.settings.model_cache_dir) / "crossovers.json"
+        key = f"{source.path.name}:{source.path.stat().st_size}:{torch.__version__}:{torch.get_num_threads()}"
+        try:
+            known = json.loads(store.read_text()).get(key)
+        except (OSError, ValueError):
+            known = None
+        found = quant.calibrate(decoder.linears(), known)
+        if found != known:
+            try:
+                store.parent.mkdir(parents=True, exist_ok=True)
+                saved = json.loads(store.read_text()) if store.is_file() else {}
+                store.write_text(json.dumps({**saved, key: found}))
+            except (OSError, ValueError) as exc:
+                log.warning("could not keep the measured crossovers in %s: %s", store, exc)
+        yield
 
     def _warmup(self) -> None:
         """Run a tiny generation, chunked and sampled, so the first user pays for no lazy initialisation."""
@@ -192,6 +230,8 @@ class LocalEngine(Engine):
 
     def forward(self, input_ids, kv: KVBuffer, position_ids, spans=None):
         """The next-token logits of every row after feeding ``input_ids`` (rows, columns)."""
+        if self.decoder is not None:
+            return self.decoder(input_ids, kv, position_ids, spans)
         model = self.loaded.model
         out = model.get_decoder()(input_ids=input_ids, attention_mask=kv.attention_mask(input_ids.shape[1]),
                                   position_ids=position_ids, cache=kv.cache, use_cache=True, spans=spans)

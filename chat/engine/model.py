@@ -1,4 +1,10 @@
-"""Find and load the tokenizer and model: bundled default, hub id, local folder or .gguf file."""
+"""Find and load the tokenizer and model: bundled default, hub id, local folder or .gguf file.
+
+On the CPU, a Llama-shaped model runs on the engine's own decoder (``decoder.py``): a GGUF
+file's weights are read straight from its blocks (``weights.from_gguf``, no conversion),
+other models' from the transformers model (``weights.from_hf``). Anything else keeps
+transformers' forward; a GGUF of another architecture is converted once to dense files.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -14,6 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import ConfigError
+from . import gguf, weights
+from .decoder import Decoder
 
 log = logging.getLogger(__name__)
 
@@ -24,15 +32,24 @@ BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
 @dataclass
 class LoadedModel:
-    """A tokenizer + model pair, ready for the engine."""
+    """A tokenizer and what runs the model, ready for the engine: the own ``decoder`` where it
+    applies, else (and besides, when one was loaded) the transformers ``model``."""
 
     tokenizer: object
-    model: object
+    model: object | None
+    decoder: Decoder | None
     name: str
     dtype: torch.dtype
     device: torch.device
     eos_ids: frozenset
     load_s: float
+    source: gguf.GGUFFile | None = None  # the GGUF the decoder's weights come from
+
+
+    @property
+    def weights(self) -> str:
+        """What a decode step multiplies by: ``int4``, ``bfloat16``, ``float32``..."""
+        return self.decoder.weights if self.decoder is not None else str(self.dtype).removeprefix("torch.")
 
 
 def bundled_gguf() -> Path:
@@ -96,32 +113,46 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     log.info("converted %s to %s in %.1f s", gguf.name, target, time.monotonic() - started)
 
 
-def resolve_source(model: str, cache_root: str) -> tuple[str, str]:
-    """(path or hub id to load, display name), converting a GGUF into the cache first."""
+def gguf_source(model: str) -> tuple[Path, str] | None:
+    """(the .gguf file, display name) when the model is the bundled one or a .gguf file, else None."""
     if not model:
-        gguf, name = bundled_gguf(), BUNDLED_NAME
-    elif model.endswith(".gguf"):
-        gguf, name = Path(model).expanduser(), Path(model).stem
-        if not gguf.is_file():
+        return bundled_gguf(), BUNDLED_NAME
+    if model.endswith(".gguf"):
+        path = Path(model).expanduser()
+        if not path.is_file():
             raise ConfigError(f"CHAT_MODEL={model!r}: no such .gguf file")
-    else:
+        return path, path.stem
+    return None
+
+
+def resolve_source(model: str, cache_root: str) -> tuple[str, str]:
+    """(path or hub id for transformers to load, display name), converting a GGUF into the cache first."""
+    found = gguf_source(model)
+    if found is None:
         path = Path(model).expanduser()
         if path.is_dir():
             return str(path), path.name
         if model.startswith((".", "/", "~")):
             raise ConfigError(f"CHAT_MODEL={model!r}: no such folder")
         return model, model.split("/")[-1]
-    target = _gguf_cache_dir(gguf, cache_root)
+    file, name = found
+    target = _gguf_cache_dir(file, cache_root)
     if not (target / "config.json").is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        _convert_gguf(gguf, target)
+        _convert_gguf(file, target)
     return str(target), name
 
 
-def eos_ids(tokenizer, model) -> frozenset:
+def gguf_tokenizer(file: Path):
+    """The tokenizer a GGUF file describes (vocabulary, merges, special tokens, chat template)."""
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast.from_pretrained(str(file.parent), gguf_file=file.name)
+
+
+def eos_ids(tokenizer, model=None) -> frozenset:
     """Every token id that ends an answer (tokenizer, generation config, chat end marker)."""
     ids = set()
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for value in (tokenizer.eos_token_id, gen_eos):
         if isinstance(value, int):
             ids.add(value)
@@ -145,14 +176,48 @@ def load(settings) -> LoadedModel:
         torch.set_num_threads(settings.threads)
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
+    tokenizer, model, decoder, name, source = (_load_direct(settings, device, dtype)
+                                               or _load_transformers(settings, device, dtype))
+    if not tokenizer.chat_template:
+        raise ConfigError(f"CHAT_MODEL={settings.model!r}: the tokenizer has no chat template")
+    loaded = LoadedModel(tokenizer, model, decoder, settings.model_name or name, dtype, device,
+                         eos_ids(tokenizer, model), time.monotonic() - started, source)
+    log.info("loaded %s (%s weights, %s, %s forward) in %.1f s", loaded.name, loaded.weights, device,
+             "own" if decoder is not None else "transformers'", loaded.load_s)
+    return loaded
+
+
+def _load_direct(settings, device: torch.device, dtype: torch.dtype):
+    """(tokenizer, None, decoder, name, file) for a GGUF the own decoder runs, read without conversion;
+    else None."""
+    found = gguf_source(settings.model)
+    if found is None or device.type != "cpu":
+        return None
+    file, name = found
+    f = gguf.read(file)
+    # Without native bf16 the int4 kernel's bf16 arithmetic is emulated: dense float32 is faster there.
+    mode = settings.quant if cpu_has_native_bf16() else "off"
+    try:
+        decoder = weights.from_gguf(f, mode, dtype)
+    except weights.Unsupported as exc:
+        log.info("%s: %s; converting it for transformers' forward", file.name, exc)
+        return None
+    if decoder.weights == "int4" and not weights.verify(f, decoder):
+        log.warning("the int4 kernel disagrees with the dense weights on this machine: using dense weights "
+                    "(CHAT_QUANT=off)")
+        decoder = weights.from_gguf(f, "off", dtype)
+    return gguf_tokenizer(file), None, decoder, name, f
+
+
+def _load_transformers(settings, device: torch.device, dtype: torch.dtype):
     source, name = resolve_source(settings.model, settings.model_cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     model.to(device).eval()
-    if not tokenizer.chat_template:
-        raise ConfigError(f"CHAT_MODEL={settings.model!r}: the tokenizer has no chat template")
-    loaded = LoadedModel(tokenizer, model, settings.model_name or name, dtype, device,
-                         eos_ids(tokenizer, model), time.monotonic() - started)
-    log.info("loaded %s (%s, %s) in %.1f s", loaded.name, str(dtype).removeprefix("torch."),
-             device, loaded.load_s)
-    return loaded
+    decoder = None
+    if device.type == "cpu":
+        try:
+            decoder = weights.from_hf(model)
+        except weights.Unsupported as exc:
+            log.info("%s: %s; using transformers' forward", name, exc)
+    return tokenizer, model, decoder, name, None

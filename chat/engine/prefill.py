@@ -18,7 +18,7 @@ class PrefillJob:
     def __init__(self, prompts: list, dims, reused=None):
         layers, heads, dim, dtype, device = dims
         self.slots: list = []  # the engine's rows-to-be, in prompt order
-        self.fresh = reused is None
+        self.shared = reused is None  # later fresh prompts may join it before its first chunk
         width = max(len(ids) for ids in prompts)
         self.kv = KVBuffer(layers, heads, dim, dtype, device, rows=len(prompts), capacity=width + 64)
         if reused is not None:

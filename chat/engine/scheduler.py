@@ -125,11 +125,13 @@ class Scheduler:
             room -= 1
             slot = engine.new_slot(gen, ids)
             reused = engine.prefix.take(gen.key, ids)
-            if reused is None:
+            if reused is None and gen.params.seed is None:
                 fresh.append(slot)
                 continue
-            slot.reused = reused[2]
-            self._add_job([slot], reused)
+            # A seeded prompt is prefilled on its own, as it would be alone: a prompt padded into
+            # others' forward comes out a rounding error apart, which a sampled answer can amplify.
+            slot.reused = reused[2] if reused else 0
+            self._add_job([slot], reused, shared=False)
         if fresh:  # newcomers arriving together share their chunks
             self._add_job(fresh, None)
         for position, request in enumerate(self.waiting, 1):
@@ -137,14 +139,15 @@ class Scheduler:
                 request.position = position
                 engine.emit_queued(request.gen, position)
 
-    def _add_job(self, slots: list[Slot], reused) -> None:
+    def _add_job(self, slots: list[Slot], reused, shared: bool = True) -> None:
         last = self.jobs[-1] if self.jobs else None
-        if reused is None and last is not None and last.fresh and last.done == 0:
+        if shared and reused is None and last is not None and last.shared and last.done == 0:
             # Fresh prompts still waiting for their first chunk: fewer, wider forwards.
             self.jobs.pop()
             slots = last.slots + slots
         job = PrefillJob([s.prompt_ids for s in slots], self.engine.dims, reused)
         job.slots = slots
+        job.shared = shared and reused is None
         self.jobs.append(job)
         self.count()
 

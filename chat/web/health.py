@@ -21,7 +21,10 @@ def readyz() -> ResponseReturnValue:
     """200 once the model is loaded and warmed up, else 503."""
     engine = app_state().engine
     if engine.ready:
-        return jsonify({"status": "ready", "model": engine.model_name})
+        ready = {"status": "ready", "model": engine.model_name}
+        if engine.weights:  # the local model's: what its decode step multiplies by
+            ready["weights"] = engine.weights
+        return jsonify(ready)
     if engine.error:  # the reason (paths, backend URL) is in the server log, not for anyone who asks
         return jsonify({"status": "failed"}), 503
     return jsonify({"status": "loading"}), 503

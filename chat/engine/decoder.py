@@ -1,0 +1,173 @@
+"""The engine's own forward pass for Llama-shaped decoders (Llama, SmolLM, Qwen2, Mistral without
+a sliding window): RMSNorm, rotary positions, grouped-query attention, SwiGLU.
+
+A hundred lines of plain torch instead of transformers' modules: one fused
+q/k/v and one fused gate/up product per layer, keys and values written straight
+into the engine's ``KVBuffer``, attention by SDPA over each run of rows' own
+columns in a decode step (``attention.plan``), logits only for each row's last
+position, and each product on int4 or dense weights by its number of rows
+(``quant.Linear``). Arithmetic follows transformers' (bf16 activations, norms
+in float32), so the dense path's answers are transformers' answers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kv import KVBuffer
+from .quant import Linear
+
+
+@dataclass
+class Shape:
+    """What the forward needs to know of the model."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    rope_theta: float
+    vocab: int
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+class Embedding:
+    """Token ids -> bf16 rows: from a dense table, or from Q8_0 rows (int8 q times the block's d)."""
+
+    def __init__(self, dense: torch.Tensor | None = None, q8: tuple | None = None, dtype=torch.bfloat16):
+        self.dense, self.q8, self.dtype = dense, q8, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            return F.embedding(ids, self.dense)
+        q, d = self.q8  # (vocab, hidden) int8, (vocab, hidden / 32) float32
+        rows = q[ids].float().unflatten(-1, (d.shape[1], -1)) * d[ids][..., None]
+        return rows.flatten(-2).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.dense] if self.dense is not None else list(self.q8)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+class Decoder:
+    """A Llama-shaped decoder the engine calls as ``forward(ids, kv, positions, spans)``."""
+
+    def __init__(self, shape: Shape, embed: Embedding, layers: list[Layer], norm: torch.Tensor, head: Linear,
+                 weights: str, dtype: torch.dtype = torch.bfloat16):
+        self.shape, self.embed, self.layers, self.norm, self.head = shape, embed, layers, norm, head
+        self.weights = weights  # what the decode path multiplies by: "int4", "bfloat16", ...
+        self.dtype = dtype  # of activations and dense weights
+        self._cos = self._sin = torch.empty(0)
+        self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float)
+                                                     / shape.head_dim))
+
+    def linears(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+    @property
+    def nbytes(self) -> int:
+        norms = sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.attn_norm, layer.mlp_norm))
+        shared = self.head.quant is None and self.head.dense is self.embed.dense
+        return (sum(lin.nbytes for lin in self.linears()) + norms + self.embed.nbytes
+                + (0 if shared else self.head.nbytes))
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions`` (rows, columns) -> (rows, 1, columns, head dim), as transformers
+        computes them (float32, then the activations' type)."""
+        need = int(positions.max()) + 1
+        if need > self._cos.shape[0]:
+            size = max(need, 2 * self._cos.shape[0], 256)
+            freqs = torch.outer(torch.arange(size, dtype=torch.float), self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return self._cos[positions][:, None], self._sin[positions][:, None]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.eps).to(self.dtype)
+
+    def forward(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans=None) -> torch.Tensor:
+        """Float logits of each row's last column after feeding ``input_ids`` (rows, columns)."""
+        s = self.shape
+        rows, cols = input_ids.shape
+        cos, sin = self._rope(position_ids)
+        mask = _mask(kv, cols)
+        h = self.embed(input_ids.reshape(-1))
+        split = (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim)
+        decode = cols == 1
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(self._norm(h, layer.attn_norm), decode).split(split, dim=-1)
+            q = _rotate(q.view(rows, cols, s.heads, s.head_dim).transpose(1, 2), cos, sin)
+            k = _rotate(k.view(rows, cols, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)
+            keys, values = kv.write(i, k, v.view(rows, cols, s.kv_heads, s.head_dim).transpose(1, 2))
+            a = _attend(q, keys, values, mask, spans)
+            h = h + layer.o(a.transpose(1, 2).reshape(rows * cols, -1), decode)
+            gate, up = layer.gate_up(self._norm(h, layer.mlp_norm), decode).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up, decode)
+        last = h.view(rows, cols, -1)[:, -1]
+        return self.head(self._norm(last, self.norm)).float()
+
+    __call__ = forward
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _mask(kv: KVBuffer, cols: int) -> torch.Tensor | None:
+    """(rows, 1, cols, keys) bool: each new column sees the real keys up to itself (and a padding
+    column itself, so no query attends to nothing); in a decode step the additive form (0 or -inf),
+    or None when one row sees every key."""
+    if cols == 1:
+        if kv.n == 1:
+            return None  # a lone row's columns are all its own
+        real = kv.attention_mask(1)[:, None, None, :]
+        return torch.zeros(real.shape, dtype=kv.dtype).masked_fill_(real == 0, float("-inf"))
+    real = kv.attention_mask(cols).bool()[:, None, None, :]
+    keys = real.shape[-1]
+    query = torch.arange(keys - cols, keys)[:, None]
+    key = torch.arange(keys)[None, :]
+    return (real & (key <= query)) | (key == query)
+
+
+def _attend(q, keys, values, mask, spans) -> torch.Tensor:
+    """Attention with grouped-query heads: SDPA for a prefill chunk; for a decode step plain
+    products (torch's CPU flash kernel costs ~0.2 ms a call for one query, more than the
+    arithmetic), one call per run of rows in ``spans`` over the columns that run uses."""
+    if q.shape[2] != 1:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    if spans is None:
+        return _decode_attention(q, keys, values, mask)
+    return torch.cat([_decode_attention(q[b:e], keys[b:e, :, c:], values[b:e, :, c:], mask[b:e, ..., c:])
+                      for b, e, c in spans])
+
+
+def _decode_attention(q, keys, values, mask) -> torch.Tensor:
+    """One query per row: the query heads that share a key/value head attend together, in float32.
+
+    The scores are computed as keys x queries (not queries x keys): then a row's scores, like its
+    weighted sum of values, come out bit for bit the same whatever padding or other rows share the
+    call, so a seeded answer does not depend on the batch (the other order's kernel varies its
+    summation with the number of keys)."""
+    rows, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(rows, kv_heads, heads // kv_heads, dim).float()
+    scores = torch.matmul(keys.float().contiguous(), grouped.transpose(-1, -2)).transpose(-1, -2).mul_(dim ** -0.5)
+    if mask is not None:
+        scores += mask
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, values.float()).to(q.dtype).view(rows, heads, 1, dim)

@@ -1,0 +1,190 @@
+"""Reading a GGUF file: its metadata and its tensors as the file stores them (no torch here).
+
+The reader walks the header once (the vocabulary's tens of thousands of strings
+are skipped, not decoded: the tokenizer is built by transformers) and maps the
+tensor data, so nothing is read until a tensor is used. Quantized tensors are
+handed out as their blocks' parts, which the engine feeds to its int4 kernel
+unchanged (``quant.py``), or dequantized to floats where it needs dense weights.
+
+Block layouts (llama.cpp's ggml-common.h), 32 weights a block:
+``Q4_0`` d (f16), 16 bytes of 4-bit q: w = d * (q - 8);
+``Q4_1`` d, m (f16), 16 bytes of q: w = d * q + m;
+``Q8_0`` d (f16), 32 signed bytes q: w = d * q.
+In the 4-bit ones byte i holds weight i in its low nibble and weight i + 16 in its high one.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+BLOCK = 32
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+_FLOAT = {F32: np.float32, F16: np.float16}
+# Other block types (K-quants, Q5, ...): sizes for walking the file; dequantized by gguf-py.
+_OTHER_BLOCKS = {6: (32, 22), 7: (32, 24), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176),
+                 14: (256, 210)}
+
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor: ``shape`` in torch order (rows, columns), ``raw`` its bytes (a read-only map)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: int
+    raw: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+
+    def blocks(self) -> np.ndarray:
+        """(rows, blocks per row, bytes per block) of a block-quantized tensor."""
+        size = _BLOCK_BYTES.get(self.kind) or _OTHER_BLOCKS[self.kind][1]
+        return self.raw.reshape(self.rows, -1, size)
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    path: Path
+    metadata: dict
+    tensors: dict
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata.get("general.architecture", "")
+
+    def meta(self, key: str, default=None):
+        """``<architecture>.<key>`` from the metadata."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+
+def read(path: str | Path) -> GGUFFile:
+    """The file's metadata (string arrays as their length) and its tensors, mapped, not read."""
+    path = Path(path)
+    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    if bytes(blob[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    version, n_tensors, n_meta = struct.unpack_from("<IQQ", blob, 4)
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version} is not supported")
+    pos, metadata = 24, {}
+    for _ in range(n_meta):
+        key, pos = _string(blob, pos)
+        (kind,) = struct.unpack_from("<I", blob, pos)
+        metadata[key], pos = _value(blob, pos + 4, kind)
+    infos = []
+    for _ in range(n_tensors):
+        name, pos = _string(blob, pos)
+        (dims,) = struct.unpack_from("<I", blob, pos)
+        shape = tuple(reversed(struct.unpack_from(f"<{dims}Q", blob, pos + 4)))
+        kind, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
+        pos += 4 + 8 * dims + 12
+        infos.append((name, shape, kind, offset))
+    align = metadata.get("general.alignment", 32)
+    data = (pos + align - 1) // align * align
+    tensors = {}
+    for name, shape, kind, offset in infos:
+        start = data + offset
+        tensors[name] = Tensor(name, shape, kind, blob[start:start + _nbytes(kind, shape, path)])
+    return GGUFFile(path, metadata, tensors)
+
+
+def _nbytes(kind: int, shape: tuple, path: Path) -> int:
+    count = int(np.prod(shape))
+    if kind in _FLOAT:
+        return count * np.dtype(_FLOAT[kind]).itemsize
+    if kind == BF16:
+        return count * 2
+    if kind in _BLOCK_BYTES:
+        return count // BLOCK * _BLOCK_BYTES[kind]
+    if kind in _OTHER_BLOCKS:
+        per, size = _OTHER_BLOCKS[kind]
+        return count // per * size
+    raise ValueError(f"{path}: tensor type {kind} is not supported")
+
+
+def _string(blob, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", blob, pos)
+    return bytes(blob[pos + 8:pos + 8 + length]).decode("utf-8", "replace"), pos + 8 + length
+
+
+def _value(blob, pos: int, kind: int):
+    if kind in _SCALAR:
+        fmt = _SCALAR[kind]
+        return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
+    if kind == _STRING:
+        return _string(blob, pos)
+    if kind != _ARRAY:
+        raise ValueError(f"GGUF metadata value of type {kind}")
+    item, count = struct.unpack_from("<IQ", blob, pos)
+    pos += 12
+    if item in _SCALAR:
+        fmt = _SCALAR[item]
+        return list(struct.unpack_from(f"<{count}{fmt[1]}", blob, pos)), pos + count * struct.calcsize(fmt)
+    if item != _STRING:
+        raise ValueError(f"GGUF metadata array of type {item}")
+    for _ in range(count):  # the vocabulary and merges: the tokenizer reads them, not the engine
+        (length,) = struct.unpack_from("<Q", blob, pos)
+        pos += 8 + length
+    return count, pos
+
+
+# ---- block contents
+
+
+def _halves(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The f16 at byte ``at`` of every block, as float32 (rows, blocks)."""
+    return np.ascontiguousarray(blocks[:, :, at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes a block -> its 32 4-bit values in weight order, (rows, blocks * 32) uint8."""
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    return q.reshape(q.shape[0], -1)
+
+
+def int4_parts(t: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0 or Q4_1 tensor as (q 0..15 (rows, cols) uint8, scale, zero (rows, cols / 32) float32)
+    with w = (q - 8) * scale + zero, exactly: Q4_1's d * q + m is (q - 8) * d + (m + 8 * d)."""
+    blocks = t.blocks()
+    d = _halves(blocks, 0)
+    if t.kind == Q4_0:
+        return _nibbles(blocks[:, :, 2:]), d, np.zeros_like(d)
+    if t.kind == Q4_1:
+        return _nibbles(blocks[:, :, 4:]), d, _halves(blocks, 2) + 8 * d
+    raise ValueError(f"{t.name} is not a 4-bit tensor")
+
+
+def int8_parts(t: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 tensor as (q (rows, cols) int8, d (rows, cols / 32) float32): w = d * q."""
+    blocks = t.blocks()
+    return np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(blocks.shape[0], -1), _halves(blocks, 0)
+
+
+def dequantize(t: Tensor) -> np.ndarray:
+    """The tensor as float32 (rows, cols), as llama.cpp computes each weight."""
+    if t.kind in _FLOAT:
+        return np.array(t.raw.view(_FLOAT[t.kind]), dtype=np.float32).reshape(t.rows, -1)
+    if t.kind == BF16:
+        return (t.raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(t.rows, -1)
+    if t.kind in (Q4_0, Q4_1):  # the blocks' own formulas (int4_parts' form rounds differently)
+        blocks = t.blocks()
+        d = _halves(blocks, 0)[..., None]
+        if t.kind == Q4_0:
+            q = _nibbles(blocks[:, :, 2:]).reshape(t.rows, -1, BLOCK).astype(np.float32)
+            return (d * (q - 8)).reshape(t.rows, -1)
+        q = _nibbles(blocks[:, :, 4:]).reshape(t.rows, -1, BLOCK).astype(np.float32)
+        return (d * q + _halves(blocks, 2)[..., None]).reshape(t.rows, -1)
+    if t.kind == Q8_0:
+        q, d = int8_parts(t)
+        return (q.reshape(t.rows, -1, BLOCK).astype(np.float32) * d[..., None]).reshape(t.rows, -1)
+    from gguf import GGMLQuantizationType, quants  # the other block types
+    return quants.dequantize(np.asarray(t.raw), GGMLQuantizationType(t.kind)).reshape(t.rows, -1)

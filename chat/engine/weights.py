@@ -1,0 +1,245 @@
+"""Building the engine's own decoder (``decoder.py``): from a GGUF file's blocks, or from a
+transformers model of the same shape.
+
+From a GGUF, nothing is converted to files: 4-bit blocks (Q4_0, Q4_1) go to the int4
+kernel as they are; the Q8_0 token table serves lookups as int8 rows and, when the
+output layer shares it, the output product as two int4 products (``quant.Int8Pair``);
+other types are dequantized to dense weights. ``quant`` picks what is kept:
+
+- ``auto``: int4 where the file has it, plus the layers' dense copies for products of
+  many rows (prefill), each product picking by its measured crossover; the dense copies
+  are made after start-up (``add_dense``), so the server is ready sooner;
+- ``int4``: int4 only (least memory; long prompts prefill slower);
+- ``off``: dense only, every weight dequantized as transformers does.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from . import gguf, quant
+from .decoder import Decoder, Embedding, Layer, Shape
+from .quant import Linear
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("llama", "qwen2")  # GGUF names whose tensors this builder knows
+HF_TYPES = ("llama", "qwen2", "mistral")
+
+
+class Unsupported(Exception):
+    """The model is not one the own decoder runs; the engine uses transformers' forward."""
+
+
+# ---- from a GGUF file
+
+
+def gguf_shape(f: gguf.GGUFFile) -> Shape:
+    if f.architecture not in ARCHITECTURES:
+        raise Unsupported(f"architecture {f.architecture!r}")
+    if f.meta("rope.scaling.type", "none") not in ("none", "linear") or "rope_freqs.weight" in f.tensors \
+            or f.meta("rope.scaling.factor", 1.0) != 1.0:
+        raise Unsupported("rope scaling")
+    heads = f.meta("attention.head_count")
+    hidden = f.meta("embedding_length")
+    head_dim = f.meta("attention.key_length") or hidden // heads
+    if f.meta("rope.dimension_count", head_dim) != head_dim:
+        raise Unsupported("partial rotary")
+    return Shape(layers=f.meta("block_count"), hidden=hidden, heads=heads,
+                 kv_heads=f.meta("attention.head_count_kv") or heads, head_dim=head_dim,
+                 eps=f.meta("attention.layer_norm_rms_epsilon"), rope_theta=f.meta("rope.freq_base", 10000.0),
+                 vocab=f.tensors["token_embd.weight"].shape[0])
+
+
+def _llama_rows(heads: int, head_dim: int) -> np.ndarray:
+    """GGUF's llama q/k rows in transformers' order: llama.cpp's converter interleaved each head's
+    two rotary halves (row 2i + j of a head holds transformers' row j * head_dim / 2 + i)."""
+    half = head_dim // 2
+    i, j = np.meshgrid(np.arange(half), np.arange(2))
+    within = (i * 2 + j).reshape(-1)  # transformers' row j * half + i, in order
+    return (np.arange(heads)[:, None] * head_dim + within[None, :]).reshape(-1)
+
+
+class _Reader:
+    """The tensors of one GGUF file as the builder wants them (rows permuted where needed)."""
+
+    def __init__(self, f: gguf.GGUFFile, shape: Shape, dtype: torch.dtype):
+        self.f, self.dtype = f, dtype
+        self.rows = {}
+        if f.architecture == "llama":
+            self.rows = {"attn_q": _llama_rows(shape.heads, shape.head_dim),
+                         "attn_k": _llama_rows(shape.kv_heads, shape.head_dim)}
+
+    def tensor(self, name: str) -> gguf.Tensor:
+        return self.f.tensors[name]
+
+    def _order(self, name: str, a: np.ndarray) -> np.ndarray:
+        rows = self.rows.get(name.split(".")[-2])
+        return a if rows is None else a[rows]
+
+    def is_int4(self, name: str) -> bool:
+        return self.tensor(name).kind in (gguf.Q4_0, gguf.Q4_1)
+
+    def int4(self, name: str) -> tuple:
+        return tuple(self._order(name, a) for a in gguf.int4_parts(self.tensor(name)))
+
+    def dense(self, name: str) -> torch.Tensor:
+        return torch.from_numpy(self._order(name, gguf.dequantize(self.tensor(name)))).to(self.dtype)
+
+    def vector(self, name: str) -> torch.Tensor | None:
+        if name not in self.f.tensors:
+            return None
+        return self.dense(name).reshape(-1)
+
+
+def _layer_names(i: int) -> list[list[str]]:
+    """The GGUF names behind each of layer ``i``'s products: q/k/v, output, gate/up, down."""
+    p = f"blk.{i}."
+    return [[p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], [p + "attn_output.weight"],
+            [p + "ffn_gate.weight", p + "ffn_up.weight"], [p + "ffn_down.weight"]]
+
+
+def _linear(r: _Reader, names: list[str], mode: str, biases: list | None = None) -> Linear:
+    use_int4 = mode != "off" and all(r.is_int4(n) for n in names)
+    dense = _dense(r, names) if not use_int4 else None
+    packed = quant.stack_int4([r.int4(n) for n in names]) if use_int4 else None
+    bias = torch.cat(biases) if biases and all(b is not None for b in biases) else None
+    return Linear(dense, packed, bias)
+
+
+def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16) -> Decoder:
+    """The decoder of a GGUF file's weights (see the module's docstring for ``mode``)."""
+    shape = gguf_shape(f)
+    if mode != "off" and (dtype != torch.bfloat16 or not quant.supported()):
+        mode = "off"  # the int4 kernel takes bf16 activations only
+    r = _Reader(f, shape, dtype)
+    layers = []
+    for i in range(shape.layers):
+        p = f"blk.{i}."
+        qkv, o, gate_up, down = _layer_names(i)
+        biases = [r.vector(p + n) for n in ("attn_q.bias", "attn_k.bias", "attn_v.bias")]
+        layers.append(Layer(
+            attn_norm=r.vector(p + "attn_norm.weight"),
+            qkv=_linear(r, qkv, mode, biases),
+            o=_linear(r, o, mode, [r.vector(p + "attn_output.bias")]),
+            mlp_norm=r.vector(p + "ffn_norm.weight"),
+            gate_up=_linear(r, gate_up, mode),
+            down=_linear(r, down, mode)))
+    table = r.tensor("token_embd.weight")
+    head_name = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
+    if table.kind == gguf.Q8_0 and mode != "off":
+        q, d = gguf.int8_parts(table)
+        embed = Embedding(q8=(torch.from_numpy(q), torch.from_numpy(d)), dtype=dtype)
+    else:
+        embed = Embedding(dense=r.dense("token_embd.weight"), dtype=dtype)
+    head_tensor = r.tensor(head_name)
+    if mode != "off" and head_tensor.kind == gguf.Q8_0:
+        head = Linear(quant=quant.Int8Pair(*gguf.int8_parts(head_tensor)))
+    elif mode != "off" and r.is_int4(head_name):
+        head = Linear(quant=quant.Int4(*gguf.int4_parts(head_tensor)))
+    elif head_name == "token_embd.weight" and embed.dense is not None:
+        head = Linear(embed.dense)
+    else:
+        head = Linear(r.dense(head_name))
+    weights = "int4" if mode != "off" and layers[0].qkv.quant is not None else str(dtype).removeprefix("torch.")
+    return Decoder(shape, embed, layers, r.vector("output_norm.weight"), head, weights, dtype)
+
+
+def _dense(r: _Reader, names: list[str]) -> torch.Tensor:
+    return torch.cat([r.dense(n) for n in names]) if len(names) > 1 else r.dense(names[0])
+
+
+def add_dense(f: gguf.GGUFFile, decoder: Decoder) -> Iterator[None]:
+    """Give the layers' int4 products their dense copies (``auto``), one layer per step: the engine
+    runs it while idle after start-up. Until a product has its copy and a crossover, it stays int4."""
+    r = _Reader(f, decoder.shape, decoder.dtype)
+    for i, layer in enumerate(decoder.layers):
+        for linear, names in zip((layer.qkv, layer.o, layer.gate_up, layer.down), _layer_names(i)):
+            if linear.quant is not None and linear.dense is None:
+                linear.dense = _dense(r, names)
+        yield
+
+
+def verify(f: gguf.GGUFFile, decoder: Decoder, tolerance: float = 0.02) -> bool:
+    """The int4 products of the first and last layers and of the output layer, on a fixed input,
+    against the same product over the file's weights dequantized in float32: False when any
+    differs by more than ``tolerance`` of the reference's size (a kernel or packing that computes
+    something else; bf16 rounding alone stays near 0.005)."""
+    shape = decoder.shape
+    r = _Reader(f, shape, torch.float32)
+    last = shape.layers - 1
+    head = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
+    checks = [(decoder.head, [head])]
+    for i in (0, last):
+        layer = decoder.layers[i]
+        checks += list(zip((layer.qkv, layer.o, layer.gate_up, layer.down), _layer_names(i)))
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for linear, names in checks:
+            if linear.quant is None:
+                continue
+            reference = _dense(r, names)
+            x = torch.randn(4, reference.shape[1], generator=generator)
+            want = x @ reference.T
+            got = linear.quant(x.to(torch.bfloat16)).float()
+            error = float((got - want).norm() / want.norm())
+            if not error <= tolerance:  # NaN fails too
+                log.warning("int4 self-check: %s differs by %.3g of its size", names[0], error)
+                return False
+    return True
+
+
+# ---- from a transformers model
+
+
+def from_hf(model) -> Decoder:
+    """The decoder of a transformers Llama/Qwen2/Mistral model's (dense) weights. The fused
+    matrices take the model's place: its modules then hold views of them, so no weight is kept twice."""
+    cfg = model.config.get_text_config(decoder=True)
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if cfg.model_type not in HF_TYPES:
+        raise Unsupported(f"model type {cfg.model_type!r}")
+    if rope.get("rope_type", rope.get("type", "default")) != "default" or getattr(cfg, "hidden_act", "silu") != "silu" \
+            or getattr(cfg, "mlp_bias", False) or getattr(cfg, "sliding_window", None) and getattr(
+                cfg, "use_sliding_window", cfg.model_type == "mistral"):
+        raise Unsupported("rope scaling, activation, MLP bias or sliding window")
+    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    shape = Shape(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=heads,
+                  kv_heads=cfg.num_key_value_heads or heads, head_dim=head_dim, eps=cfg.rms_norm_eps,
+                  rope_theta=theta, vocab=cfg.vocab_size)
+    inner = model.get_decoder()
+    layers = []
+    for block in inner.layers:
+        a, m = block.self_attn, block.mlp
+        layers.append(Layer(attn_norm=block.input_layernorm.weight.data,
+                            qkv=_fuse([a.q_proj, a.k_proj, a.v_proj]), o=_fuse([a.o_proj]),
+                            mlp_norm=block.post_attention_layernorm.weight.data,
+                            gate_up=_fuse([m.gate_proj, m.up_proj]), down=_fuse([m.down_proj])))
+    dtype = inner.embed_tokens.weight.dtype
+    head = model.get_output_embeddings().weight.data
+    return Decoder(shape, Embedding(dense=inner.embed_tokens.weight.data, dtype=dtype), layers,
+                   inner.norm.weight.data, Linear(head), str(dtype).removeprefix("torch."), dtype)
+
+
+def _fuse(modules: list) -> Linear:
+    if len(modules) == 1:
+        m = modules[0]
+        return Linear(m.weight.data, bias=m.bias.data if m.bias is not None else None)
+    biases = [m.bias.data if m.bias is not None else None for m in modules]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        raise Unsupported("bias on some of the fused projections only")
+    weight = torch.cat([m.weight.data for m in modules])
+    bias = torch.cat(biases) if biases[0] is not None else None
+    start = 0
+    for m in modules:  # the modules keep working (transformers' forward, generate) on views
+        n = m.weight.shape[0]
+        m.weight.data = weight[start:start + n]
+        if bias is not None:
+            m.bias.data = bias[start:start + n]
+        start += n
+    return Linear(weight, bias=bias)

@@ -1,0 +1,87 @@
+"""Build a small random Llama GGUF (Q4_1 layers, Q8_0 tied token table, F32 norms) with the bundled
+model's tokenizer and chat template, for fast tests of the engine's direct GGUF path."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / "data" / "test-cache"
+
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                  "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                  "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
+                  "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
+
+
+def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, qtype: str = "Q4_1",
+              seed: int = 0, arch: str = "llama") -> Path:
+    """A .gguf file, built once and cached: every attention and MLP matrix in ``qtype`` (Q4_0 or
+    Q4_1), the token table (shared with the output layer) in Q8_0. Weights are wide (std 0.2), so
+    greedy answers have no near-ties."""
+    target = CACHE / f"tiny-{arch}-{qtype}-h{hidden}-l{layers}-s{seed}.gguf"
+    if target.is_file():
+        return target
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+
+    from chat.engine.model import bundled_gguf
+
+    source = GGUFReader(str(bundled_gguf()))
+    rng = np.random.default_rng(seed)
+    kind = GGMLQuantizationType[qtype]
+    head_dim = hidden // heads
+    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    w = GGUFWriter(str(tmp), arch)
+    w.add_block_count(layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(hidden * 2)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    for key in TOKENIZER_KEYS:
+        field = source.fields[key]
+        value = field.contents()
+        kind_of = field.types[0]
+        if key.endswith(("tokens", "merges")):
+            w.add_array(key, value)
+        elif key.endswith("token_type"):
+            w.add_array(key, [int(v) for v in value])
+        elif kind_of.name == "STRING":
+            w.add_string(key, value)
+        elif kind_of.name == "BOOL":
+            w.add_bool(key, bool(value))
+        else:
+            w.add_uint32(key, int(value))
+
+    def matrix(name: str, rows: int, cols: int, qt=kind) -> None:
+        data = rng.normal(0, 0.2, (rows, cols)).astype(np.float32)
+        w.add_tensor(name, quants.quantize(data, qt), raw_dtype=qt)
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, (1 + rng.normal(0, 0.1, hidden)).astype(np.float32))
+
+    matrix("token_embd.weight", vocab, hidden, GGMLQuantizationType.Q8_0)
+    norm("output_norm.weight")
+    for i in range(layers):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight")
+        norm(p + "ffn_norm.weight")
+        matrix(p + "attn_q.weight", hidden, hidden)
+        matrix(p + "attn_k.weight", kv_heads * head_dim, hidden)
+        matrix(p + "attn_v.weight", kv_heads * head_dim, hidden)
+        matrix(p + "attn_output.weight", hidden, hidden)
+        matrix(p + "ffn_gate.weight", hidden * 2, hidden)
+        matrix(p + "ffn_up.weight", hidden * 2, hidden)
+        matrix(p + "ffn_down.weight", hidden, hidden * 2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.rename(target)
+    return target
