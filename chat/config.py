@@ -179,6 +179,12 @@ class Settings:
             "refused with `overloaded` and what is stored stays intact. `0`: until the disk is full. "
             "SQLite only: on PostgreSQL, the server's own disk full (SQLSTATE 53100) is refused the same "
             "way; cap its size there with the server's disk or quotas.")
+    search_timeout_s: float = _setting(
+        "CHAT_SEARCH_TIMEOUT_S", 1.5, float, low=0.1, high=600,
+        doc="Longest a search (`/api/search`) may take, waiting for its turn included. It runs on threads of "
+            "its own, never on the event loop; past this it is stopped and answered 503 `overloaded` (add "
+            "words to narrow it). A worker runs at most 8 searches at once, 2 per address; more get "
+            "`overloaded` at once.")
 
     bind: str = _setting(
         "CHAT_BIND", "127.0.0.1:8000", _bind, section="Server",

@@ -9,7 +9,7 @@ import uuid
 
 from .. import attachments as files
 from ..errors import ProtocolError
-from . import liveness, transfer, tree
+from . import cjk, liveness, transfer, tree
 from .disk_full import guarded as _guarded
 from .options import CONVERSATION_COLUMNS as _CONV, Options, conversation as _conversation
 from .tree import valid as _valid
@@ -18,6 +18,7 @@ from .versions import Versions
 PLACEHOLDER_TITLE = "New chat"
 TITLE_CHARS = 60
 FINISHED = ("stop", "length")
+SEARCH_BUDGET_S = 2.0  # a search's time when the caller sets none
 
 
 def new_id() -> str:
@@ -114,6 +115,8 @@ class Store(Versions, Options):
                     db.executemany("UPDATE messages SET status = 'interrupted', reason = 'error'"
                                    " WHERE id = ? AND status = 'streaming' AND coalesce(owner, '') = ?",
                                    [(i, owner or "") for i, owner in stale])
+                    for message_id, _ in stale:
+                        db.reindex(message_id)
         return len(stale)
 
     @_guarded
@@ -196,6 +199,8 @@ class Store(Versions, Options):
              json.dumps(fields["usage"]) if fields.get("usage") is not None else None,
              json.dumps(fields["timings"]) if fields.get("timings") is not None else None,
              fields.get("owner"), fields.get("created_at") or time.time()))
+        if fields["status"] != "streaming" and cjk.has_cjk(fields.get("content", "")):
+            db.reindex(message_id)
         db.execute("UPDATE conversations SET active_id = ? WHERE id = ?", (message_id, conv_id))
         return message_id
 
@@ -260,6 +265,7 @@ class Store(Versions, Options):
                 (content, "complete" if reason in FINISHED else "partial", reason,
                  json.dumps(usage) if usage is not None else None,
                  json.dumps(timings) if timings is not None else None, message_id))
+            db.reindex(message_id)
             db.execute(
                 "UPDATE conversations SET updated_at = ?"
                 " WHERE id = (SELECT conversation_id FROM messages WHERE id = ?)", (now, message_id))
@@ -291,10 +297,12 @@ class Store(Versions, Options):
             out.append({"role": row["role"], "content": files.with_attachments(row["content"], attached)})
         return out
 
-    def search(self, client_id: str | None, text: str) -> list[dict]:
-        """This client's messages that match ``text``, best first (see search.py)."""
-        with self._conn() as db:
-            return self._backend.search(db, client_id, text)
+    def search(self, client_id: str | None, text: str, deadline: float | None = None) -> list[dict]:
+        """This client's messages that match ``text``, best first (see search.py); SearchTimeout
+        when it runs past ``deadline`` (time.monotonic(); default SEARCH_BUDGET_S from now)."""
+        if deadline is None:
+            deadline = time.monotonic() + SEARCH_BUDGET_S
+        return self._backend.search(client_id or "", text, deadline)
 
     @_guarded
     def import_conversation(self, client_id: str, body, max_content_chars: int) -> str:

@@ -8,7 +8,7 @@ from flask import Blueprint, Response, jsonify, request
 
 from ..app_state import app_state
 from ..errors import ProtocolError
-from . import conversation_patch
+from . import conversation_patch, guard
 from .identity import current_client
 
 bp = Blueprint("conversations", __name__, url_prefix="/api")
@@ -111,4 +111,5 @@ def search():
     q = request.args.get("q", "")
     if len(q) > MAX_QUERY_CHARS:
         raise ProtocolError("bad_message", f"q may be at most {MAX_QUERY_CHARS} characters")
-    return jsonify(results=_store().search(current_client(), q))
+    state = app_state()
+    return jsonify(results=state.searches.run(_store(), current_client(), guard.address(state.settings), q))
