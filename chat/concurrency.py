@@ -102,6 +102,13 @@ class _GreenReceiver:
         self._readable.close()
 
 
+def cooperate() -> None:
+    """Let other greenlets run before going on (a no-op without gevent)."""
+    if gevent_active():
+        import gevent
+        gevent.sleep(0)
+
+
 def real_sleep(seconds: float) -> None:
     """Sleep the calling OS thread (never yields to gevent)."""
     _original("time", "sleep")(seconds)

@@ -76,6 +76,14 @@ MIGRATIONS = [
         f"""CREATE INDEX messages_search_cjk ON messages
             USING GIN (chat_cjk_grams(substr(content, 1, {INDEXED_CHARS}))) WHERE status <> 'streaming'""",
     ),
+    (
+        # Storage per address (schema.py's fifth migration).
+        "ALTER TABLE conversations ADD COLUMN address TEXT",
+        "ALTER TABLE conversations ADD COLUMN size BIGINT NOT NULL DEFAULT 0",
+        """UPDATE conversations SET size = length(coalesce(system, '')) + (SELECT coalesce(sum(length(content)
+            + length(coalesce(attachments, ''))), 0) FROM messages WHERE conversation_id = conversations.id)""",
+        "CREATE INDEX conversations_by_address ON conversations (address) WHERE address IS NOT NULL",
+    ),
 ]
 
 

@@ -108,6 +108,15 @@ MIGRATIONS = [
             DELETE FROM messages_cjk WHERE rowid = old.seq; END""",
         _index_cjk_of_every_message,
     ),
+    (
+        # Storage per address: the address a conversation was started from (its client's, as the
+        # limits count it) and the characters it holds, so fresh cookies share one quota.
+        "ALTER TABLE conversations ADD COLUMN address TEXT",
+        "ALTER TABLE conversations ADD COLUMN size INTEGER NOT NULL DEFAULT 0",
+        """UPDATE conversations SET size = length(coalesce(system, '')) + (SELECT coalesce(sum(length(content)
+            + length(coalesce(attachments, ''))), 0) FROM messages WHERE conversation_id = conversations.id)""",
+        "CREATE INDEX conversations_by_address ON conversations (address) WHERE address IS NOT NULL",
+    ),
 ]
 
 
