@@ -51,7 +51,8 @@ class BoundedServer(Server):
 
     def __init__(self, environ: dict, max_unread: int = 2**20, send_timeout: float = 30.0, **options: Any) -> None:
         self.max_unread, self.send_timeout = max_unread, send_timeout
-        self.write_lock = threading.Lock()  # one writer at a time: frames never interleave
+        # One writer at a time, so frames never interleave; reentrant: the session holds it around send()
+        self.write_lock = threading.RLock()
         self.unread = 0  # bytes of whole messages in input_buffer
         self.room = threading.Event()  # set when the session takes a message
         self.pings = TokenBucket(MAX_PINGS, PINGS_PER_S)
