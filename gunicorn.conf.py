@@ -1,7 +1,6 @@
 """gunicorn settings: the gevent worker, one model copy per worker (local backend), streams never killed."""
 import logging
 import os
-import re
 import signal
 import sys
 
@@ -44,19 +43,38 @@ keepalive = 75
 # Load the model after the fork, inside each worker (torch state does not survive fork well).
 preload_app = False
 accesslog = "-"
+# gunicorn's control socket (gunicornc) defaults to one path per user, which every instance would
+# share and the first to stop would delete: none, or the one this instance names.
+control_socket_disable = not _settings.control_socket
+if _settings.control_socket:
+    control_socket = _settings.control_socket
 
 
 class RedactingLogger(Logger):
-    """gunicorn's logger, with the API key cut out of access-log lines (``?token=``, auth headers)."""
+    """gunicorn's logger, with the API key cut out of access-log lines (``?token=`` however encoded,
+    auth headers) and the search words too unless CHAT_LOG_CONTENT (chat/web/access_log.py)."""
 
-    TOKEN = re.compile(r"((?:^|[?&;])token=)[^&;\s\"]*", re.I)
     SECRET_HEADERS = ("{authorization}i", "{sec-websocket-protocol}i", "{cookie}i")
+    QUERIES = ("q", "{query_string}e")
+    URIS = ("{raw_uri}e", "f", "{referer}i")
 
     def atoms(self, resp, req, environ, request_time):
+        from chat.web import access_log
+
         atoms = super().atoms(resp, req, environ, request_time)
+        keep = _settings.log_content
+        path = environ.get("PATH_INFO", "")
         for name, value in atoms.items():
-            if isinstance(value, str):
-                atoms[name] = "[redacted]" if name in self.SECRET_HEADERS else self.TOKEN.sub(r"\1[redacted]", value)
+            if not isinstance(value, str):
+                continue
+            if name in self.SECRET_HEADERS:
+                atoms[name] = "[redacted]"
+            elif name == "r":
+                atoms[name] = access_log.redact_request_line(value, keep)
+            elif name in self.QUERIES:
+                atoms[name] = access_log.redact_query(value, path, keep)
+            elif name in self.URIS or "?" in value:
+                atoms[name] = access_log.redact_uri(value, keep)
         return atoms
 
 

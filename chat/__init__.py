@@ -31,6 +31,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
         "ping_interval": settings.ping_interval_s or None,
         "max_message_size": settings.max_message_bytes,
         "subprotocols": [identity.SUBPROTOCOL],  # echoed when offered; a bearer.<key> offer never is
+        # chat/web/ws_server.py: unread input and every write bounded
+        "max_unread": 2 * settings.max_message_bytes,
+        "send_timeout": settings.send_timeout_s,
     }
     from .state import open_state
     state_backend = open_state(settings)  # the one place that picks this process or Redis

@@ -31,6 +31,7 @@ class AppState:
 
     def __init__(self, settings: Settings, engine: Engine, store: Store | None, state_backend: StateBackend) -> None:
         from .turns import TurnService
+        from .searches import Searches
         self.settings = settings
         self.engine = engine
         self.store = store
@@ -39,6 +40,7 @@ class AppState:
         self.limits = state_backend.limits
         self.turns = TurnService(settings, engine, store, self.metrics, self.limits, state_backend.runs)
         self.sessions: set[Socket] = set()  # open WebSocket sessions, closed at shutdown
+        self.searches = Searches(settings.search_timeout_s)  # /api/search, off the event loop
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._stopped_by = 0.0  # when a shutdown under way will have ended, at the latest

@@ -102,6 +102,13 @@ class _GreenReceiver:
         self._readable.close()
 
 
+def cooperate() -> None:
+    """Let other greenlets run before going on (a no-op without gevent)."""
+    if gevent_active():
+        import gevent
+        gevent.sleep(0)
+
+
 def real_sleep(seconds: float) -> None:
     """Sleep the calling OS thread (never yields to gevent)."""
     _original("time", "sleep")(seconds)
@@ -222,25 +229,44 @@ class Channel:
             self._watcher.close()
 
 
+class Lane:
+    """A few real OS threads for one kind of blocking work, so it never waits behind another kind."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._pool: Any = None
+
+    def run(self, fn: Callable[..., T], *args, timeout: float | None = None) -> T:
+        """``fn(*args)`` on one of the lane's threads; under gevent only the calling greenlet waits
+        for it, at most ``timeout`` seconds (then LaneTimeout; the thread still finishes ``fn``).
+        Without gevent it simply runs here (each request already has a thread of its own)."""
+        if not gevent_active():
+            return fn(*args)
+        if self._pool is None:
+            from gevent.threadpool import ThreadPool
+            self._pool = ThreadPool(self.threads)
+        if timeout is None:
+            return self._pool.apply(fn, args)
+        import gevent
+        try:
+            return self._pool.spawn(fn, *args).get(timeout=max(timeout, 0.0))
+        except gevent.Timeout:
+            raise LaneTimeout() from None
+
+
+class LaneTimeout(Exception):
+    """Work on a Lane did not end within the caller's timeout."""
+
+
+# One dedicated thread: the work is short next to a model step and holds the GIL anyway, and the
+# hub's own pool would grow a thread per concurrent caller and keep them.
+_tokenizer = Lane(1)
+
+
 def run_in_thread(fn: Callable[..., T], *args) -> T:
     """``fn(*args)`` on a real OS thread; under gevent only the calling greenlet waits for it.
 
     For CPU work (tokenizing a long history) that would otherwise hold up every
     connection of the worker; without gevent it simply runs here.
     """
-    if gevent_active():
-        return _tokenizer_pool().apply(fn, args)
-    return fn(*args)
-
-
-_pool = None
-
-
-def _tokenizer_pool():
-    """One dedicated thread: the work is short next to a model step and holds the GIL anyway,
-    and the hub's own pool would grow a thread per concurrent caller and keep them."""
-    global _pool
-    if _pool is None:
-        from gevent.threadpool import ThreadPool
-        _pool = ThreadPool(1)
-    return _pool
+    return _tokenizer.run(fn, *args)

@@ -35,6 +35,11 @@ def _choice(*allowed: str):
     return parse
 
 
+def _mb_or_auto(raw: str) -> int:
+    value = raw.strip().lower()
+    return -1 if value == "auto" else int(value)
+
+
 def _bind(raw: str) -> str:
     host, sep, port = raw.strip().rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
@@ -183,11 +188,26 @@ class Settings:
             "`too_large` (start a new conversation), a `/v1` request holding more gets 413, and a prompt "
             "is built from at most this many of the newest stored messages. `0`: unlimited.")
     db_max_mb: int = _setting(
-        "CHAT_DB_MAX_MB", 0, int, low=0, high=10_000_000,
+        "CHAT_DB_MAX_MB", -1, _mb_or_auto, low=-1, high=10_000_000, shown="`auto`",
         doc="Most the SQLite database may grow to, in MiB. Past it (or when the disk is full) new messages are "
-            "refused with `overloaded` and what is stored stays intact. `0`: until the disk is full. "
-            "SQLite only: on PostgreSQL, the server's own disk full (SQLSTATE 53100) is refused the same "
-            "way; cap its size there with the server's disk or quotas.")
+            "refused with `overloaded` and what is stored stays intact. `auto`: what the database holds at "
+            "start-up plus 80 % of the space then free on its disk (set at each start), so it never fills the "
+            "disk by itself. `0`: until the disk is full. SQLite only: on PostgreSQL, the server's own disk "
+            "full (SQLSTATE 53100) is refused the same way; cap its size there with the server's disk or "
+            "quotas.")
+    max_storage_mb_per_ip: int = _setting(
+        "CHAT_MAX_STORAGE_MB_PER_IP", 256, int, low=0, high=10_000_000,
+        doc="Text (messages, attachments, system prompts) that the conversations started from one client "
+            "address (IPv6: per /64) may hold, in MiB, whatever cookies they use. A new conversation or an import "
+            "past it gets `too_large` until some are deleted. Raise it when many users share one address. "
+            "`0`: unlimited. Imports also spend from `CHAT_RATE_LIMIT_PER_MIN` and "
+            "`CHAT_RATE_LIMIT_PER_IP_PER_MIN`: one request per started 64 KiB.")
+    search_timeout_s: float = _setting(
+        "CHAT_SEARCH_TIMEOUT_S", 1.5, float, low=0.1, high=600,
+        doc="Longest a search (`/api/search`) may take, waiting for its turn included. It runs on threads of "
+            "its own, never on the event loop; past this it is stopped and answered 503 `overloaded` (add "
+            "words to narrow it). A worker runs at most 8 searches at once, 2 per address; more get "
+            "`overloaded` at once.")
 
     bind: str = _setting(
         "CHAT_BIND", "127.0.0.1:8000", _bind, section="Server",
@@ -217,10 +237,19 @@ class Settings:
         "CHAT_SEND_TIMEOUT_S", 30.0, float, low=0.0, high=3600,
         doc="A WebSocket whose client reads nothing for this long (one frame cannot be written) is dropped; "
             "its answers then follow the resume grace. `0`: wait forever.")
+    body_timeout_s: float = _setting(
+        "CHAT_BODY_TIMEOUT_S", 15.0, float, low=0.0, high=3600,
+        doc="A request body (an import, a `/v1` request) must keep arriving: after this many seconds of "
+            "silence, or when it averages under 16 KiB/s once this much time has passed, the request gets 408 "
+            "and its connection is closed. `0`: wait forever (nginx in front already reads whole bodies).")
     max_message_bytes: int = _setting(
         "CHAT_MAX_MESSAGE_BYTES", 256 * 1024, int, low=1024, high=64 * 1024 * 1024,
         doc="Largest WebSocket message the server accepts (256 KiB). A larger one closes the connection with "
             "code 1009.")
+    control_socket: str = _setting(
+        "CHAT_CONTROL_SOCKET", "", str,
+        doc="A path for gunicorn's control socket (for `gunicornc -s PATH`), one per instance. Empty: none "
+            "(gunicorn's default path is shared by every instance of a user, and deleted by the first to stop).")
     log_level: str = _setting(
         "CHAT_LOG_LEVEL", "info", _choice("debug", "info", "warning", "error"),
         doc="`debug`, `info`, `warning` or `error`, for the app and for gunicorn.")

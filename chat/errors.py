@@ -53,6 +53,13 @@ class StorageFull(ProtocolError):
         super().__init__("overloaded", "the server's storage is full: nothing was saved; try again later", id)
 
 
+class SearchTimeout(ProtocolError):
+    """A search ran past its time budget (CHAT_SEARCH_TIMEOUT_S), or waited for its turn that long."""
+
+    def __init__(self) -> None:
+        super().__init__("overloaded", "the search took too long; add words to narrow it, or try again")
+
+
 class EngineError(ChatError):
     """An engine refused a request or failed; its ``code`` is one of the protocol's."""
 

@@ -13,6 +13,7 @@ or ``chat.state.redis_limits`` (every worker, in Redis), picked by ``chat.state.
 from __future__ import annotations
 
 import ipaddress
+import time
 from typing import Protocol
 
 from .clients import ANONYMOUS
@@ -40,8 +41,10 @@ class Limits(Protocol):
     def connection_allowed(self, address: str) -> bool:
         """Whether ``address`` may open one more socket."""
 
-    def connect(self, address: str) -> None:
-        """Count one more open socket from ``address``."""
+    def connect(self, address: str) -> bool:
+        """Count one more open socket from ``address``, unless it already has its
+        CHAT_MAX_CONNECTIONS_PER_IP (then False, and nothing counted): check and count are one step,
+        so handshakes arriving together cannot all pass the check."""
 
     def disconnect(self, address: str) -> None:
         """Count one socket from ``address`` fewer."""
@@ -54,6 +57,37 @@ class Limits(Protocol):
 
     def track(self, ticket: Ticket, gen: Generation) -> None:
         """Count ``ticket`` until ``gen`` ends (see ``follow_generation``)."""
+
+    def spend(self, address: str, client: str | None, cost: int = 1) -> None:
+        """Take ``cost`` requests from the client's and the address's request rates (an import
+        costs more than a chat: see ``cost_of``), or raise ``rate_limited`` and take nothing."""
+
+
+class TokenBucket:
+    """``burst`` actions at once, then ``per_s`` a second: for one owner (one connection), so
+    neither shared nor locked."""
+
+    def __init__(self, burst: int, per_s: float) -> None:
+        self.burst, self.per_s = float(burst), per_s
+        self.tokens, self.at = float(burst), time.monotonic()
+
+    def take(self) -> bool:
+        """Spend one token; False (and nothing spent) when none is left."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.per_s)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+RATE_UNIT_BYTES = 64 * 1024  # an import spends one request of the rate per started 64 KiB
+
+
+def cost_of(size: int) -> int:
+    """The requests an import of ``size`` bytes spends from the rates (at least one)."""
+    return max(1, -(-size // RATE_UNIT_BYTES))
 
 
 def address_of(ip: str) -> str:

@@ -11,7 +11,10 @@ def _is_int(v: object) -> bool:
 
 
 def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """An int (of any size: the rules compare it exactly) or a finite float; never a bool."""
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return _is_int(v)
 
 
 def rules(max_new_tokens: int | None = None) -> dict:

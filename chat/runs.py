@@ -13,7 +13,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
-from .concurrency import spawn
+from .concurrency import cooperate, spawn
 from .engine import Generation
 from .engine.events import Delta, Done, Event, Queued, Refused, Started
 from .errors import StorageFull
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHECKPOINT_EVERY_S = 1.0
+REPLAY_SLICE = 256  # replayed deltas between two turns of the event loop
 
 
 class Subscriber(Protocol):
@@ -231,6 +232,8 @@ class Run:
                 if not subscriber.send({"type": "delta", "id": self.id, "index": index,
                                         "text": self.deltas[index]}):
                     return
+                if index % REPLAY_SLICE == REPLAY_SLICE - 1:
+                    cooperate()  # a long replay lets the other connections run now and then
             if self.done_frame is not None:
                 subscriber.send(self.done_frame)
             else:

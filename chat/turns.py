@@ -122,7 +122,7 @@ class TurnService:
                 return
             # What the first turn was asked with becomes the conversation's own settings.
             self.store.create_conversation(client, system=req.system or self.settings.system_prompt, id=conv_id,
-                                           params=req.params, model=model)
+                                           params=req.params, model=model, address=address)
             try:
                 self.store.add_user_message(client, conv_id, req.content, req.attachments)
             except BaseException:  # no empty "New chat" left behind by a refused first message

@@ -24,13 +24,14 @@ class Buckets:
         tokens, last = self.state.get(key, (float(self.per_min), now))
         return min(float(self.per_min), tokens + (now - last) * self.per_min / 60.0)
 
-    def has(self, key: str, now: float) -> bool:
-        return not self.per_min or self._level(key, now) >= 1
+    def has(self, key: str, now: float, cost: int = 1) -> bool:
+        """Whether ``cost`` tokens are there (a cost above the bucket's size needs a full bucket)."""
+        return not self.per_min or self._level(key, now) >= min(cost, self.per_min)
 
-    def take(self, key: str, now: float) -> None:
+    def take(self, key: str, now: float, cost: int = 1) -> None:
         if not self.per_min:
             return
-        self.state[key] = (self._level(key, now) - 1, now)
+        self.state[key] = (self._level(key, now) - min(cost, self.per_min), now)
         if len(self.state) > IDLE_BUCKETS:
             self.state = {k: v for k, v in self.state.items() if now - v[1] < IDLE_S}
 
@@ -94,10 +95,14 @@ class LocalLimits:
         with self.lock:
             return not self.max_connections or self.connections.get(address, 0) < self.max_connections
 
-    def connect(self, address: str) -> None:
-        """Count one more open socket from ``address``."""
+    def connect(self, address: str) -> bool:
+        """Count one more open socket from ``address`` unless it is at the limit (then False)."""
         with self.lock:
-            self.connections[address] = self.connections.get(address, 0) + 1
+            count = self.connections.get(address, 0)
+            if self.max_connections and count >= self.max_connections:
+                return False
+            self.connections[address] = count + 1
+            return True
 
     def disconnect(self, address: str) -> None:
         """Count one socket from ``address`` fewer."""
@@ -135,6 +140,18 @@ class LocalLimits:
             self.by_address[address] = active + 1
             self.waiting[address] = self.waiting.get(address, 0) + 1
             return LocalTicket(self, client, address)
+
+    def spend(self, address: str, client: str | None, cost: int = 1) -> None:
+        """Take ``cost`` from the client's and the address's rates, or refuse (``rate_limited``)."""
+        now = time.monotonic()
+        key = rate_key(client, address)
+        with self.lock:
+            if not ((key is None or self.client_rate.has(key, now, cost))
+                    and self.address_rate.has(address, now, cost)):
+                raise refusal("rate", self, None)
+            if key is not None:
+                self.client_rate.take(key, now, cost)
+            self.address_rate.take(address, now, cost)
 
     def fair_share(self) -> int:
         """Batch slots for each address that has answers running or waiting."""

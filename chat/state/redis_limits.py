@@ -81,6 +81,41 @@ return 0
 """
 
 
+# KEYS: the address's socket set; ARGV: now, lease deadline, member, max (0: none), ttl
+_CONNECT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local max = tonumber(ARGV[4])
+if max > 0 and redis.call('ZCARD', KEYS[1]) >= max then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+
+
+# KEYS: client bucket (or ''), address bucket; ARGV: now, client/min, address/min, cost
+_SPEND = """
+local now, cost = tonumber(ARGV[1]), tonumber(ARGV[4])
+local function level(key, per_min)
+  if key == '' or per_min == 0 then return nil end
+  local b = redis.call('HMGET', key, 't', 'ts')
+  local tokens, ts = tonumber(b[1]) or per_min, tonumber(b[2]) or now
+  return math.min(per_min, tokens + math.max(0, now - ts) * per_min / 60)
+end
+local limits = {tonumber(ARGV[2]), tonumber(ARGV[3])}
+local levels = {level(KEYS[1], limits[1]), level(KEYS[2], limits[2])}
+for i = 1, 2 do
+  if levels[i] and levels[i] < math.min(cost, limits[i]) then return 0 end
+end
+for i = 1, 2 do
+  if levels[i] then
+    redis.call('HSET', KEYS[i], 't', levels[i] - math.min(cost, limits[i]), 'ts', now)
+    redis.call('EXPIRE', KEYS[i], 120)
+  end
+end
+return 1
+"""
+
+
 class RedisTicket:
     """One admitted answer, counted in Redis until released; safe to end from any thread."""
 
@@ -122,6 +157,8 @@ class RedisLimits:
         self.sockets: dict = {}  # address -> this worker's socket members there
         self._admit = self.redis.register_script(_ADMIT)
         self._release = self.redis.register_script(_RELEASE)
+        self._connect = self.redis.register_script(_CONNECT)
+        self._spend = self.redis.register_script(_SPEND)
         conn.renewers.append(self._renew)
 
     def _key(self, *parts: str) -> str:
@@ -142,13 +179,17 @@ class RedisLimits:
         pipe.zcard(key)
         return pipe.execute()[1] < self.max_connections
 
-    @best_effort
-    def connect(self, address: str) -> None:
+    @required
+    def connect(self, address: str) -> bool:
+        """Count one more socket from ``address`` unless it is at the limit: one script, so
+        handshakes on every worker at once cannot all take the last place."""
         member = self._member()
+        now = time.time()
+        if not self._connect(keys=[self._key("conn", address)],
+                             args=[now, now + self.lease_s, member, self.max_connections, int(self.lease_s) + 1]):
+            return False
         self.sockets.setdefault(address, []).append(member)
-        key = self._key("conn", address)
-        self.redis.zadd(key, {member: time.time() + self.lease_s})
-        self.redis.expire(key, int(self.lease_s) + 1)
+        return True
 
     @best_effort
     def disconnect(self, address: str) -> None:
@@ -181,6 +222,14 @@ class RedisLimits:
     def track(self, ticket: Ticket, gen: Generation) -> None:
         """Count ``ticket`` until ``gen`` ends."""
         follow_generation(ticket, gen)
+
+    @required
+    def spend(self, address: str, client: str | None, cost: int = 1) -> None:
+        """Take ``cost`` from the client's and the address's rates (the buckets admit uses), or refuse."""
+        bucket = rate_key(client, address)
+        if not self._spend(keys=[self._key("rate", bucket) if bucket else "", self._key("rate", "@" + address)],
+                           args=[time.time(), self.client_per_min, self.address_per_min, cost]):
+            raise refusal("rate", self, None)
 
     def _client_key(self, client: str | None) -> str:
         return self._key("client", client) if client is not None else ""

@@ -9,7 +9,7 @@ import uuid
 
 from .. import attachments as files
 from ..errors import ProtocolError
-from . import liveness, transfer, tree
+from . import cjk, liveness, transfer, tree
 from .disk_full import guarded as _guarded
 from .options import CONVERSATION_COLUMNS as _CONV, Options, conversation as _conversation
 from .tree import valid as _valid
@@ -18,6 +18,7 @@ from .versions import Versions
 PLACEHOLDER_TITLE = "New chat"
 TITLE_CHARS = 60
 FINISHED = ("stop", "length")
+SEARCH_BUDGET_S = 2.0  # a search's time when the caller sets none
 
 
 def new_id() -> str:
@@ -35,6 +36,11 @@ def _title_from(content: str) -> str:
     return (cut[:space] if space >= TITLE_CHARS // 2 else cut).rstrip() + "…"
 
 
+def _size(message: dict) -> int:
+    """The characters a message adds to its conversation's size: its text and its attachments."""
+    return len(message.get("content") or "") + files.chars(message.get("attachments") or [])
+
+
 def backend_for(target: str, max_mb: int = 0):
     """The backend CHAT_DB names: a postgresql:// (or postgres://) URL, else an SQLite file."""
     from .postgres import PostgreSQL, is_url
@@ -48,11 +54,13 @@ class Store(Versions, Options):
     """Conversations of many clients; safe to share between greenlets and OS threads."""
 
     def __init__(self, path: str | os.PathLike, max_conversations: int = 0, max_messages: int = 0,
-                 max_mb: int = 0, alive=None):
+                 max_mb: int = 0, alive=None, max_mb_per_address: int = 0):
         """``path``: an SQLite file (``:memory:`` too) or a postgresql:// URL; ``max_mb`` is
-        SQLite's only. ``alive(owner)`` says whether the writer of a streaming answer may still
-        be at work (default: liveness.local_alive; see recover)."""
+        SQLite's only; ``max_mb_per_address``: what conversations started from one address may
+        hold (new ones past it are refused), 0 for no limit. ``alive(owner)`` says whether the
+        writer of a streaming answer may still be at work (default: liveness.local_alive; see recover)."""
         self.max_conversations, self.max_messages = max_conversations, max_messages
+        self.max_chars_per_address = max_mb_per_address * 2**20
         self._backend = backend_for(str(path), max_mb)
         self._alive = alive or functools.partial(liveness.local_alive,
                                                  other_hosts=self._backend.kind == "postgresql")
@@ -114,34 +122,49 @@ class Store(Versions, Options):
                     db.executemany("UPDATE messages SET status = 'interrupted', reason = 'error'"
                                    " WHERE id = ? AND status = 'streaming' AND coalesce(owner, '') = ?",
                                    [(i, owner or "") for i, owner in stale])
+                    for message_id, _ in stale:
+                        db.reindex(message_id)
         return len(stale)
 
     @_guarded
     def create_conversation(self, client_id: str, system: str | None = None, title: str | None = None,
-                            id: str | None = None, params: dict | None = None, model: str | None = None) -> dict:
+                            id: str | None = None, params: dict | None = None, model: str | None = None,
+                            address: str | None = None) -> dict:
         """Start an empty conversation for ``client_id`` (under ``id`` when the caller chose it), with
-        the sampling ``params`` and ``model`` its turns use."""
+        the sampling ``params`` and ``model`` its turns use; ``address`` (the client's) is charged
+        for what it will hold."""
         now = time.time()
         conv = {"id": id or new_id(), "title": title or PLACEHOLDER_TITLE, "system": system or None,
                 "created_at": now, "updated_at": now, "pinned": False, "params": params or {},
                 "model": model or None}
         with self._conn() as db, db.transaction():
-            self._check_room(db, client_id)
+            self._check_room(db, client_id, address, len(system or ""))
             db.execute(
                 "INSERT INTO conversations (id, client_id, title, title_set, renamed, system, params, model,"
-                " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " created_at, updated_at, address, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (conv["id"], client_id, conv["title"], int(bool(title)), int(bool(title)), conv["system"],
-                 json.dumps(params) if params else None, conv["model"], now, now))
+                 json.dumps(params) if params else None, conv["model"], now, now, address, len(system or "")))
         return conv
 
-    def _check_room(self, db, client_id: str) -> None:
-        """too_large when ``client_id`` already has as many conversations as the server keeps; the
-        caller's transaction keeps it true until its insert (on PostgreSQL: a lock per client)."""
+    def _check_room(self, db, client_id: str, address: str | None = None, adding: int = 0) -> None:
+        """too_large when ``client_id`` already has as many conversations as the server keeps, or
+        the conversations started from ``address`` (whatever their client) hold its share of the
+        storage, ``adding`` characters included; the caller's transaction keeps it true until its
+        insert (on PostgreSQL: a lock per client and per address)."""
         db.lock(client_id)
         count = db.execute("SELECT count(*) FROM conversations WHERE client_id = ?", (client_id,)).fetchone()[0]
         if self.max_conversations and count >= self.max_conversations:
             raise ProtocolError("too_large", f"you have {count} conversations, the most this server keeps "
                                              "for one client; delete some to start a new one")
+        if address is None or not self.max_chars_per_address:
+            return
+        db.lock("@" + address)
+        held = db.execute("SELECT coalesce(sum(size), 0) FROM conversations WHERE address = ?",
+                          (address,)).fetchone()[0]
+        if held + adding > self.max_chars_per_address:
+            raise ProtocolError("too_large", f"conversations from your address hold {held / 2**20:.1f} MiB of "
+                                             "text, the most this server keeps for one address; delete some "
+                                             "to start a new one")
 
     def owns(self, client_id: str | None, conv_id) -> bool:
         """Whether the conversation exists and belongs to ``client_id``."""
@@ -196,7 +219,10 @@ class Store(Versions, Options):
              json.dumps(fields["usage"]) if fields.get("usage") is not None else None,
              json.dumps(fields["timings"]) if fields.get("timings") is not None else None,
              fields.get("owner"), fields.get("created_at") or time.time()))
-        db.execute("UPDATE conversations SET active_id = ? WHERE id = ?", (message_id, conv_id))
+        if fields["status"] != "streaming" and cjk.has_cjk(fields.get("content", "")):
+            db.reindex(message_id)
+        db.execute("UPDATE conversations SET active_id = ?, size = size + ? WHERE id = ?",
+                   (message_id, _size(fields), conv_id))
         return message_id
 
     @_guarded
@@ -260,9 +286,10 @@ class Store(Versions, Options):
                 (content, "complete" if reason in FINISHED else "partial", reason,
                  json.dumps(usage) if usage is not None else None,
                  json.dumps(timings) if timings is not None else None, message_id))
+            db.reindex(message_id)
             db.execute(
-                "UPDATE conversations SET updated_at = ?"
-                " WHERE id = (SELECT conversation_id FROM messages WHERE id = ?)", (now, message_id))
+                "UPDATE conversations SET updated_at = ?, size = size + ?"
+                " WHERE id = (SELECT conversation_id FROM messages WHERE id = ?)", (now, len(content), message_id))
 
     @_guarded
     def forget_client(self, client_id: str) -> int:
@@ -291,28 +318,32 @@ class Store(Versions, Options):
             out.append({"role": row["role"], "content": files.with_attachments(row["content"], attached)})
         return out
 
-    def search(self, client_id: str | None, text: str) -> list[dict]:
-        """This client's messages that match ``text``, best first (see search.py)."""
-        with self._conn() as db:
-            return self._backend.search(db, client_id, text)
+    def search(self, client_id: str | None, text: str, deadline: float | None = None) -> list[dict]:
+        """This client's messages that match ``text``, best first (see search.py); SearchTimeout
+        when it runs past ``deadline`` (time.monotonic(); default SEARCH_BUDGET_S from now)."""
+        if deadline is None:
+            deadline = time.monotonic() + SEARCH_BUDGET_S
+        return self._backend.search(client_id or "", text, deadline)
 
     @_guarded
-    def import_conversation(self, client_id: str, body, max_content_chars: int) -> str:
+    def import_conversation(self, client_id: str, body, max_content_chars: int, address: str | None = None) -> str:
         """Create a conversation of ``client_id`` from an export (every version of its tree) or a
-        ``messages`` list; its id. The copy's title says it was imported."""
+        ``messages`` list; its id. The copy's title says it was imported; ``address`` is charged
+        for it."""
         data = transfer.parse_import(body, max_content_chars, self.max_messages)
+        size = len(data["system"] or "") + sum(_size(m) for m in data["messages"])
         first = next((m["content"] for m in data["messages"] if m["role"] == "user"), "")
         title = data["title"] or (_title_from(first) if first else PLACEHOLDER_TITLE)
         conv_id, now = new_id(), time.time()
         created = data["created_at"] or now
         with self._conn() as db, db.transaction():
-            self._check_room(db, client_id)
+            self._check_room(db, client_id, address, size)
             db.execute(
                 "INSERT INTO conversations (id, client_id, title, title_set, renamed, system, params, model,"
-                " created_at, updated_at) VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?)",
+                " created_at, updated_at, address, size) VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (conv_id, client_id, transfer.imported_title(title), int(data["title"] is not None),
                  data["system"], json.dumps(data["params"]) if data["params"] else None, data["model"],
-                 created, now))
+                 created, now, address, len(data["system"] or "")))
             ids: list = []
             for msg in data["messages"]:
                 parent = ids[msg["parent"]] if msg["parent"] is not None else None

@@ -1,6 +1,13 @@
 """The PostgreSQL schema as its own append-only list of migrations, applied under an advisory lock."""
 from __future__ import annotations
 
+from .cjk import RUN
+from .search import INDEXED_CHARS
+
+# cjk.RUN's character class in PostgreSQL's regular expressions (\uXXXX and \UXXXXXXXX escapes).
+CJK_CLASS = "".join(c if c in "[]-" else (f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}")
+                    for c in RUN.pattern.rstrip("+"))
+
 # Any constant will do: every process migrating the same database takes this one lock.
 MIGRATION_LOCK = 0x63686174  # "chat"
 
@@ -51,6 +58,31 @@ MIGRATIONS = [
             SELECT 1 FROM messages m WHERE m.conversation_id = conversations.id AND m.parent_id IS NULL
             AND m.role = 'user' AND (m.content = conversations.title OR (conversations.title LIKE '%…'
             AND strpos(m.content, left(conversations.title, -1)) = 1)))""",
+    ),
+    (
+        # Search, bounded and in every language (schema.py's fourth migration): the word index holds
+        # the first INDEXED_CHARS of each message (to_tsvector also refuses text of more than 1 MB),
+        # and Chinese, Japanese and Korean runs get an index of their bigrams (cjk.py), here
+        # computed by a function of the database. The expressions are search.py's TSV_*.
+        "DROP INDEX messages_search",
+        f"""CREATE INDEX messages_search ON messages
+            USING GIN (to_tsvector('simple', substr(content, 1, {INDEXED_CHARS}))) WHERE status <> 'streaming'""",
+        f"""CREATE FUNCTION chat_cjk_grams(t text) RETURNS tsvector LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+            AS $$
+            SELECT coalesce(array_to_tsvector(array_agg(DISTINCT substr(runs.run, i, 2))), ''::tsvector)
+            FROM (SELECT (regexp_matches(t, '{CJK_CLASS}+', 'g'))[1] AS run) runs,
+                 generate_series(1, char_length(runs.run)) AS i
+            $$""",
+        f"""CREATE INDEX messages_search_cjk ON messages
+            USING GIN (chat_cjk_grams(substr(content, 1, {INDEXED_CHARS}))) WHERE status <> 'streaming'""",
+    ),
+    (
+        # Storage per address (schema.py's fifth migration).
+        "ALTER TABLE conversations ADD COLUMN address TEXT",
+        "ALTER TABLE conversations ADD COLUMN size BIGINT NOT NULL DEFAULT 0",
+        """UPDATE conversations SET size = length(coalesce(system, '')) + (SELECT coalesce(sum(length(content)
+            + length(coalesce(attachments, ''))), 0) FROM messages WHERE conversation_id = conversations.id)""",
+        "CREATE INDEX conversations_by_address ON conversations (address) WHERE address IS NOT NULL",
     ),
 ]
 

@@ -14,11 +14,13 @@ import time
 from contextlib import contextmanager
 
 from ..concurrency import gevent_active, real_lock
+from ..errors import SearchTimeout
 from . import pg_schema, search as fts
 
 POOL_SIZE = 8  # connections one Store opens at most; more callers wait their turn
 WAIT_S = 0.005
 DISK_FULL = "53100"
+QUERY_CANCELED = "57014"  # statement_timeout
 
 
 def _green(psycopg) -> None:
@@ -78,6 +80,9 @@ class Connection:
 
     def transaction(self):
         return self.raw.transaction()
+
+    def reindex(self, message_id: str) -> None:
+        """Nothing: the search indexes are expression indexes, kept by PostgreSQL itself."""
 
     def lock(self, key: str) -> None:
         """Hold a lock named ``key`` until the transaction ends: a check-then-insert (a quota)
@@ -155,9 +160,24 @@ class PostgreSQL:
         """SQLSTATE 53100 disk_full: the server could not extend a file."""
         return getattr(exc, "sqlstate", None) == DISK_FULL
 
-    @staticmethod
-    def search(db, client_id: str, text: str) -> list[dict]:
-        return fts.search(db, fts.TSVECTOR, fts.ts_query(text), client_id)
+    def search(self, client_id: str, text: str, deadline: float) -> list[dict]:
+        """This client's best matches for ``text`` (see search.py); PostgreSQL cancels the query at
+        ``deadline`` (time.monotonic(): its statement_timeout) and this raises SearchTimeout."""
+        query = fts.parse(text)
+        if query is None or not client_id:
+            return []
+        with self.connection() as db:
+            try:
+                with db.transaction():
+                    left_ms = int((deadline - time.monotonic()) * 1000)
+                    if left_ms <= 0:
+                        raise SearchTimeout()
+                    db.execute("SELECT set_config('statement_timeout', ?, true)", (str(left_ms),))
+                    return fts.search(db, fts.pg_ranked(query), query, client_id)
+            except self._psycopg.Error as exc:
+                if getattr(exc, "sqlstate", None) == QUERY_CANCELED:
+                    raise SearchTimeout() from None
+                raise
 
     def close(self) -> None:
         with self._lock:

@@ -1,6 +1,27 @@
 """The schema as an append-only list of migrations, and the code that applies them."""
 from __future__ import annotations
 
+from . import cjk
+from .search import INDEXED_CHARS
+
+
+def index_cjk(db, seq: int, status: str, text: str) -> None:
+    """Put message ``seq`` into the CJK bigram index as it is now (finished text only)."""
+    db.execute("DELETE FROM messages_cjk WHERE rowid = ?", (seq,))
+    grams = cjk.grams(text[:INDEXED_CHARS]) if status != "streaming" else ""
+    if grams:
+        db.execute("INSERT INTO messages_cjk (rowid, grams) VALUES (?, ?)", (seq, grams))
+
+
+def _index_cjk_of_every_message(db) -> None:
+    """The CJK index of what is already stored (a message without CJK text costs one regex scan)."""
+    rows = db.execute(f"SELECT seq, status, substr(content, 1, {INDEXED_CHARS}) AS text FROM messages"
+                      " WHERE status != 'streaming'")
+    for seq, status, text in rows.fetchall():
+        if text and cjk.has_cjk(text):
+            index_cjk(db, seq, status, text)
+
+
 # Each entry moves the schema from version N to N + 1; append, never edit.
 MIGRATIONS = [
     (
@@ -67,13 +88,47 @@ MIGRATIONS = [
             AND m.role = 'user' AND (m.content = conversations.title OR (conversations.title LIKE '%…'
             AND instr(m.content, substr(conversations.title, 1, length(conversations.title) - 1)) = 1)))""",
     ),
+    (
+        # Search, bounded and in every language: the word index holds the first INDEXED_CHARS of each
+        # message (one huge message then costs no more to index or search than a long one; what is
+        # already indexed stays), and Chinese, Japanese and Korean runs get an index of their bigrams
+        # (cjk.py), which the store keeps (index_cjk) because the bigrams are cut in Python.
+        "DROP TRIGGER messages_fts_insert",
+        "DROP TRIGGER messages_fts_update",
+        f"""CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages WHEN new.status != 'streaming' BEGIN
+            INSERT INTO messages_fts (rowid, content) VALUES (new.seq, substr(new.content, 1, {INDEXED_CHARS}));
+            END""",
+        f"""CREATE TRIGGER messages_fts_update AFTER UPDATE OF content, status ON messages
+            WHEN new.status != 'streaming' BEGIN
+            DELETE FROM messages_fts WHERE rowid = old.seq;
+            INSERT INTO messages_fts (rowid, content) VALUES (new.seq, substr(new.content, 1, {INDEXED_CHARS}));
+            END""",
+        "CREATE VIRTUAL TABLE messages_cjk USING fts5(grams, tokenize = 'unicode61')",
+        """CREATE TRIGGER messages_cjk_delete AFTER DELETE ON messages BEGIN
+            DELETE FROM messages_cjk WHERE rowid = old.seq; END""",
+        _index_cjk_of_every_message,
+    ),
+    (
+        # Storage per address: the address a conversation was started from (its client's, as the
+        # limits count it) and the characters it holds, so fresh cookies share one quota.
+        "ALTER TABLE conversations ADD COLUMN address TEXT",
+        "ALTER TABLE conversations ADD COLUMN size INTEGER NOT NULL DEFAULT 0",
+        """UPDATE conversations SET size = length(coalesce(system, '')) + (SELECT coalesce(sum(length(content)
+            + length(coalesce(attachments, ''))), 0) FROM messages WHERE conversation_id = conversations.id)""",
+        "CREATE INDEX conversations_by_address ON conversations (address) WHERE address IS NOT NULL",
+    ),
 ]
 
 
 def migrate(db) -> None:
-    """Apply the migrations the file has not seen; the caller holds a write transaction."""
+    """Apply the migrations the file has not seen; the caller holds a write transaction. A step is
+    SQL, or a function of the connection for what SQL cannot do."""
     version = db.execute("PRAGMA user_version").fetchone()[0]
     for number, statements in enumerate(MIGRATIONS[version:], start=version + 1):
         for statement in statements:
-            db.execute(statement)
+            if callable(statement):
+                statement(db)
+            else:
+                db.execute(statement)
         db.execute(f"PRAGMA user_version = {number}")
+

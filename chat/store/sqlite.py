@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..errors import SearchTimeout
 from ..concurrency import real_lock
 from . import search as fts
-from .schema import MIGRATIONS, migrate
+from .schema import MIGRATIONS, index_cjk, migrate
 
 BUSY_TIMEOUT_MS = 5000
+PROGRESS_STEPS = 2000  # virtual machine steps between two looks at a search's deadline
 
 
 class SQLite:
@@ -21,6 +24,7 @@ class SQLite:
     lock_rows = ""  # BEGIN IMMEDIATE already serializes writers
 
     def __init__(self, path: str, max_mb: int = 0):
+        self.path = path
         if path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         # A real lock, even after monkey-patching: no statement yields to the hub while it is
@@ -76,9 +80,45 @@ class SQLite:
         return (isinstance(exc, sqlite3.OperationalError)
                 and getattr(exc, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_FULL)
 
+    def reindex(self, message_id: str) -> None:
+        """Bring the message's entry in the CJK index up to date (the word index has triggers)."""
+        row = self.raw.execute(f"SELECT seq, status, substr(content, 1, {fts.INDEXED_CHARS}) AS text"
+                               " FROM messages WHERE id = ?", (message_id,)).fetchone()
+        if row is not None:
+            index_cjk(self.raw, row["seq"], row["status"], row["text"])
+
+    def search(self, client_id: str, text: str, deadline: float) -> list[dict]:
+        """This client's best matches for ``text`` (see search.py), on a read-only connection of its
+        own (WAL lets it read beside the writer, and the shared connection's lock stays free),
+        interrupted at ``deadline`` (time.monotonic()) with SearchTimeout."""
+        query = fts.parse(text)
+        if query is None or not client_id:
+            return []
+        if self.path == ":memory:":  # nothing else can open it: the shared connection, under its lock
+            with self.connection():
+                return self._search(self.raw, query, client_id, deadline)
+        reader = sqlite3.connect(Path(self.path).resolve().as_uri() + "?mode=ro", uri=True,
+                                 check_same_thread=False)
+        try:
+            reader.row_factory = sqlite3.Row
+            reader.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            return self._search(reader, query, client_id, deadline)
+        finally:
+            reader.close()
+
     @staticmethod
-    def search(db, client_id: str, text: str) -> list[dict]:
-        return fts.search(db, fts.FTS5, fts.match_query(text), client_id)
+    def _search(conn: sqlite3.Connection, query: fts.Query, client_id: str, deadline: float) -> list[dict]:
+        if time.monotonic() > deadline:  # it waited for a thread that long
+            raise SearchTimeout()
+        conn.set_progress_handler(lambda: time.monotonic() > deadline, PROGRESS_STEPS)
+        try:
+            return fts.search(conn, fts.sqlite_ranked(query), query, client_id)
+        except sqlite3.OperationalError as exc:
+            if time.monotonic() > deadline:  # the progress handler interrupted it
+                raise SearchTimeout() from None
+            raise exc
+        finally:
+            conn.set_progress_handler(None, 0)
 
     def close(self) -> None:
         with self._lock:

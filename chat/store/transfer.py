@@ -18,6 +18,9 @@ MAX_ID_CHARS = 200
 IMPORTED = " (imported)"
 STATUSES = ("complete", "partial", "interrupted")
 REASONS = ("stop", "length", "cancelled", "timeout", "shutdown", "error")
+MAX_TIME = 253402300799  # 9999-12-31 23:59:59 UTC
+MAX_FIGURES = 16
+MAX_FIGURE = 10**15
 
 
 def _iso(ts: float) -> str:
@@ -66,6 +69,23 @@ def _optional(msg: dict, name: str, ok, where: str):
     return value
 
 
+def _number(v) -> bool:
+    """An int or a finite float, never a bool (an int of any size: callers compare it exactly)."""
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and math.isfinite(v))
+
+
+def _time(v) -> bool:
+    """A UNIX time from 1970 to the end of year 9999 (what a date can show)."""
+    return _number(v) and 0 <= v <= MAX_TIME
+
+
+def _figures(v) -> bool:
+    """usage or timings: a few named numbers (or nulls) of a sane size."""
+    return (isinstance(v, dict) and len(v) <= MAX_FIGURES and all(
+        isinstance(k, str) and len(k) <= 64 and (x is None or (_number(x) and abs(x) <= MAX_FIGURE))
+        for k, x in v.items()))
+
+
 def _message(msg, i: int, max_content_chars: int, where: str | None = None) -> dict:
     """One imported message, checked and reduced to the stored fields."""
     where = where or f"messages[{i}]"
@@ -81,15 +101,14 @@ def _message(msg, i: int, max_content_chars: int, where: str | None = None) -> d
         if len(content) + files.chars(attached) > max_content_chars:
             raise ProtocolError("too_large", f"{where} is longer than {max_content_chars} characters")
         status = "complete"
-    created = _optional(msg, "created_at", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-                        and math.isfinite(v) and v >= 0, where)
+    created = _optional(msg, "created_at", _time, where)
     return {
         "role": msg["role"], "content": content, "attachments": files.clean(attached),
         # A message exported mid-answer is nobody's to finish here.
         "status": "interrupted" if status == "streaming" else status,
         "reason": _optional(msg, "reason", lambda v: v in REASONS, where),
-        "usage": _optional(msg, "usage", lambda v: isinstance(v, dict), where),
-        "timings": _optional(msg, "timings", lambda v: isinstance(v, dict), where),
+        "usage": _optional(msg, "usage", _figures, where),
+        "timings": _optional(msg, "timings", _figures, where),
         "created_at": created,
     }
 
@@ -132,8 +151,7 @@ def parse_import(body, max_content_chars: int, max_messages: int = 0) -> dict:
         _bad("the body must be a JSON object with a 'messages' list")
     title = _optional(body, "title", lambda v: isinstance(v, str) and len(v.strip()) <= MAX_TITLE_CHARS, "body")
     system = _optional(body, "system", lambda v: isinstance(v, str), "body")
-    created = _optional(body, "created_at", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-                        and math.isfinite(v) and v >= 0, "body")
+    created = _optional(body, "created_at", _time, "body")
     model = _optional(body, "model", lambda v: isinstance(v, str) and 0 < len(v) <= 200, "body")
     params = body.get("params") or {}
     problem = sampling.problem(params, where="body.params")

@@ -9,7 +9,7 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
 
     ``engine_only``: only ``/v1`` and health, for web workers that use this process as their backend.
     """
-    from . import conversations_api, error_responses, health, openai_api, pages, ws
+    from . import conversations_api, error_responses, health, openai_api, pages, request_body, ws
     app.register_blueprint(health.bp)
     app.register_blueprint(openai_api.bp)
     if engine_only:  # the page's app-wide hooks (hardening headers, proxy warning), without the page
@@ -20,3 +20,5 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
         app.register_blueprint(conversations_api.bp)
         ws.init_app(app)
     error_responses.init_app(app)
+    app.wsgi_app = request_body.BoundedBody(  # type: ignore[method-assign]
+        app.wsgi_app, app.extensions["chat"].settings.body_timeout_s)

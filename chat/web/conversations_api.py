@@ -2,13 +2,12 @@
 versions, export, import, search."""
 from __future__ import annotations
 
-import json
-
 from flask import Blueprint, Response, jsonify, request
 
 from ..app_state import app_state
 from ..errors import ProtocolError
-from . import conversation_patch
+from ..limits import cost_of
+from . import conversation_patch, guard, json_input
 from .identity import current_client
 
 bp = Blueprint("conversations", __name__, url_prefix="/api")
@@ -28,6 +27,12 @@ def _found(value):
     if value is None or value is False:
         raise ProtocolError("not_found", "conversation not found")
     return value
+
+
+@bp.before_request
+def _same_origin_json():
+    """Writes come from the page (or a program), never from another site's form."""
+    guard.check_write(app_state().settings)
 
 
 @bp.after_request
@@ -97,11 +102,15 @@ def import_():
     if len(raw) > MAX_IMPORT_BYTES:  # a chunked body declares no length
         raise ProtocolError("too_large", f"an import may be at most {MAX_IMPORT_BYTES // 2**20} MiB")
     try:
-        body = json.loads(raw)
+        body = json_input.loads(raw)
+    except json_input.NotText as exc:
+        raise ProtocolError("bad_message", str(exc)) from None
     except (ValueError, RecursionError):
         raise ProtocolError("bad_message", "the body is not valid JSON") from None
-    settings = app_state().settings
-    conv_id = _store().import_conversation(client, body, settings.max_content_chars)
+    state = app_state()
+    address = guard.address(state.settings)
+    state.limits.spend(address, client, cost_of(len(raw)))  # a big import costs as much as many chats
+    conv_id = _store().import_conversation(client, body, state.settings.max_content_chars, address)
     return jsonify(id=conv_id), 201
 
 
@@ -111,4 +120,5 @@ def search():
     q = request.args.get("q", "")
     if len(q) > MAX_QUERY_CHARS:
         raise ProtocolError("bad_message", f"q may be at most {MAX_QUERY_CHARS} characters")
-    return jsonify(results=_store().search(current_client(), q))
+    state = app_state()
+    return jsonify(results=state.searches.run(_store(), current_client(), guard.address(state.settings), q))

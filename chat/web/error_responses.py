@@ -15,7 +15,7 @@ from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException, InternalServerError
 
 from ..errors import ChatError
-from . import openai_api
+from . import json_input, openai_api
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +29,12 @@ class SafeJSONProvider(DefaultJSONProvider):
 
     def loads(self, s: str | bytes, **kwargs) -> Any:
         try:
-            return super().loads(s, **kwargs)
+            value = super().loads(s, **kwargs)
         except RecursionError:
             raise ValueError("JSON nested too deeply") from None
+        if json_input.has_lone_surrogate(value):  # NotText is a ValueError: a 400 like bad JSON
+            raise json_input.NotText()
+        return value
 
 
 def request_id() -> str:

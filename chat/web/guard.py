@@ -23,7 +23,7 @@ def bearer_ok(key: str, socket: bool = True) -> bool:
     return identity.has_key(request, key, socket)
 
 
-def check_origin(settings: Settings) -> None:
+def check_origin(settings: Settings, what: str = "WebSocket") -> None:
     """Refuse a cross-origin request (403) unless its origin is allowed; no Origin is fine."""
     origin = request.headers.get("Origin")
     if origin is None:
@@ -31,7 +31,22 @@ def check_origin(settings: Settings) -> None:
     scheme = "https" if identity.is_https(request, settings.trusted_proxies) else "http"
     host = identity.public_host(request, settings.trusted_proxies)
     if not origin_allowed(origin, host, scheme, settings.allowed_origins):
-        raise RequestError("forbidden", "cross-origin WebSocket refused", 403)
+        raise RequestError("forbidden", f"cross-origin {what} refused", 403)
+
+
+WRITES = ("POST", "PUT", "PATCH", "DELETE")
+
+
+def check_write(settings: Settings, code: str = "bad_message") -> None:
+    """A request that changes something: from the page's own origin (or an allowed one) when it
+    says where it comes from, and its body JSON, declared as such. A page elsewhere can post only
+    "simple" bodies (text/plain, forms) without the browser asking this server first: 403 or 400
+    (``code``) for it, never a planted conversation."""
+    if request.method not in WRITES:
+        return
+    check_origin(settings, "request")
+    if (request.method != "DELETE" or request.content_length) and request.mimetype != "application/json":
+        raise RequestError(code, "the body must be JSON, sent as Content-Type: application/json", 400)
 
 
 def key_ok(settings: Settings, socket: bool) -> bool:

@@ -17,7 +17,7 @@ from ..config import Settings
 from ..engine import Generation
 from ..engine.events import Delta, Done, Refused
 from ..errors import PROTOCOL_STATUS, ChatError, EngineError, RequestError
-from . import guard
+from . import guard, json_input
 
 if TYPE_CHECKING:
     from ..turns import TurnService
@@ -38,8 +38,10 @@ _MARK = "@@chat-content@@"  # stands for a delta's text in the prebuilt chunk
 @bp.before_request
 def _authorize():
     """With CHAT_API_KEY set, every /v1 call needs ``Authorization: Bearer <key>``."""
-    if not guard.key_ok(app_state().settings, socket=False):
+    settings = app_state().settings
+    if not guard.key_ok(settings, socket=False):
         raise RequestError("invalid_api_key", "missing or invalid API key (use Authorization: Bearer <key>)", 401)
+    guard.check_write(settings, "invalid_json")
 
 
 def _engine_ready():
@@ -57,7 +59,9 @@ def _bad(name: str, message: str) -> RequestError:
 
 def _number(low: float, high: float, low_open: bool = False):
     def parse(value: Any, name: str, settings: Settings) -> Any:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        # a huge int is compared exactly below (math.isfinite would overflow converting it)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                isinstance(value, float) and not math.isfinite(value)):
             raise _bad(name, "must be a number")
         if value < low or value > high or (low_open and value == low):
             raise _bad(name, f"must be in {'(' if low_open else '['}{low}, {high}]")
@@ -213,7 +217,9 @@ def _read_json():
     request.max_content_length = MAX_BODY_BYTES
     raw = request.get_data(cache=False)
     try:
-        return json.loads(raw)
+        return json_input.loads(raw)
+    except json_input.NotText as exc:
+        raise RequestError("invalid_json", str(exc)) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError("invalid_json", f"the request body is not valid JSON: {exc}") from None
     except RecursionError:

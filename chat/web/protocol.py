@@ -1,7 +1,6 @@
 """Parse and validate client WebSocket messages into requests, or raise protocol errors."""
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -9,6 +8,7 @@ from typing import Any, Callable
 from .. import attachments as files
 from .. import params as sampling
 from ..errors import PROTOCOL_STATUS, ChatError, ProtocolError
+from . import json_input
 
 PROTOCOL = "chat.v1"
 ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # always fullmatch: "$" would let a trailing newline in
@@ -102,7 +102,9 @@ def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int) -> Requ
     if isinstance(raw, (bytes, bytearray)):
         raise ProtocolError("bad_message", "binary frames are not accepted; send JSON text")
     try:
-        msg = json.loads(raw)
+        msg = json_input.loads(raw)
+    except json_input.NotText as exc:
+        raise ProtocolError("bad_message", str(exc)) from None
     except (ValueError, RecursionError):
         raise ProtocolError("bad_json", "the message is not valid JSON") from None
     if not isinstance(msg, dict):

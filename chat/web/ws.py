@@ -6,21 +6,23 @@ import logging
 import threading
 from json.encoder import encode_basestring
 
-from flask import Blueprint
-from flask_sock import Sock
+from flask import Blueprint, g
 from simple_websocket import ConnectionClosed
 from wsproto.connection import ConnectionState
 
 from ..app_state import app_state
+from ..concurrency import cooperate
 from ..errors import ChatError, ProtocolError, RequestError
+from ..limits import TokenBucket
 from ..runs import RunHandle
 from . import backpressure, guard, identity
 from .protocol import PROTOCOL, error_frame, parse
+from .ws_server import BoundedSock
 
 log = logging.getLogger(__name__)
 
 bp = Blueprint("ws", __name__)
-sock = Sock()
+sock = BoundedSock()
 
 
 def init_app(app) -> None:
@@ -30,26 +32,36 @@ def init_app(app) -> None:
 
 @bp.before_request
 def handshake():
-    """Refuse the upgrade before it happens: origin, API key, per-IP connection limit."""
+    """Refuse the upgrade before it happens: origin, API key, per-IP connection limit. The socket
+    is counted here, in the same step as the check; the connection gives its place back."""
     state = app_state()
     settings = state.settings
     try:
         guard.check_origin(settings)
         if not guard.key_ok(settings, socket=True):
             raise RequestError("unauthorized", "an API key is required", 401)
-        if not state.limits.connection_allowed(guard.address(settings)):
+        address = guard.address(settings)
+        if not state.limits.connect(address):
             raise ProtocolError("rate_limited", "too many connections from this address")
+        g.socket_address = address
     except ChatError as exc:  # counted here, answered as JSON by the app's error handler
         state.metrics.errors.labels(exc.code).inc()
         raise
+
+
+@bp.teardown_request
+def _uncount(exc=None):
+    """A handshake counted but never served (the upgrade failed) gives its place back."""
+    address = g.pop("socket_address", None)
+    if address is not None:
+        app_state().limits.disconnect(address)
 
 
 @sock.route("/ws", bp=bp)
 def websocket(ws):
     """Serve one connection until it closes."""
     state = app_state()
-    address = guard.address(state.settings)
-    state.limits.connect(address)
+    address = g.pop("socket_address")  # this connection now gives the place back itself
     state.metrics.connections.inc()
     session = Session(ws, state, guard.socket_client(), address)
     state.sessions.add(session)
@@ -64,6 +76,8 @@ def websocket(ws):
 
 
 _DELTA_KEYS = {"type", "id", "index", "text"}
+RESUME_BURST = 16  # resumes a connection may send at once (a reconnect resumes each open answer)
+RESUMES_PER_S = 0.5  # and after that
 
 
 def encode(frame: dict) -> str:
@@ -128,9 +142,12 @@ class Session:
         self.ws, self.state, self.client, self.address = ws, state, client, address
         self.settings, self.turns = state.settings, state.turns
         self.runs: dict[str, RunHandle] = {}  # request id -> run attached to this connection
-        self.send_lock = threading.Lock()
+        # The socket's own write lock when it has one: a pong written by its reader never lands
+        # inside one of our frames.
+        self.send_lock = getattr(ws, "write_lock", None) or threading.Lock()
         self.send_bound = backpressure.Bound(self.settings.send_timeout_s)  # used under send_lock only
         self.plain = plain_connection(ws)
+        self.resumes = TokenBucket(RESUME_BURST, RESUMES_PER_S)
         self.open = True
 
     def send(self, frame: dict) -> bool:
@@ -173,6 +190,7 @@ class Session:
                 raw = self.ws.receive()
                 if raw is not None and not self.handle(raw):
                     return
+                cooperate()  # a client sending fast does not keep the others waiting
         except ConnectionClosed:
             pass
         finally:
@@ -216,6 +234,10 @@ class Session:
         self.turns.cancel(self.client, req.id)
 
     def on_resume(self, req) -> None:
+        # A resume replays the answer so far (a finished one: all of it) for one small frame:
+        # a connection gets a few at once, then one every few seconds.
+        if not self.resumes.take():
+            raise ProtocolError("rate_limited", "too many resumes on this connection; wait a moment", req.id)
         self.turns.resume(self.client, req.id, req.from_index, self)
 
     def on_stop(self, req) -> bool:

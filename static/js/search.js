@@ -37,12 +37,27 @@ async function run(q) {
   if (token === latest) show(results);
 }
 
+/** Where each character (code point, as the server counts) of ``text`` starts in its UTF-16 string. */
+function utf16Offsets(text) {
+  const offsets = [0];
+  let at = 0;
+  for (const ch of text) {
+    at += ch.length;
+    offsets.push(at);
+  }
+  return offsets;
+}
+
 /** ``snippet`` with the [start, end) character ranges in ``spans`` wrapped in <mark>. */
 export function highlighted(snippet, spans) {
   const fragment = document.createDocumentFragment();
+  const offsets = utf16Offsets(snippet);
   let at = 0;
-  for (const [start, end] of spans) {
-    if (start < at || end <= start || end > snippet.length) continue;
+  for (const [from, to] of spans) {
+    if (from < 0 || to >= offsets.length) continue;
+    const start = offsets[from];
+    const end = offsets[to];
+    if (start < at || end <= start) continue;
     fragment.append(document.createTextNode(snippet.slice(at, start)));
     const mark = document.createElement('mark');
     mark.textContent = snippet.slice(start, end);

@@ -1,0 +1,248 @@
+"""simple-websocket's Server with bounded input, and flask-sock's route that serves it.
+
+simple-websocket reads a connection on a background greenlet into an unbounded list, answers every
+control ping at once, and writes with a plain ``send``. A client that sends without reading could
+then grow the worker's memory without limit (frames pile up while the session waits to write), hold
+the reader in a write for ever (pongs nobody reads), or flood it with pings. Here:
+
+- at most ``max_unread`` bytes of whole messages wait for the session; then the socket is not read
+  until the session takes some (TCP pushes back on the client). A session that takes nothing for
+  ``send_timeout`` (it is stuck writing to this same client) loses the connection;
+- every write (pongs, the server's pings, closes, the session's frames) is whole (``sendall``),
+  one at a time (``write_lock``, which the session's own frames take too), and bounded by
+  ``send_timeout``: a client that does not read what it is sent is cut;
+- control pings are answered at most MAX_PINGS at once, PINGS_PER_S a second after that; more
+  close the connection with 1008 (policy violation).
+
+The reader overrides simple-websocket's private loop (``_thread``, ``_handle_events``); the version is
+bounded in requirements.txt.
+"""
+from __future__ import annotations
+
+import selectors
+import threading
+import time
+from functools import wraps
+from typing import Any, Callable
+
+from flask import Response, current_app, request
+from flask_sock import Sock
+from simple_websocket import ConnectionClosed, Server
+from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Ping, Pong, Request, TextMessage)
+from wsproto.extensions import PerMessageDeflate
+from wsproto.frame_protocol import CloseReason
+from wsproto.utilities import LocalProtocolError
+
+from ..limits import TokenBucket
+from . import backpressure
+
+MAX_PINGS = 32  # control pings answered in a burst
+PINGS_PER_S = 2.0  # and after it
+
+
+class BoundedServer(Server):
+    """A server-side WebSocket whose reader and writers are bounded (see the module doc)."""
+
+    # simple-websocket's own state, which the reader below keeps as it does
+    connected: bool
+    pong_received: bool
+    incoming_message: Any
+    incoming_message_len: int
+
+    def __init__(self, environ: dict, max_unread: int = 2**20, send_timeout: float = 30.0, **options: Any) -> None:
+        self.max_unread, self.send_timeout = max_unread, send_timeout
+        # One writer at a time, so frames never interleave; reentrant: the session holds it around send()
+        self.write_lock = threading.RLock()
+        self.unread = 0  # bytes of whole messages in input_buffer
+        self.room = threading.Event()  # set when the session takes a message
+        self.pings = TokenBucket(MAX_PINGS, PINGS_PER_S)
+        super().__init__(environ, **options)
+
+    # ---- the session's side
+
+    def receive(self, timeout: float | None = None) -> Any:
+        """The next whole message (as simple-websocket's), making room for the reader."""
+        data = super().receive(timeout)
+        if data is not None:
+            self.unread -= len(data)
+            self.room.set()
+        return data
+
+    def send(self, data: Any) -> None:
+        """Send one message, whole, within the send timeout (SendTimeout: the client stopped reading)."""
+        if not self.connected:
+            raise ConnectionClosed(self.close_reason, self.close_message)
+        event = BytesMessage(data=data) if isinstance(data, bytes) else TextMessage(data=str(data))
+        self.write(self.ws.send(event))
+
+    def close(self, reason: int | None = None, message: str | None = None) -> None:
+        """Send a close frame (within the send timeout) and stop."""
+        if not self.connected:
+            raise ConnectionClosed(self.close_reason, self.close_message)
+        self.connected = False
+        try:
+            self.write(self.ws.send(CloseConnection(reason or CloseReason.NORMAL_CLOSURE, message)))
+        except (OSError, backpressure.SendTimeout):
+            backpressure.cut(self)
+
+    def write(self, data: bytes) -> None:
+        """Write ``data`` whole, as the only writer, within the send timeout."""
+        if not data:
+            return
+        with backpressure.within(self.send_timeout), self.write_lock:
+            self.sock.sendall(data)
+
+    # ---- the reader
+
+    def _thread(self) -> None:
+        sel = None
+        next_ping = 0.0
+        if self.ping_interval:
+            next_ping = time.time() + self.ping_interval
+            sel = self.selector_class()
+            try:
+                sel.register(self.sock, selectors.EVENT_READ, True)
+            except ValueError:  # pragma: no cover
+                self.connected = False
+        try:
+            while self.connected:
+                if self.unread >= self.max_unread and not self._wait_for_room():
+                    break
+                if sel:
+                    now = time.time()
+                    if next_ping <= now or not sel.select(next_ping - now):
+                        if not self.pong_received:  # the last ping went unanswered: a dead peer
+                            self._end(CloseReason.POLICY_VIOLATION, "Ping/Pong timeout")
+                            break
+                        self.pong_received = False
+                        self.write(self.ws.send(Ping()))
+                        next_ping = max(now, next_ping) + self.ping_interval
+                        continue
+                in_data = self.sock.recv(self.receive_bytes)
+                if not in_data:
+                    raise OSError()
+                self.ws.receive_data(in_data)
+                self.connected = self._handle_events()
+        except (OSError, LocalProtocolError, backpressure.SendTimeout):
+            self.connected = False
+        finally:
+            self.event.set()
+            if sel:
+                sel.close()
+            backpressure.cut(self)  # a session still writing to it wakes now
+            self.sock.close()
+
+    def _wait_for_room(self) -> bool:
+        """Wait until the session takes a message; False (and the connection ends) when it takes
+        none for the send timeout."""
+        while self.connected and self.unread >= self.max_unread:
+            self.room.clear()
+            if self.unread < self.max_unread:
+                break
+            if not self.room.wait(self.send_timeout or None):
+                self._end(CloseReason.POLICY_VIOLATION, "not reading")
+                return False
+        return self.connected
+
+    def _end(self, code: int, reason: str) -> None:
+        """Close with ``code`` from the reader (a close frame if it can be written), waking the session."""
+        try:
+            self.close(code, reason)
+        except ConnectionClosed:
+            pass
+        self.connected = False
+        self.event.set()
+
+    def _handle_events(self) -> bool:
+        out = b""
+        for event in self.ws.events():
+            try:
+                if isinstance(event, Request):
+                    self.subprotocol = self.choose_subprotocol(event)
+                    out += self.ws.send(AcceptConnection(subprotocol=self.subprotocol,
+                                                         extensions=[PerMessageDeflate()]))
+                elif isinstance(event, CloseConnection):
+                    if self.is_server:
+                        out += self.ws.send(event.response())
+                    self.close_reason, self.close_message = event.code, event.reason
+                    self.write(out)
+                    self.connected = False
+                    self.event.set()
+                    return False
+                elif isinstance(event, Ping):
+                    if not self.pings.take():
+                        self.write(out)
+                        self._end(CloseReason.POLICY_VIOLATION, "too many pings")
+                        return False
+                    out += self.ws.send(event.response())
+                elif isinstance(event, Pong):
+                    self.pong_received = True
+                elif isinstance(event, (TextMessage, BytesMessage)):
+                    if not self._take(event):
+                        self.write(out)
+                        self._end(CloseReason.MESSAGE_TOO_BIG, "Message is too big")
+                        return False
+            except LocalProtocolError:  # pragma: no cover
+                self.event.set()
+                return False
+        self.write(out)
+        return True
+
+    def _take(self, event: TextMessage | BytesMessage) -> bool:
+        """Add a piece of a message; a whole one goes to the session. False when it is too big."""
+        self.incoming_message_len += len(event.data)
+        if self.max_message_size and self.incoming_message_len > self.max_message_size:
+            return False
+        text = isinstance(event, TextMessage)
+        piece: Any = event.data
+        if self.incoming_message is None:
+            self.incoming_message = piece
+        else:
+            if not isinstance(self.incoming_message, bytearray):
+                first: Any = self.incoming_message
+                self.incoming_message = bytearray(first.encode() if isinstance(first, str) else first)
+            self.incoming_message += piece.encode() if text else piece
+        if not event.message_finished:
+            return True
+        message: Any = self.incoming_message
+        if isinstance(message, bytearray):
+            message = message.decode() if text else bytes(message)
+        self.incoming_message, self.incoming_message_len = None, 0
+        self.input_buffer.append(message)
+        self.unread += len(message)
+        self.event.set()
+        return True
+
+
+class BoundedSock(Sock):
+    """flask-sock, serving its routes with BoundedServer (its route wrapper, otherwise unchanged)."""
+
+    def route(self, path: str, bp: Any = None, **kwargs: Any) -> Callable:
+        """Register ``f(ws)`` as the WebSocket route ``path`` of the blueprint ``bp``."""
+        def decorator(f: Callable) -> Callable:
+            @wraps(f)
+            def websocket_route(*args: Any, **kwargs: Any) -> Response:
+                ws = BoundedServer(request.environ, **current_app.config.get("SOCK_SERVER_OPTIONS", {}))
+                try:
+                    f(ws, *args, **kwargs)
+                except ConnectionClosed:
+                    pass
+                try:
+                    ws.close()
+                except Exception:  # already closed, or the peer is gone
+                    pass
+
+                class WebSocketResponse(Response):
+                    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                        if ws.mode == "gunicorn":
+                            raise StopIteration()
+                        if ws.mode == "werkzeug":
+                            return super().__call__(*args, **kwargs)
+                        return []
+
+                return WebSocketResponse()
+
+            kwargs["websocket"] = True
+            bp.route(path, **kwargs)(websocket_route)
+            return f
+        return decorator
