@@ -2,8 +2,10 @@
 start-up self-check and its fallback, and the engine on a quantized model."""
 from __future__ import annotations
 
+import json
 import logging
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -207,6 +209,27 @@ def quant_engine(tiny_file, tmp_path_factory):
 
 def _text(gen) -> str:
     return "".join(e.text for e in gen if isinstance(e, Delta))
+
+
+@native_bf16
+def test_idle_chores_add_dense_copies_and_keep_the_crossovers(quant_engine, tiny_file, tmp_path):
+    import time
+    deadline = time.monotonic() + 120
+    while quant_engine.chores is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    linears = quant_engine.decoder.linears()
+    assert all(lin.dense is not None and lin.quant is not None for lin in linears)
+    assert all(0 <= lin.crossover < quant.Linear.ALWAYS for lin in linears)
+    kept = json.loads((Path(quant_engine.settings.model_cache_dir) / "crossovers.json").read_text())
+    (found,) = kept.values()
+    assert found == {"x".join(map(str, lin.dense.shape)): lin.crossover for lin in linears}
+    # A later start takes them from the file instead of measuring (a made-up value proves it).
+    made_up = {key: 3 for key in found}
+    (Path(quant_engine.settings.model_cache_dir) / "crossovers.json").write_text(json.dumps({next(iter(kept)): made_up}))
+    loaded = on_thread(lambda: loader.load(quant_engine.settings))
+    on_thread(lambda: list(loader.finish(loaded, quant_engine.settings)))
+    assert {lin.crossover for lin in loaded.decoder.linears()} == {3}
 
 
 def test_seeded_answers_repeat_on_the_quantized_path_alone_and_in_a_batch(quant_engine):

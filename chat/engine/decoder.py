@@ -86,7 +86,7 @@ class Decoder:
                 + (0 if shared else self.head.nbytes))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin at ``positions`` (rows, columns) -> (rows, 1, columns, head dim), as transformers
+        """cos and sin at ``positions`` (rows, columns) -> (rows, columns, 1, head dim), as transformers
         computes them (float32, then the activations' type)."""
         need = int(positions.max()) + 1
         if need > self._cos.shape[0]:
@@ -94,7 +94,7 @@ class Decoder:
             freqs = torch.outer(torch.arange(size, dtype=torch.float), self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        return self._cos[positions][:, None], self._sin[positions][:, None]
+        return self._cos[positions][:, :, None], self._sin[positions][:, :, None]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.eps).to(self.dtype)
@@ -106,13 +106,12 @@ class Decoder:
         cos, sin = self._rope(position_ids)
         mask = _mask(kv, cols)
         h = self.embed(input_ids.reshape(-1))
-        split = (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim)
         decode = cols == 1
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(self._norm(h, layer.attn_norm), decode).split(split, dim=-1)
-            q = _rotate(q.view(rows, cols, s.heads, s.head_dim).transpose(1, 2), cos, sin)
-            k = _rotate(k.view(rows, cols, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)
-            keys, values = kv.write(i, k, v.view(rows, cols, s.kv_heads, s.head_dim).transpose(1, 2))
+            qkv = layer.qkv(self._norm(h, layer.attn_norm), decode).view(rows, cols, -1, s.head_dim)
+            qk = _rotate(qkv[:, :, :s.heads + s.kv_heads], cos, sin).transpose(1, 2)  # queries and keys at once
+            q, k = qk[:, :s.heads], qk[:, s.heads:]
+            keys, values = kv.write(i, k, qkv[:, :, s.heads + s.kv_heads:].transpose(1, 2))
             a = _attend(q, keys, values, mask, spans)
             h = h + layer.o(a.transpose(1, 2).reshape(rows * cols, -1), decode)
             gate, up = layer.gate_up(self._norm(h, layer.mlp_norm), decode).chunk(2, dim=-1)
@@ -130,13 +129,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def _mask(kv: KVBuffer, cols: int) -> torch.Tensor | None:
     """(rows, 1, cols, keys) bool: each new column sees the real keys up to itself (and a padding
-    column itself, so no query attends to nothing); in a decode step the additive form (0 or -inf),
-    or None when one row sees every key."""
+    column itself, so no query attends to nothing); in a decode step the additive form (0 or -inf).
+    None where plain causal attention is the same: a lone row's decode step, and a chunk that
+    starts its rows' keys without padding (SDPA's causal path is twice as fast as a mask)."""
     if cols == 1:
         if kv.n == 1:
             return None  # a lone row's columns are all its own
         real = kv.attention_mask(1)[:, None, None, :]
         return torch.zeros(real.shape, dtype=kv.dtype).masked_fill_(real == 0, float("-inf"))
+    if kv.length == kv.start and bool(kv.mask[:kv.n, kv.length:kv.length + cols].all()):
+        return None
     real = kv.attention_mask(cols).bool()[:, None, None, :]
     keys = real.shape[-1]
     query = torch.arange(keys - cols, keys)[:, None]
@@ -149,7 +151,8 @@ def _attend(q, keys, values, mask, spans) -> torch.Tensor:
     products (torch's CPU flash kernel costs ~0.2 ms a call for one query, more than the
     arithmetic), one call per run of rows in ``spans`` over the columns that run uses."""
     if q.shape[2] != 1:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=True)
     if spans is None:
         return _decode_attention(q, keys, values, mask)
     return torch.cat([_decode_attention(q[b:e], keys[b:e, :, c:], values[b:e, :, c:], mask[b:e, ..., c:])

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import json
 import logging
 import time
-from pathlib import Path
 
 import torch
 
 from ..concurrency import run_in_thread, start_real_thread
 from ..errors import EngineError, EngineUnavailable, Overloaded
-from . import attention, prompt, quant, weights
+from . import attention, prompt
 from . import model as model_loader
 from .base import Engine, GenParams, Generation
 from .events import Delta, Done, Queued, Refused, Started
@@ -32,6 +30,7 @@ from .scheduler import Request, Scheduler
 from .slot import Slot
 
 log = logging.getLogger(__name__)
+_DONE = object()  # the end of the idle chores
 
 
 def _release_memory() -> None:
@@ -60,7 +59,7 @@ class LocalEngine(Engine):
         self.stopping = None  # reason, once shutdown was asked
         self.closed = False  # the engine thread has ended
         self.trimmed = True
-        self.chores = None  # idle work after start-up (see _chores): an iterator, one step per idle turn
+        self.chores = None  # idle work after start-up (model.finish): an iterator, a step per idle turn
         self.tokens_generated = 0
         self.step_s = 0.05  # measured: a decode step's forward (moving average)
         start_real_thread(self._run, name="engine")
@@ -158,7 +157,7 @@ class LocalEngine(Engine):
             self._join(job, logits)
         if not queue.busy:
             if self.chores is not None and not queue.waiting:
-                if next(self.chores, None) is None:
+                if next(self.chores, _DONE) is _DONE:
                     self.chores = None
                 return  # one step of idle work at a time, then look for requests again
             if not self.trimmed:
@@ -183,7 +182,7 @@ class LocalEngine(Engine):
             if self.settings.warmup:
                 self._warmup()
             self.weights = self.loaded.weights
-            self.chores = self._chores()
+            self.chores = model_loader.finish(self.loaded, self.settings)
         # Everything loaded so far lives for the whole process: keep it out of the GC's
         # full collections, which otherwise stall the event loop for tenths of a second.
         gc.collect()
@@ -191,29 +190,6 @@ class LocalEngine(Engine):
         self.ready = True
         log.info("engine ready: %s, max batch %d, prefill chunk %d", self.model_name,
                  self.settings.max_batch, self.settings.prefill_chunk)
-
-    def _chores(self):
-        """What the engine does while idle once it is ready, a step per turn: the dense copies of a
-        GGUF's int4 products (``CHAT_QUANT=auto``), then their crossovers (kept for the next start)."""
-        decoder, source = self.decoder, self.loaded.source
-        if decoder is None or source is None or decoder.weights != "int4" or self.settings.quant != "auto":
-            return
-        yield from weights.add_dense(source, decoder)
-        store = Path(self.settings.model_cache_dir) / "crossovers.json"
-        key = f"{source.path.name}:{source.path.stat().st_size}:{torch.__version__}:{torch.get_num_threads()}"
-        try:
-            known = json.loads(store.read_text()).get(key)
-        except (OSError, ValueError):
-            known = None
-        found = quant.calibrate(decoder.linears(), known)
-        if found != known:
-            try:
-                store.parent.mkdir(parents=True, exist_ok=True)
-                saved = json.loads(store.read_text()) if store.is_file() else {}
-                store.write_text(json.dumps({**saved, key: found}))
-            except (OSError, ValueError) as exc:
-                log.warning("could not keep the measured crossovers in %s: %s", store, exc)
-        yield
 
     def _warmup(self) -> None:
         """Run a tiny generation, chunked and sampled, so the first user pays for no lazy initialisation."""

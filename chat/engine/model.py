@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import ConfigError
-from . import gguf, weights
+from . import gguf, quant, weights
 from .decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -207,6 +209,30 @@ def _load_direct(settings, device: torch.device, dtype: torch.dtype):
                     "(CHAT_QUANT=off)")
         decoder = weights.from_gguf(f, "off", dtype)
     return gguf_tokenizer(file), None, decoder, name, f
+
+
+def finish(loaded: LoadedModel, settings) -> Iterator[None]:
+    """What is left to do once the model serves, a step at a time (the engine runs it while idle):
+    for a GGUF on the int4 path with ``CHAT_QUANT=auto``, the layers' dense copies, then the
+    int4/dense crossovers (measured once, kept under the model cache for later starts)."""
+    decoder, source = loaded.decoder, loaded.source
+    if decoder is None or source is None or decoder.weights != "int4" or settings.quant != "auto":
+        return
+    yield from weights.add_dense(source, decoder)
+    store = Path(settings.model_cache_dir) / "crossovers.json"
+    key = f"{source.path.name}:{source.path.stat().st_size}:{torch.__version__}:{torch.get_num_threads()}"
+    try:
+        saved = json.loads(store.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    found = quant.calibrate(decoder.linears(), saved.get(key))
+    if found != saved.get(key):
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            store.write_text(json.dumps({**saved, key: found}))
+        except OSError as exc:
+            log.warning("could not keep the measured crossovers in %s: %s", store, exc)
+    yield
 
 
 def _load_transformers(settings, device: torch.device, dtype: torch.dtype):
