@@ -20,6 +20,7 @@ from flask_sock import Sock
 from werkzeug.serving import make_server
 
 from chat import client
+from helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -176,12 +177,6 @@ def run_cli(*args, input=None, timeout=30, env=None):
     """Run ``python -m chat.client`` in a subprocess."""
     return subprocess.run([PYTHON, "-m", "chat.client", *args], input=input, capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- unit tests (fake server)
