@@ -9,7 +9,7 @@ import threading
 
 import websocket
 
-from helpers import WS, at_rest, handshake_status, http_get, in_threads, metric, text_of, until, wait_for
+from helpers import WS, at_rest, conv_of, handshake_status, http_get, in_threads, metric, text_of, until, wait_for
 
 
 def accepted(url: str):
@@ -44,6 +44,15 @@ def test_metrics_move_after_a_chat(server):
     assert metric(server, "chat_errors_total", '{code="bad_json"}') == before["chat_errors_total"] + 1
     assert metric(server, "chat_cancellations_total") == before["chat_cancellations_total"] + 1
     assert metric(server, "chat_ready") == 1 and metric(server, "process_resident_memory_bytes") > 0
+
+
+def test_metrics_count_prompt_tokens_reused_from_the_prefix_cache(server):
+    client = WS(server.ws_url)
+    first = client.chat("remember this", rid="p1", params={"temperature": 0, "max_new_tokens": 5})
+    before = metric(server, "chat_prompt_tokens_reused_total")
+    client.chat("and now?", rid="p2", conversation_id=conv_of(first), params={"temperature": 0, "max_new_tokens": 5})
+    client.close()
+    assert metric(server, "chat_prompt_tokens_reused_total") > before  # the first turn's KV was kept
 
 
 def test_cross_origin_handshake_is_refused(app_factory):
