@@ -21,10 +21,11 @@ from redis_server import RedisServer
 from tinymodel import tiny_model_dir
 
 # What puts a test in the slow tier: a real gunicorn (and so the tiny model's process start), Chromium,
-# nginx, Redis, PostgreSQL, the real model, or a soak run.
+# nginx, Redis, PostgreSQL, the real model, or a soak or stress run.
 SLOW_FIXTURES = {"server_factory", "gunicorn_server", "browser", "postgres", "redis_server"}
 SLOW_PARAMS = {"postgresql", "redis"}  # parametrized twins that run on a real service
-SLOW_MODULES = {"test_nginx", "test_nginx_scaleout", "test_soak_abuse", "test_smoke_real_model"}
+# test_engine_race: a storm of threads at a 1 µs switch interval, 6 s on a quiet box and over 150 s on a busy one.
+SLOW_MODULES = {"test_nginx", "test_nginx_scaleout", "test_soak_abuse", "test_smoke_real_model", "test_engine_race"}
 
 
 def pytest_collection_modifyitems(config, items) -> None:
