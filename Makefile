@@ -54,6 +54,8 @@ system-deps:
 		fi; \
 	fi
 
+# LLAMA_SERVER=/path/to/llama-server adds llama.cpp's server on the same workloads; BENCH_ARGS="--only peer"
+# runs just that comparison (bench/README.md).
 bench: $(DEV)
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 

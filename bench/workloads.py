@@ -146,7 +146,7 @@ def multiturn(connect, args, reused=None) -> dict:
                                    conversation_id=conv)
                 if reused is not None:  # else the client's own figure, where it has one
                     after = reused()
-                    r["reused_tokens"] = after - before if after is not None and before is not None else None
+                    r["reused_tokens"] = int(after - before) if after is not None and before is not None else None
                 conv = r["conversation_id"]
                 turns.append(r)
         finally:
