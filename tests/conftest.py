@@ -145,7 +145,7 @@ def app_factory(tmp_path_factory):
     yield start
     for srv in servers:
         srv.state.engine.shutdown()
-        srv.close()
+    in_threads(lambda i: servers[i].close(), len(servers))  # each waits up to 0.5 s for its serve loop
 
 
 @pytest.fixture(scope="session")
