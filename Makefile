@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.runtime-installed
 DEV := $(VENV)/.dev-installed
 
-.PHONY: run test lint install install-dev system-deps bench docs vendor clean
+.PHONY: run test test-fast test-slow lint install install-dev system-deps bench docs vendor clean
 
 run: $(RUNTIME)
 	$(BIN)/gunicorn -c gunicorn.conf.py wsgi:app
@@ -13,6 +13,15 @@ run: $(RUNTIME)
 # Lint and type check first: a finding fails the run before any test starts.
 test: lint system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The edit-test loop: the in-process tier, about a minute; no browser, nginx, Redis or PostgreSQL needed.
+# conftest.py marks the rest `slow` by the fixtures each test uses.
+test-fast: $(DEV)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The slow tier alone: real gunicorn servers, Chromium, nginx, Redis, PostgreSQL, the real model, soak runs.
+test-slow: system-deps $(DEV)
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
 # ruff and mypy on chat/, configured in pyproject.toml.
 lint: $(DEV)
@@ -45,6 +54,8 @@ system-deps:
 		fi; \
 	fi
 
+# LLAMA_SERVER=/path/to/llama-server adds llama.cpp's server on the same workloads; BENCH_ARGS="--only peer"
+# runs just that comparison (bench/README.md).
 bench: $(DEV)
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 

@@ -6,7 +6,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-from . import webtier  # noqa: E402
+from . import peer, webtier  # noqa: E402
 
 
 def _fmt(value) -> str:
@@ -44,6 +44,7 @@ def markdown(result: dict) -> str:
     lines += ["", "| figure | value |", "|---|---|"]
     for name, value in result["figures"]:
         lines.append(f"| {name} | {_fmt(value)} |")
+    lines += peer.markdown(result)
     sweep = result.get("concurrency") or []
     if sweep:
         lines += ["", "| streams | tokens (min–max each) | aggregate tok/s | per-stream tok/s p50 | "

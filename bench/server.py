@@ -1,30 +1,20 @@
-"""The server under test (a real gunicorn + gevent worker) and a timing chat.v1 client."""
+"""The server under test (the test harness's live gunicorn server) and a timing chat.v1 client."""
 from __future__ import annotations
 
 import http.client
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import psutil
-
 from chat.client import Session, collect
 
 ROOT = Path(__file__).resolve().parent.parent
-GUNICORN = str(Path(sys.executable).parent / "gunicorn")
+# One live-server helper for the tests and the benchmark: tests/helpers.py (it imports no pytest).
+sys.path.insert(0, str(ROOT / "tests"))
+from helpers import LiveServer, free_port  # noqa: E402
 
-
-def free_port() -> int:
-    """A port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["ROOT", "BenchServer", "Client", "Sampler", "free_port", "http_get", "http_post_json", "metric"]
 
 
 def http_get(port: int, path: str, timeout: float = 10) -> tuple[int, bytes]:
@@ -49,82 +39,21 @@ def http_post_json(port: int, path: str, body: bytes, timeout: float = 120) -> t
         conn.close()
 
 
-class BenchServer:
-    """gunicorn started with extra env on a free port; logs to ``workdir/server.log``."""
+def metric(port: int, name: str) -> float | None:
+    """One unlabelled sample of the server's /metrics (None when absent)."""
+    status, body = http_get(port, "/metrics")
+    for line in body.decode().splitlines() if status == 200 else []:
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+class BenchServer(LiveServer):
+    """The live server as the benchmark starts it: spawned by ``start()`` (which returns the seconds
+    from spawn to /readyz answering 200), its settings given whole by the caller."""
 
     def __init__(self, workdir: Path, env: dict):
-        self.port = free_port()
-        self.log_path = workdir / "server.log"
-        self.env = {**os.environ, "CHAT_BIND": f"127.0.0.1:{self.port}", "PYTHONUNBUFFERED": "1", **env}
-        self.proc = None
-        self.spawned_at = None
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/ws"
-
-    def start(self, timeout: float = 600) -> float:
-        """Spawn gunicorn and wait for /readyz 200; returns seconds from spawn to ready."""
-        with open(self.log_path, "ab") as log:
-            self.spawned_at = time.perf_counter()
-            self.proc = subprocess.Popen([GUNICORN, "-c", "gunicorn.conf.py", "wsgi:app"], cwd=ROOT,
-                                         env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = self.spawned_at + timeout
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_tail()}")
-            try:
-                if http_get(self.port, "/readyz", timeout=2)[0] == 200:
-                    return time.perf_counter() - self.spawned_at
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"server not ready in {timeout:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def generation_logs(self) -> dict:
-        """The server's per-generation log records, by request id."""
-        records = {}
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            _, sep, payload = line.partition(" generation {")
-            if sep:
-                try:
-                    record = json.loads("{" + payload)
-                except ValueError:
-                    continue
-                records[record.get("id")] = record
-        return records
-
-    def worker_rss(self) -> int:
-        """Resident bytes of every worker process (the children of the gunicorn master)."""
-        total = 0
-        try:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.Error:
-            return 0
-        for child in children:
-            try:
-                total += child.memory_info().rss
-            except psutil.Error:
-                pass
-        return total
-
-    def stop(self, timeout: float = 30) -> None:
-        """SIGTERM the master (graceful), SIGKILL the whole group if it lingers."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        super().__init__(workdir, env, start=False, ready_timeout=600)
 
 
 class Client:

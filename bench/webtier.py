@@ -84,10 +84,6 @@ def load(mode: str, url: str, clients: int, args, watched=()) -> dict:
     return row
 
 
-def workers_of(srv: BenchServer) -> list:
-    return psutil.Process(srv.proc.pid).children(recursive=True)
-
-
 def run_webtier(workdir: Path, args) -> dict:
     """The sweep for each worker count, then the side-by-side comparison on one worker."""
     stub = Stub(workdir, args.webtier_rate, args.webtier_tokens, args.webtier_first_delay)
@@ -100,7 +96,7 @@ def run_webtier(workdir: Path, args) -> dict:
             try:
                 srv.start(timeout=120)
                 time.sleep(1.0 + 0.5 * workers)  # every worker's probe of the stub has answered
-                watched = [("server", workers_of(srv)), ("stub", [stub.ps])]
+                watched = [("server", srv.workers()), ("stub", [stub.ps])]
                 if workers == 1:
                     res["compare"] = compare(srv, stub, args, watched)
                 for n in args.webtier_clients:

@@ -72,7 +72,7 @@ class Settings:
     model: str = _setting(
         "CHAT_MODEL", "", str, section="Model",
         doc="What to serve: a Hugging Face hub id, a local model folder or a `.gguf` file. "
-            "Empty: the bundled SmolLM2-135M-Instruct. See [Models](../README.md#models).")
+            "Empty: the bundled SmolLM2-135M-Instruct. See [models.md](models.md).")
     model_name: str = _setting(
         "CHAT_MODEL_NAME", "", str,
         doc="Display name, shown on the page, in `ready` and as the `/v1` model id. Empty: derived from the "
@@ -216,7 +216,7 @@ class Settings:
         "CHAT_WORKERS", 1, int, low=1, high=64,
         doc="gunicorn worker processes. With the local backend each loads its own model copy: for several "
             "workers, run one engine process (`CHAT_ENGINE_ONLY`) and point the workers at it with "
-            "`CHAT_BACKEND=openai`. See [Scaling out](../README.md#scaling-out).")
+            "`CHAT_BACKEND=openai`. See [scaling.md](scaling.md).")
     engine_only: bool = _setting(
         "CHAT_ENGINE_ONLY", False, _bool,
         doc="Serve only the OpenAI-compatible `/v1` API with `/healthz`, `/readyz` and `/metrics`: no page, no "
@@ -262,7 +262,7 @@ class Settings:
         "CHAT_API_KEY", "", str,
         doc="When set, it is required on `/v1` and on WebSocket connections that lack the page's cookie. It "
             "also signs the page's identity cookie. Programs holding it get identities of their own. See "
-            "[Security](../README.md#security).")
+            "[security.md](security.md).")
     trusted_proxies: int = _setting(
         "CHAT_TRUSTED_PROXIES", 0, int, low=0, high=16,
         doc="How many reverse proxies in front are trusted for `X-Forwarded-For`, `-Proto` and `-Host`. Set "
@@ -289,7 +289,7 @@ class Settings:
         doc="Redis for state every worker and host shares, for example `redis://127.0.0.1:6379/0`: running "
             "answers and their event streams (so `resume` and `cancel` work on any worker), busy "
             "conversations, rate limits and per-address counts. Empty: all of it in this process, which is "
-            "right for one worker. See [Scaling out](../README.md#scaling-out).")
+            "right for one worker. See [scaling.md](scaling.md).")
 
     backend: str = _setting(
         "CHAT_BACKEND", "local", _choice("local", "openai"), section="Remote backend",

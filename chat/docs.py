@@ -25,7 +25,7 @@ names the variable. Boolean variables accept `1/0`, `true/false`, `yes/no` and
 
 OUTRO = """
 The command-line client also reads `CHAT_URL`, `CHAT_API_KEY` and
-`CHAT_CLIENT_ID` (see [Command-line client](../README.md#command-line-client)).
+`CHAT_CLIENT_ID` (see [client.md](client.md)).
 """
 
 

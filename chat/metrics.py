@@ -63,6 +63,8 @@ class Metrics:
                 gauge.set_function(probe)
         self.tokens = Counter("chat_tokens_generated", "Completion tokens generated", registry=r)
         self.prompt_tokens = Counter("chat_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.reused_tokens = Counter("chat_prompt_tokens_reused",
+                                     "Prompt tokens taken from the prefix cache instead of prefilled", registry=r)
         self.generations = Counter("chat_generations", "Finished generations by done reason",
                                    ["reason"], registry=r)
         self.cancellations = Counter("chat_cancellations", "Generations cancelled by clients or disconnects",
@@ -82,6 +84,7 @@ class Metrics:
             self.cancellations.inc()
         self.tokens.inc(done.usage.get("completion_tokens") or 0)
         self.prompt_tokens.inc(done.usage.get("prompt_tokens") or 0)
+        self.reused_tokens.inc(done.reused_tokens)
         if done.timings.get("ttft_ms") is not None:
             self.ttft.observe(done.timings["ttft_ms"] / 1000)
         if done.timings.get("tokens_per_s"):

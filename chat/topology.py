@@ -15,12 +15,12 @@ def warnings(settings: Settings) -> list[str]:
             f"CHAT_WORKERS={workers} with the local backend: every worker loads its own model copy "
             f"({workers} copies in memory, no batching across workers). Run one engine process per host "
             "(CHAT_ENGINE_ONLY=1, one worker) and point the web workers at it with CHAT_BACKEND=openai "
-            "CHAT_BACKEND_URL=http://engine-host:8001/v1 (README: Scaling out)")
+            "CHAT_BACKEND_URL=http://engine-host:8001/v1 (docs/scaling.md)")
     # getattr: the shared-state setting may be absent from older Settings.
     if not settings.engine_only and not getattr(settings, "state_url", ""):
         advice.append(
             f"CHAT_WORKERS={workers} without CHAT_STATE_URL: resume, Stop from another tab, the "
             "one-answer-per-conversation check and every rate and concurrency limit are per worker. "
             "Set CHAT_STATE_URL=redis://... to share them, or run one worker per instance behind nginx "
-            "made sticky by the identity cookie (README: Scaling out)")
+            "made sticky by the identity cookie (docs/scaling.md)")
     return advice

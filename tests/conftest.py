@@ -1,161 +1,51 @@
 """Fixtures: the app in-process with a fake engine (fast), live gunicorn + gevent servers with a
-tiny real model (end to end), WebSocket clients."""
+tiny real model (end to end), WebSocket clients, real Redis, PostgreSQL and Chromium; and the test tiers.
+
+Helpers that test modules share are in helpers.py (import them from there). A test is in the slow
+tier (marker ``slow``: ``make test-fast`` leaves it out) when it uses a fixture in SLOW_FIXTURES, a
+parameter in SLOW_PARAMS, or lives in a module in SLOW_MODULES; anything else is fast by default.
+"""
 from __future__ import annotations
 
-import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-import websocket
 
 from fakes import AppServer, FakeEngine
+from helpers import (  # noqa: F401  (re-exported: modules written before helpers.py import them from here)
+    GUNICORN, ROOT, WS, LiveServer, conv_of, conversation, cookie_for, free_port, http_get, in_threads,
+    start_of, text_of, wait_settled)
 from pg import BACKENDS, PostgresServer, database
+from redis_server import RedisServer
 from tinymodel import tiny_model_dir
 
-ROOT = Path(__file__).resolve().parent.parent
-GUNICORN = str(Path(sys.executable).parent / "gunicorn")
+# What puts a test in the slow tier: a real gunicorn (and so the tiny model's process start), Chromium,
+# nginx, Redis, PostgreSQL, the real model, or a soak or stress run.
+SLOW_FIXTURES = {"server_factory", "gunicorn_server", "browser", "postgres", "redis_server"}
+SLOW_PARAMS = {"postgresql", "redis"}  # parametrized twins that run on a real service
+# test_engine_race: a storm of threads at a 1 µs switch interval, 6 s on a quiet box and over 150 s on a busy one.
+SLOW_MODULES = {"test_nginx", "test_nginx_scaleout", "test_soak_abuse", "test_smoke_real_model", "test_engine_race"}
 
 
-def free_port() -> int:
-    """A port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark the slow tier (see the module docstring)."""
+    for item in items:
+        params = getattr(item, "callspec", None)
+        values = {v for v in params.params.values() if isinstance(v, str)} if params else set()
+        if (SLOW_FIXTURES & set(item.fixturenames) or SLOW_PARAMS & values
+                or item.module.__name__ in SLOW_MODULES or item.get_closest_marker("real_model")):
+            item.add_marker(pytest.mark.slow)
 
 
-def http_get(url: str, timeout: float = 10, headers=None):
-    """(status, headers, body bytes) of a GET, errors included."""
-    req = urllib.request.Request(url, headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.headers, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.headers, exc.read()
-
-
-class LiveServer:
-    """A real gunicorn (gevent worker) serving the app, logs in ``log_path``."""
-
-    def __init__(self, workdir: Path, env: dict):
-        self.workdir = workdir
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.env = {**os.environ, "CHAT_DATA_DIR": str(workdir / "data"), "CHAT_DTYPE": "float32",
-                    "CHAT_BIND": f"127.0.0.1:{self.port}", "CHAT_RATE_LIMIT_PER_MIN": "0",
-                    # every test client comes from 127.0.0.1: per-address limits only where a test sets them
-                    "CHAT_RATE_LIMIT_PER_IP_PER_MIN": "0", "CHAT_MAX_ACTIVE_PER_IP": "0",
-                    # one torch thread: on a shared 2-core box a 2-thread team stalls on every op
-                    "CHAT_THREADS": "1",
-                    "CHAT_GRACEFUL_TIMEOUT_S": "5", "PYTHONUNBUFFERED": "1",
-                    "CHAT_CACHE_DIR": str(ROOT / "data" / "model-cache"), **env}
-        self.log_path = workdir / "server.log"
-        self.proc = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/ws"
-
-    def start(self, wait: bool = True) -> None:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([GUNICORN, "-c", "gunicorn.conf.py", "wsgi:app"], cwd=ROOT,
-                                     env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        if wait:
-            self.wait_ready()
-
-    def wait_ready(self, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
-            try:
-                if http_get(self.url + "/readyz", timeout=2)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server not ready in {timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        if sig == signal.SIGKILL:  # like a crash: the workers die with the master
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        else:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-
-class WS:
-    """A test WebSocket client speaking chat.v1 (a real client: websocket-client)."""
-
-    def __init__(self, url: str, timeout: float = 30, **kwargs):
-        self.conn = websocket.create_connection(url, timeout=timeout, **kwargs)
-        self.ready = self.recv()
-        assert self.ready["type"] == "ready", self.ready
-
-    def send(self, frame) -> None:
-        self.conn.send(frame if isinstance(frame, (str, bytes)) else json.dumps(frame),
-                       opcode=websocket.ABNF.OPCODE_BINARY if isinstance(frame, bytes) else websocket.ABNF.OPCODE_TEXT)
-
-    def recv(self) -> dict:
-        return json.loads(self.conn.recv())
-
-    def until(self, predicate, limit: int = 100000) -> list[dict]:
-        """Frames received up to and including the first that matches."""
-        frames = []
-        for _ in range(limit):
-            frame = self.recv()
-            frames.append(frame)
-            if predicate(frame):
-                return frames
-        raise AssertionError(f"no matching frame in {frames[-5:]}")
-
-    def chat(self, content: str, rid: str = "r1", **fields) -> list[dict]:
-        """Send a chat and return every frame up to its ``done`` (or its error)."""
-        self.send({"type": "chat", "id": rid, "content": content, **fields})
-        return self.until(lambda f: f.get("id") == rid and f["type"] in ("done", "error"))
-
-    def ping(self) -> dict:
-        self.send({"type": "ping", "t": 7})
-        return self.until(lambda f: f["type"] == "pong")[-1]
-
-    def close(self) -> None:
-        try:
-            self.conn.close()
-        except Exception:
-            pass
-
-
-def text_of(frames) -> str:
-    """The answer: every delta's text in index order."""
-    deltas = sorted((f for f in frames if f["type"] == "delta"), key=lambda f: f["index"])
-    assert [f["index"] for f in deltas] == list(range(len(deltas))), "delta indexes have gaps"
-    return "".join(f["text"] for f in deltas)
+def live_env(workdir: Path) -> dict:
+    """A live test server's settings: its own data folder, no limits in the way, one torch thread."""
+    return {"CHAT_DATA_DIR": str(workdir / "data"), "CHAT_DTYPE": "float32", "CHAT_RATE_LIMIT_PER_MIN": "0",
+            # every test client comes from 127.0.0.1: per-address limits only where a test sets them
+            "CHAT_RATE_LIMIT_PER_IP_PER_MIN": "0", "CHAT_MAX_ACTIVE_PER_IP": "0",
+            # one torch thread: on a shared 2-core box a 2-thread team stalls on every op
+            "CHAT_THREADS": "1",
+            "CHAT_GRACEFUL_TIMEOUT_S": "5", "CHAT_CACHE_DIR": str(ROOT / "data" / "model-cache")}
 
 
 @pytest.fixture(scope="session")
@@ -170,8 +60,8 @@ def server_factory(tmp_path_factory, tiny_model):
     servers = []
 
     def start(name: str = "srv", **env) -> LiveServer:
-        env = {"CHAT_MODEL": str(tiny_model), **{k: str(v) for k, v in env.items()}}
-        srv = LiveServer(tmp_path_factory.mktemp(name), env)
+        workdir = tmp_path_factory.mktemp(name)
+        srv = LiveServer(workdir, {**live_env(workdir), "CHAT_MODEL": str(tiny_model), **env})
         servers.append(srv)
         return srv
 
@@ -200,6 +90,23 @@ def postgres():
     server = PostgresServer()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A real redis-server for the module (see redis_server.py); fails when it is not installed."""
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def store(db_path):
+    """A Store on a fresh database of each backend."""
+    from chat.store import Store
+    s = Store(db_path)
+    yield s
+    s.close()
 
 
 @pytest.fixture(params=BACKENDS)
@@ -238,7 +145,7 @@ def app_factory(tmp_path_factory):
     yield start
     for srv in servers:
         srv.state.engine.shutdown()
-        srv.close()
+    in_threads(lambda i: servers[i].close(), len(servers))  # each waits up to 0.5 s for its serve loop
 
 
 @pytest.fixture(scope="session")
@@ -255,43 +162,36 @@ def ws(server):
     client.close()
 
 
-def start_of(frames) -> dict:
-    """The ``start`` frame among a request's frames (``queued`` may come first on a busy server)."""
-    return next(f for f in frames if f["type"] == "start")
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def conv_of(frames) -> str:
-    return start_of(frames)["conversation_id"]
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium for the module (Debian's build, never a downloaded one)."""
+    from playwright import sync_api
+    # Never skipped: a missing browser is a broken test machine (make test installs Debian's chromium).
+    assert Path(CHROMIUM).exists(), f"needs Debian's chromium at {CHROMIUM}: apt-get install chromium"
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
 
 
-def in_threads(target, count: int, timeout: float = 120) -> None:
-    """Run ``target(i)`` for i in range(count) on parallel threads and wait for all."""
-    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
+@pytest.fixture
+def chat(browser, server):
+    """Open chat pages with ``chat(**options)``; each gets a fresh context, closed afterwards."""
+    from helpers import Chat
+    opened = []
 
+    def open_chat(**options) -> Chat:
+        c = Chat(browser, server.url, **options)
+        opened.append(c)
+        return c.open()
 
-def cookie_for(server) -> str:
-    """A browser-like identity: the cookie GET / hands out."""
-    status, headers, _ = http_get(server.url + "/")
-    assert status == 200
-    return headers["Set-Cookie"].split(";")[0]
-
-
-def conversation(server, cookie, conv):
-    """(status, body) of GET /api/conversations/<conv> as the client with ``cookie``."""
-    status, _, body = http_get(f"{server.url}/api/conversations/{conv}", headers={"Cookie": cookie})
-    return status, json.loads(body)
-
-
-def wait_settled(server, cookie, conv, timeout=30):
-    """The conversation once its last answer is no longer streaming."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        data = conversation(server, cookie, conv)[1]
-        if data["messages"] and data["messages"][-1]["status"] != "streaming":
-            return data
-        time.sleep(0.1)
-    raise AssertionError("answer still streaming")
+    yield open_chat
+    for c in opened:
+        c.close()
+    for c in opened:
+        assert not c.errors, c.errors

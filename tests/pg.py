@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from services import free_port
+from helpers import free_port
 
 BACKENDS = ["sqlite", "postgresql"]
 

@@ -7,7 +7,7 @@ import subprocess
 import tempfile
 import time
 
-from services import free_port
+from helpers import free_port
 
 
 

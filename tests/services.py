@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from helpers import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 NGINX = os.environ.get("NGINX", "/usr/sbin/nginx")
 
@@ -39,13 +41,6 @@ http {{
 """
 _UPSTREAM = re.compile(r"(upstream\s+\w+\s*\{)(.*?)(\n\})", re.S)
 _SERVER = re.compile(r"^([ \t]*)server[ \t]+[^\s;]+([^;\n]*);[^\n]*\n", re.M)
-
-
-def free_port() -> int:
-    """A port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _address(upstream) -> str:

@@ -1,21 +1,12 @@
-"""The chat page in real headless Chromium, against the live gunicorn server with the tiny model."""
+"""The chat page in real headless Chromium, against the live gunicorn server with the tiny model.
+
+The fixtures ``browser`` and ``chat`` are in conftest.py, the ``Chat`` page driver in helpers.py."""
 from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
-import pytest
 
-from playwright import sync_api
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
-
-# Never skipped: a missing browser is a broken test machine (make test installs Debian's chromium).
-assert Path(CHROMIUM).exists(), f"needs Debian's chromium at {CHROMIUM}: apt-get install chromium"
 
 XSS = '<img src=x onerror="window.__xss=1"><script>window.__xss=2</script><b id="injected">bold?</b>'
 
@@ -39,100 +30,6 @@ def add(a, b):
 
 [bad link](javascript:window.__xss=5) and [good link](https://example.org/)
 """
-
-
-@pytest.fixture(scope="module")
-def browser():
-    """One headless Chromium for the module (Debian's build, never a downloaded one)."""
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-class Chat:
-    """A fresh browser context (own cookie = own identity, own localStorage) on the chat page."""
-
-    def __init__(self, browser, url: str, width: int = 1200, height: int = 800, settings=None):
-        self.url = url
-        self.context = browser.new_context(viewport={"width": width, "height": height})
-        if settings is not None:
-            self.context.add_init_script(
-                f"localStorage.setItem('chat.settings', {json.dumps(json.dumps(settings))})")
-        self.page = self.context.new_page()
-        self.dialogs: list[str] = []
-        self.errors: list[str] = []
-        self.page.on("dialog", self._dialog)
-        self.page.on("pageerror", lambda exc: self.errors.append(f"pageerror: {exc}"))
-        self.page.on("console", self._console)
-
-    def _dialog(self, dialog) -> None:
-        self.dialogs.append(dialog.message)
-        if dialog.type == "confirm":
-            dialog.accept()
-        else:
-            dialog.dismiss()
-
-    def _console(self, msg) -> None:
-        if msg.type == "error" and "Content Security Policy" in msg.text:
-            self.errors.append(f"csp: {msg.text}")
-
-    def open(self) -> "Chat":
-        self.page.goto(self.url + "/")
-        self.page.wait_for_selector("[data-testid=connection-status][data-state=open]", timeout=30000)
-        return self
-
-    def js(self, expression: str, arg=None):
-        return self.page.evaluate(expression, arg)
-
-    def wait_until(self, expression: str, timeout: float = 30, arg=None):
-        """Poll a JS expression (the page's CSP forbids Playwright's eval-based waiters)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = self.js(expression, arg)
-            if value:
-                return value
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for: {expression}")
-
-    def send(self, text: str) -> None:
-        self.page.fill("[data-testid=prompt]", text)
-        self.page.keyboard.press("Enter")
-
-    def wait_done(self, timeout: float = 60) -> str:
-        """Wait until the last answer is finished; return its reason."""
-        return self.wait_until(
-            """() => { const m = [...document.querySelectorAll('[data-testid=message-assistant]')].pop();
-                       return m && m.dataset.state === 'done' && (m.dataset.reason || 'none'); }""", timeout)
-
-    def answer(self) -> str:
-        """The raw (Markdown) text of the last answer, as the page holds it."""
-        return self.js("""() => { const m = [...document.querySelectorAll('[data-testid=message-assistant]')].pop();
-                                  return m ? m.view.text : null; }""")
-
-    def shot(self, name: str) -> None:
-        ARTIFACTS.mkdir(exist_ok=True)
-        self.page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
-
-    def close(self) -> None:
-        self.context.close()
-
-
-@pytest.fixture
-def chat(browser, server):
-    """Open chat pages with ``chat(**options)``; each gets a fresh context, closed afterwards."""
-    opened = []
-
-    def open_chat(**options) -> Chat:
-        c = Chat(browser, server.url, **options)
-        opened.append(c)
-        return c.open()
-
-    yield open_chat
-    for c in opened:
-        c.close()
-    for c in opened:
-        assert not c.errors, c.errors
 
 
 def test_answer_streams_and_grows(chat):
@@ -225,13 +122,14 @@ def test_stop_ends_the_stream(chat):
     assert c.wait_done(timeout=10) == "cancelled"
     assert "Stopped" in c.page.text_content("[data-testid=done-reason]")
     final = c.answer()
-    time.sleep(0.5)
-    assert c.answer() == final, "text kept arriving after Stop"
     assert c.page.is_visible("[data-testid=send]")
     c.shot("stopped")
 
     c.send("And again, stop with Esc")
     c.wait_until("() => [...document.querySelectorAll('[data-testid=message-assistant]')].pop()?.dataset.state === 'streaming'")
+    # The second answer's frames follow anything still sent for the first on the same socket.
+    first = "() => document.querySelector('[data-testid=message-assistant]').view.text"
+    assert c.js(first) == final, "text kept arriving after Stop"
     c.page.keyboard.press("Escape")
     assert c.wait_done(timeout=10) == "cancelled"
 
@@ -334,7 +232,8 @@ def test_enter_during_ime_composition_does_not_send(chat):
         // Still composing (no compositionend yet): a plain Enter must not send either.
         box.dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter', code: 'Enter', bubbles: true, cancelable: true}));
     }""")
-    time.sleep(0.5)
+    # Handlers run inside dispatchEvent; a frame later anything they started has shown.
+    c.js("() => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(done)))")
     assert c.page.locator("[data-testid=message-user]").count() == 0
     assert c.page.input_value("[data-testid=prompt]") == "にほんご"
     c.js("""() => document.querySelector('[data-testid=prompt]')

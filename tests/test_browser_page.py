@@ -11,8 +11,7 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 
-from test_browser import browser, chat  # noqa: F401  (fixtures)
-from test_models import UPSTREAM_MODELS, Upstream
+from helpers import UPSTREAM_MODELS, Chat, Upstream
 
 LAST_ASSISTANT = "[...document.querySelectorAll('[data-testid=message-assistant]')].pop()"
 DISTANCE = "(() => { const m = document.getElementById('messages'); return m.scrollHeight - m.scrollTop - m.clientHeight; })()"
@@ -441,7 +440,6 @@ def multi_model(server_factory):
 
 @WIDTHS
 def test_the_model_picker_picks_per_conversation(browser, multi_model, width, height):
-    from test_browser import Chat
     srv, handler = multi_model
     c = Chat(browser, srv.url, width=width, height=height).open()
     try:

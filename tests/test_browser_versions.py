@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from test_browser import ARTIFACTS, browser, chat  # noqa: F401  (fixtures)
+from helpers import ARTIFACTS
 
 LAST_ASSISTANT = "[...document.querySelectorAll('[data-testid=message-assistant]')].pop()"
 

@@ -20,6 +20,7 @@ from flask_sock import Sock
 from werkzeug.serving import make_server
 
 from chat import client
+from helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -178,12 +179,6 @@ def run_cli(*args, input=None, timeout=30, env=None):
                           text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---------------------------------------------------------------- unit tests (fake server)
 
 def test_one_shot_prints_the_answer(fake, capsys):
@@ -336,6 +331,20 @@ class Tty:
     def write(self, data: bytes) -> None:
         os.write(self.fd, data)
 
+    def wait_for_a_key(self, timeout=10.0) -> None:
+        """Wait until the client's main thread blocks in readline's wait for a key (select/poll)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{self.pid}/wchan") as f:
+                    wchan = f.read()
+            except OSError:
+                wchan = ""
+            if "select" in wchan or "poll" in wchan:
+                return
+            time.sleep(0.01)
+        raise AssertionError("the client never waited for a key")
+
     def wait(self, timeout=10.0) -> int:
         """The exit status, once the client has exited."""
         deadline = time.monotonic() + timeout
@@ -365,7 +374,7 @@ def test_interactive_on_a_tty_ctrl_c_cancels_then_quits(fake):
     tty.expect(b"> ")
     # CPython's readline misses a SIGINT that lands between printing the prompt
     # and waiting for a key; a person is never that fast.
-    time.sleep(0.3)
+    tty.wait_for_a_key()
     tty.write(b"\x03")  # Ctrl-C at the prompt: quit
     assert tty.wait() == 0
     chats = fake.frames("chat")

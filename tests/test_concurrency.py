@@ -5,7 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import ROOT
+from helpers import ROOT
 
 # The work waits for a lock that only another greenlet releases: if it ran on the event loop,
 # that greenlet could never run and the wait would end by its (deadlock-guard) timeout instead.
@@ -36,7 +36,7 @@ def test_run_in_thread_leaves_the_gevent_loop_free_and_passes_errors_back():
 
 def test_submit_fits_the_prompt_through_run_in_thread(tiny_model, tmp_path, monkeypatch):
     from chat.engine import GenParams, local
-    from test_engine import ask, collect, make_engine
+    from helpers import ask, collect, make_engine
 
     calls = []
 

@@ -10,7 +10,7 @@ import pytest
 from chat import docs
 from chat.config import Settings
 from chat.errors import ConfigError
-from conftest import GUNICORN, ROOT
+from helpers import GUNICORN, ROOT
 
 CLIENT_VARIABLES = {"CHAT_URL", "CHAT_CLIENT_ID"}  # read by python -m chat.client, not by the server
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import ROOT
+from helpers import ROOT
 
 SCRIPT = textwrap.dedent("""
     from gevent import monkey

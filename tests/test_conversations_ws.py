@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from conftest import WS, conv_of, cookie_for, http_get, in_threads, text_of, wait_settled
+from helpers import (WS, conv_of, cookie_for, finished_answer_resumes, http_get, in_threads, resume_after_forced_drops,
+                     text_of, wait_settled)
 
 
 @pytest.fixture(scope="module")
@@ -16,67 +17,8 @@ def server(app_server):
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
 
 
-def resume_after_forced_drops(server, others=()) -> None:
-    """Drop the socket four times mid-answer; resuming loses and repeats nothing (shared with test_e2e.py).
-
-    With ``others`` (servers sharing state), each reconnection goes to the next server in turn.
-    """
-    servers = [server, *others]
-    cookie = cookie_for(server)
-    client = WS(server.ws_url, cookie=cookie)
-    client.send({"type": "chat", "id": "res", "content": "go on", "params": {**LONG, "max_new_tokens": 400}})
-    got = {}
-    conv = None
-    for drop in range(4):
-        while True:
-            frame = client.recv()
-            if frame["type"] == "start":
-                conv = frame["conversation_id"]
-            if frame["type"] == "delta":
-                assert frame["index"] not in got, "delta repeated"
-                got[frame["index"]] = frame["text"]
-                if len(got) >= 20 * (drop + 1):
-                    break
-            if frame["type"] == "done":
-                break
-        if frame["type"] == "done":
-            break
-        client.conn.sock.close()  # no close frame: like a network loss
-        client = WS(servers[(drop + 1) % len(servers)].ws_url, cookie=cookie)
-        client.send({"type": "resume", "id": "res", "from": len(got)})
-    if frame["type"] != "done":
-        frames = client.until(lambda f: f["type"] == "done")
-        for f in frames:
-            if f["type"] == "delta":
-                assert f["index"] not in got, "delta repeated"
-                got[f["index"]] = f["text"]
-        frame = frames[-1]
-    client.close()
-    assert frame["reason"] == "length" and sorted(got) == list(range(len(got)))
-    stored = wait_settled(server, cookie, conv)["messages"][-1]
-    assert stored["content"] == "".join(got[i] for i in range(len(got)))
-
-
 def test_resume_after_forced_drops_loses_and_repeats_nothing(server):
     resume_after_forced_drops(server)
-
-
-def finished_answer_resumes(server, other=None) -> None:
-    """A finished answer resumed within the grace (on ``other`` when given, a worker sharing state)
-    replays exactly the deltas from ``from``, then the same ``done`` (shared with test_state_redis.py)."""
-    cookie = cookie_for(server)
-    client = WS(server.ws_url, cookie=cookie)
-    frames = client.chat("short", rid="fin", params={"temperature": 0, "max_new_tokens": 15})
-    client.close()
-    again = WS((other or server).ws_url, cookie=cookie)
-    again.send({"type": "resume", "id": "fin", "from": 3})
-    replay = again.until(lambda f: f["type"] == "done")
-    deltas = sum(1 for f in frames if f["type"] == "delta")
-    assert [f["index"] for f in replay[:-1]] == list(range(3, deltas))
-    assert "".join(f["text"] for f in replay[:-1]) == text_of(frames)[len("".join(
-        f["text"] for f in frames if f["type"] == "delta" and f["index"] < 3)):]
-    assert replay[-1] == frames[-1]
-    again.close()
 
 
 def test_finished_answer_is_resumable_within_grace(server):

@@ -8,10 +8,9 @@ from __future__ import annotations
 import signal
 import time
 
-from conftest import WS, conv_of, conversation, cookie_for, http_get, text_of
+from helpers import (WS, chat_streams_and_stores_the_answer, conv_of, conversation, cookie_for, http_get,
+                     resume_after_forced_drops, text_of)
 
-from test_conversations_ws import resume_after_forced_drops
-from test_protocol import chat_streams_and_stores_the_answer
 
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
 

@@ -1,30 +1,11 @@
 """The engine in-process (no gevent): batching, seeds, cancel, queue, prefix reuse."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from chat.config import Settings
-from chat.engine.local import LocalEngine
 from chat.engine import Delta, Done, GenParams, Queued, Started
 from chat.errors import Overloaded
-
-
-def wait_ready(engine, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not engine.ready:
-        assert engine.error is None, engine.error
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    return engine
-
-
-def make_engine(tiny_model, tmp_path, **overrides):
-    overrides = {"dtype": "float32", **overrides}
-    settings = Settings.from_env({}, model=str(tiny_model), data_dir=str(tmp_path),
-                                 max_new_tokens=4096, context_tokens=8192, threads=1, **overrides)
-    return wait_ready(LocalEngine(settings))
+from helpers import QUESTIONS, ask, collect, make_engine
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +13,6 @@ def engine(tiny_model, tmp_path_factory):
     eng = make_engine(tiny_model, tmp_path_factory.mktemp("engine"))
     yield eng
     eng.shutdown()
-
-
-def ask(text, system="You are terse."):
-    return [{"role": "system", "content": system}, {"role": "user", "content": text}]
-
-
-def collect(gen):
-    events = list(gen)
-    text = "".join(e.text for e in events if isinstance(e, Delta))
-    return text, events
-
-
-QUESTIONS = ["hello", "what is two plus two", "tell me a story about a cat", "why is the sky blue"]
 
 
 def test_batched_greedy_equals_unbatched(engine):

@@ -15,7 +15,7 @@ from chat.engine import GenParams, Generation
 from chat.engine.events import Started
 from chat.errors import ProtocolError
 from chat.state.local_limits import LocalLimits as Limits
-from conftest import ROOT, WS, conv_of, cookie_for, http_get, in_threads, text_of, wait_settled
+from helpers import ROOT, WS, conv_of, cookie_for, http_get, in_threads, text_of, wait_settled
 from fakes import FakeEngine
 
 # Per-address limits low enough that 20 requests from one address would hit every one of them.

@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 
 from chat.engine import Delta, GenParams
-from conftest import in_threads
-from test_engine import QUESTIONS, ask, collect, make_engine
+from helpers import QUESTIONS, ask, collect, in_threads, make_engine
 
 GREEDY = GenParams(temperature=0, max_new_tokens=24)
 LONG = "please summarise the following notes carefully: " + "the committee met and argued at length. " * 30

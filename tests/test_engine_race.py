@@ -6,8 +6,7 @@ import sys
 import threading
 
 from chat.engine import Delta, Done, GenParams
-from conftest import in_threads
-from test_engine import ask, make_engine
+from helpers import ask, in_threads, make_engine
 
 
 def last_reason(gen) -> str:

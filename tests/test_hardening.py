@@ -11,8 +11,7 @@ import uuid
 import pytest
 import websocket
 
-from conftest import WS, conv_of, http_get
-from test_operations import handshake_status
+from helpers import WS, conv_of, handshake_status, http_get
 
 KEY = "s3cret-key_0123"
 SHORT = {"max_new_tokens": 2}

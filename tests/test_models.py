@@ -4,49 +4,15 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
 from chat.config import Settings
 from chat.engine import GenParams
 from chat.engine.remote import RemoteEngine
-from conftest import WS, cookie_for, conv_of, text_of
-from test_openai_api import wait_for
-from test_remote import collect
-
-UPSTREAM_MODELS = ["qwen2.5:0.5b", "llama3.2:1b", "qwen2.5:7b", "embed-only"]
-
-
-class Upstream(BaseHTTPRequestHandler):
-    """An OpenAI-compatible backend serving several models: it lists ``models`` and answers each
-    completion with the name of the model it was asked for."""
-
-    protocol_version = "HTTP/1.0"
-    models: list = UPSTREAM_MODELS
-    asked: list = []
-
-    def log_message(self, *args):
-        pass
-
-    def do_GET(self):
-        body = json.dumps({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_POST(self):
-        model = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["model"]
-        self.asked.append(model)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for delta, finish in (({"content": f"I am {model}."}, None), ({}, "stop")):
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
-        self.wfile.write(b"data: [DONE]\n\n")
+from helpers import UPSTREAM_MODELS, WS, Upstream, conv_of, cookie_for, text_of, wait_for
+from helpers import events_of as collect
 
 
 @pytest.fixture

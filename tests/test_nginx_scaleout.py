@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WS, free_port, text_of
+from helpers import WS, free_port, text_of
 from fakes import FakeEngine
 from services import Nginx, render_site, start_nginx
 

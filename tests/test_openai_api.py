@@ -6,20 +6,13 @@ import json
 import time
 
 import pytest
-from flask import Flask
 
-from chat import create_app
 from chat.config import Settings
 from chat.errors import Overloaded, PromptTooLong
-from chat.store import Store
 from fakes import WORDS, AppServer, FakeEngine
+from helpers import make_app, metric, wait_for
 
 openai = pytest.importorskip("openai")
-
-
-def make_app(engine, **settings) -> Flask:
-    """The whole app around ``engine``, with an in-memory store."""
-    return create_app(Settings(**settings), engine=engine, store=Store(":memory:"))
 
 
 @pytest.fixture
@@ -47,16 +40,6 @@ def live(app):
 @pytest.fixture
 def sdk(live):
     return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=10)
-
-
-def wait_for(predicate, timeout=3.0):
-    """Poll until ``predicate()`` is true; False on timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 HELLO = [{"role": "user", "content": "hi"}]
@@ -342,16 +325,6 @@ def test_rate_limited_per_address(engine):
 # ---- against the real server: gunicorn + gevent, tiny model (fixtures in conftest.py)
 
 STORY = [{"role": "user", "content": "Tell me a long story."}]
-
-
-def metric(server, name: str) -> float:
-    """One unlabelled sample from the server's /metrics."""
-    from conftest import http_get
-    status, _, body = http_get(server.url + "/metrics")
-    for line in body.decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics ({status}): {body[:300]!r}")
 
 
 def live_sdk(server, key="unused"):

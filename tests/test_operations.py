@@ -6,29 +6,18 @@ import json
 import random
 import re
 import threading
-import time
 
 import websocket
 
-from conftest import WS, http_get, in_threads, text_of
+from helpers import WS, at_rest, conv_of, handshake_status, http_get, in_threads, metric, text_of, until, wait_for
 
 
-def metric(server, name: str, labels: str = "") -> float:
-    """One sample from /metrics (0 when absent)."""
-    body = http_get(server.url + "/metrics")[2].decode()
-    pattern = re.compile(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", re.M)
-    match = pattern.search(body)
-    return float(match.group(1)) if match else 0.0
-
-
-def handshake_status(url: str, **kwargs) -> int:
-    """101 when the upgrade succeeds, else the HTTP status the server refused with."""
+def accepted(url: str):
+    """A connected client, or None while the server refuses the handshake."""
     try:
-        conn = websocket.create_connection(url, timeout=10, **kwargs)
-    except websocket.WebSocketBadStatusException as exc:
-        return exc.status_code
-    conn.close()
-    return 101
+        return WS(url)
+    except websocket.WebSocketBadStatusException:
+        return None
 
 
 def test_metrics_move_after_a_chat(server):
@@ -57,6 +46,15 @@ def test_metrics_move_after_a_chat(server):
     assert metric(server, "chat_ready") == 1 and metric(server, "process_resident_memory_bytes") > 0
 
 
+def test_metrics_count_prompt_tokens_reused_from_the_prefix_cache(server):
+    client = WS(server.ws_url)
+    first = client.chat("remember this", rid="p1", params={"temperature": 0, "max_new_tokens": 5})
+    before = metric(server, "chat_prompt_tokens_reused_total")
+    client.chat("and now?", rid="p2", conversation_id=conv_of(first), params={"temperature": 0, "max_new_tokens": 5})
+    client.close()
+    assert metric(server, "chat_prompt_tokens_reused_total") > before  # the first turn's KV was kept
+
+
 def test_cross_origin_handshake_is_refused(app_factory):
     srv = app_factory(allowed_origins=("https://chat.example.com",))
     host = f"127.0.0.1:{srv.port}"
@@ -72,8 +70,8 @@ def test_connection_rate_and_frame_limits(app_factory):
     a, b = WS(srv.ws_url), WS(srv.ws_url)
     assert handshake_status(srv.ws_url) == 429
     b.close()
-    time.sleep(0.5)
-    c = WS(srv.ws_url)  # a slot freed up
+    c = until(lambda: accepted(srv.ws_url), timeout=10)  # a slot freed up once the server saw b go
+    assert c is not None, "the closed connection's slot was not freed"
     for rid in ("r1", "r2"):
         assert a.chat("hi", rid=rid, params={"max_new_tokens": 3})[-1]["type"] == "done"
     limited = a.chat("hi", rid="r3", params={"max_new_tokens": 3})[-1]
@@ -124,8 +122,7 @@ def test_logs_leave_out_message_text_unless_asked(server_factory):
         client = WS(srv.ws_url)
         frames = client.chat("PINEAPPLE-SECRET", params={"temperature": 0, "max_new_tokens": 10})
         client.close()
-        time.sleep(0.3)
-        lines = [line for line in srv.log().splitlines() if "generation {" in line]
+        lines = until(lambda: [line for line in srv.log().splitlines() if "generation {" in line])
         record = json.loads(lines[-1].split("generation ", 1)[1])
         assert record["reason"] == "length" and record["completion_tokens"] == 10
         assert record["ttft_ms"] is not None and "tokens_per_s" in record
@@ -146,8 +143,7 @@ def test_soak_leaves_no_leaks_and_consistent_conversations(server_factory):
 
     for _ in range(5):
         warm()
-    time.sleep(1.5)
-    base = {m: metric(srv, m) for m in ("chat_os_threads", "chat_greenlets", "process_resident_memory_bytes")}
+    base = at_rest(srv, hold=1.5)  # past the resume grace: the warm answers' runs have expired
     outcomes = {"done": 0, "cancelled": 0, "dropped": 0}
     lock = threading.Lock()
 
@@ -177,11 +173,10 @@ def test_soak_leaves_no_leaks_and_consistent_conversations(server_factory):
 
     in_threads(worker, 8, timeout=600)
     assert sum(outcomes.values()) == 320, outcomes
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (metric(srv, "chat_active_generations") or
-                                           metric(srv, "chat_ws_connections")):
-        time.sleep(0.2)
-    time.sleep(1.5)  # resume grace and finished-run expiry
+    # Polled: the dropped answers finish, then their runs expire after the resume grace.
+    wait_for(lambda: (not metric(srv, "chat_active_generations") and not metric(srv, "chat_ws_connections")
+                      and metric(srv, "chat_os_threads") <= base["chat_os_threads"]
+                      and metric(srv, "chat_greenlets") <= base["chat_greenlets"] + 2), timeout=60)
     assert metric(srv, "chat_active_generations") == 0 and metric(srv, "chat_queue_depth") == 0
     assert metric(srv, "chat_ws_connections") == 0
     assert metric(srv, "chat_os_threads") <= base["chat_os_threads"]

@@ -7,7 +7,8 @@ import time
 import pytest
 import websocket
 
-from conftest import WS, conv_of, cookie_for, http_get, in_threads, start_of, text_of
+from helpers import (WS, chat_streams_and_stores_the_answer, conv_of, cookie_for, http_get, in_threads, start_of,
+                     text_of)
 from fakes import FakeEngine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40}
@@ -26,28 +27,6 @@ def test_ready_frame(ws):
     assert ready["model"]
     assert set(ready["limits"]) == {"max_content_chars", "max_new_tokens", "context_tokens",
                                     "max_active_per_connection"}
-
-
-def chat_streams_and_stores_the_answer(server) -> None:
-    """start, deltas, one done; the stored answer is the deltas joined (shared with test_e2e.py)."""
-    cookie = cookie_for(server)
-    client = WS(server.ws_url, cookie=cookie)
-    frames = client.chat("Hello there", params=GREEDY)
-    kinds = [f["type"] for f in frames if f["type"] != "queued"]
-    assert kinds[0] == "start" and kinds[-1] == "done" and kinds.count("done") == 1
-    start, done = start_of(frames), frames[-1]
-    assert done["reason"] == "length"
-    assert done["usage"]["completion_tokens"] == 40 and done["usage"]["prompt_tokens"] > 0
-    assert set(done["timings"]) == {"ttft_ms", "total_ms", "tokens_per_s"}
-    answer = text_of(frames)
-    assert answer
-    status, _, body = http_get(f"{server.url}/api/conversations/{start['conversation_id']}",
-                               headers={"Cookie": cookie})
-    messages = json.loads(body)["messages"]
-    assert [m["role"] for m in messages] == ["user", "assistant"]
-    assert messages[0]["content"] == "Hello there"
-    assert messages[1]["content"] == answer and messages[1]["id"] == start["message_id"]
-    client.close()
 
 
 def test_chat_streams_and_stores_the_answer(server):

@@ -5,7 +5,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,9 +18,9 @@ from chat.config import Settings
 from chat.errors import EngineUnavailable, Overloaded
 from chat.engine.remote import RemoteEngine
 from chat.engine import Delta, Done, GenParams, Refused, Started
-from conftest import ROOT
 from fakes import WORDS, AppServer, FakeEngine
-from test_openai_api import make_app, wait_for
+from helpers import ROOT, free_port, make_app, wait_for
+from helpers import events_of as collect
 
 HELLO = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
 
@@ -31,17 +30,6 @@ def remote(url, **settings) -> RemoteEngine:
     engine = RemoteEngine(Settings(backend="openai", backend_url=url, **settings))
     wait_for(lambda: engine.ready or engine.error)
     return engine
-
-
-def collect(gen, timeout=10.0):
-    """Every event of ``gen`` (fails the test if its end does not come in time)."""
-    events = []
-    deadline = time.monotonic() + timeout
-    while not events or not isinstance(events[-1], (Done, Refused)):
-        event = gen.next_event(max(deadline - time.monotonic(), 0))
-        assert event is not None, f"no done within {timeout} s; got {events}"
-        events.append(event)
-    return events
 
 
 def text_of(events):
@@ -119,12 +107,6 @@ def scripted():
 def chunk(text):
     choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
     return f"data: {json.dumps({'choices': [choice]})}\n\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- against this server's own /v1 with a fake engine behind it
@@ -294,14 +276,14 @@ def front(server_factory, server):
 
 def ws_client(front):
     """A WebSocket client on B with an identity cookie, so its conversations can be read back."""
-    from conftest import WS
+    from helpers import WS
     client = secrets.token_urlsafe(24)
     return WS(front.ws_url, cookie=f"chat_client={client}"), client
 
 
 def stored_answer(front, client, conversation_id) -> dict:
     """The last message of a conversation as B stored it."""
-    from conftest import http_get
+    from helpers import http_get
     status, _, body = http_get(f"{front.url}/api/conversations/{conversation_id}",
                                headers={"Cookie": f"chat_client={client}"})
     assert status == 200, body
@@ -309,13 +291,13 @@ def stored_answer(front, client, conversation_id) -> dict:
 
 
 def active(server) -> float:
-    from test_openai_api import metric
+    from helpers import metric
     return metric(server, "chat_active_generations")
 
 
 def test_front_answers_like_the_backend(front, server):
     import openai
-    from conftest import text_of as ws_text
+    from helpers import text_of as ws_text
     ws, client = ws_client(front)
     try:
         assert ws.ready["model"] == server_model(server)
@@ -336,7 +318,7 @@ def test_front_answers_like_the_backend(front, server):
 
 
 def server_model(server) -> str:
-    from conftest import http_get
+    from helpers import http_get
     return json.loads(http_get(f"{server.url}/v1/models")[2])["data"][0]["id"]
 
 

@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 import pytest
 
-from conftest import ROOT, WS, conv_of, conversation, cookie_for, http_get, text_of, wait_settled
-from redis_server import RedisServer
+from helpers import (ROOT, WS, cancel_and_stop_from_the_other, conv_of, conversation, cookie_for, http_get,
+                     resume_after_forced_drops, text_of, wait_for, wait_settled)
 from services import Nginx
-from test_conversations_ws import resume_after_forced_drops
-from test_openai_api import wait_for
-from test_state_redis import cancel_and_stop_from_the_other
 
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
 RATE = 12  # chats per client per minute on the web tier
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer()
-    yield server
-    server.close()
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +114,9 @@ def test_killing_an_instance_mid_answer_keeps_the_conversation_consistent(cluste
     client = WS(doomed.ws_url, cookie=cookie)
     client.send({"type": "chat", "id": "k", "content": "go", "params": LONG})
     frames = client.until(lambda f: f["type"] == "delta" and f["index"] >= 20)
-    time.sleep(1.5)  # at least one checkpoint
-    doomed.stop(signal.SIGKILL)
     conv = conv_of(frames)
+    assert wait_for(lambda: conversation(b, cookie, conv)[1]["messages"][-1]["content"], 10), "no checkpoint"
+    doomed.stop(signal.SIGKILL)
     received = text_of(frames)
     status, data = conversation(b, cookie, conv)
     assert status == 200 and data["messages"][-1]["content"]
@@ -142,6 +131,13 @@ def test_killing_an_instance_mid_answer_keeps_the_conversation_consistent(cluste
     again.close()
 
 
+def beating(redis_server, servers) -> bool:
+    """Whether every worker of ``servers`` has its heartbeat key (chat:alive:<host>:<pid>) in Redis."""
+    import redis
+    pids = {key.decode().rsplit(":", 1)[-1] for key in redis.Redis.from_url(redis_server.url).keys("chat:alive:*")}
+    return all(str(worker.pid) in pids for srv in servers for worker in srv.workers())
+
+
 def test_redis_restarted_mid_answer_loses_nothing(cluster, redis_server):
     _, (a, b), _ = cluster
     cookie = cookie_for(a)
@@ -153,6 +149,6 @@ def test_redis_restarted_mid_answer_loses_nothing(cluster, redis_server):
     assert frames[-1]["reason"] == "length"
     stored = wait_settled(a, cookie, conv_of(frames))["messages"][-1]
     assert stored["content"] == text_of(frames) and stored["status"] == "complete"
-    time.sleep(2.5)  # heartbeats put every worker back
+    assert wait_for(lambda: beating(redis_server, (a, b)), 10), "the heartbeats did not put every worker back"
     after = WS(b.ws_url, cookie=cookie).chat("still there?", rid="after", params={"max_new_tokens": 3})
     assert after[-1]["type"] == "done"

@@ -8,7 +8,7 @@ import threading
 import pytest
 import websocket
 
-from conftest import WS, conv_of, cookie_for, conversation, text_of
+from helpers import WS, conv_of, cookie_for, conversation, text_of
 from fakes import FakeEngine
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import WS, text_of
+from helpers import WS, text_of
 
 
 @pytest.mark.real_model

@@ -12,8 +12,7 @@ import urllib.request
 
 import websocket
 
-from conftest import WS, conv_of, http_get
-from test_operations import metric
+from helpers import WS, at_rest, conv_of, http_get, metric, wait_for
 
 USERS = 4
 TURNS = 5
@@ -179,14 +178,16 @@ def test_abusers_beside_well_behaved_users(server_factory, capsys):
         warm = WS(srv.ws_url, header=[f"X-Forwarded-For: 192.0.2.{i}"])
         warm.chat("warm", params={"max_new_tokens": 20})
         warm.close()
-    time.sleep(2)
     names = ("chat_os_threads", "chat_greenlets", "process_resident_memory_bytes")
-    base = {m: metric(srv, m) for m in names}
+    base = at_rest(srv, hold=2)  # past the resume grace (1 s): the warm answers' runs have expired
     stop = threading.Event()
     abuse = Abuse(srv, stop)
     for thread in abuse.threads:
         thread.start()
-    time.sleep(3)  # let the abuse build up before the users arrive
+    # The users arrive once every abuser is at work (the slow readers count only when cut, later).
+    at_work = ("hog chats", "flood ", "v1 oversized", "raw garbage")
+    assert wait_for(lambda: all(any(k.startswith(w) for k in abuse.counts) for w in at_work), timeout=60), \
+        abuse.counts
     answers: dict = {}
     health: list = []
 
@@ -223,7 +224,14 @@ def test_abusers_beside_well_behaved_users(server_factory, capsys):
     while time.monotonic() < deadline and (metric(srv, "chat_active_generations") or
                                            metric(srv, "chat_ws_connections") or metric(srv, "chat_queue_depth")):
         time.sleep(0.5)
-    time.sleep(3)  # resume grace, finished-run expiry, the anonymous clean-up
+
+    def anonymous_left() -> int:
+        with sqlite3.connect(srv.workdir / "data" / "chat.db") as db:
+            return db.execute("SELECT count(*) FROM conversations WHERE client_id LIKE 'anon:%'").fetchone()[0]
+
+    # Polled: the resume grace, finished-run expiry and the anonymous clean-up take a few seconds.
+    wait_for(lambda: (anonymous_left() == 0 and metric(srv, "chat_os_threads") <= base["chat_os_threads"]
+                      and metric(srv, "chat_greenlets") <= base["chat_greenlets"] + 2), timeout=60)
     after = {m: metric(srv, m) for m in names}
     latencies = sorted(s for got in answers.values() for _, _, s in got)
     health_s = sorted(s for _, s in health)
@@ -256,5 +264,4 @@ def test_abusers_beside_well_behaved_users(server_factory, capsys):
     assert after["chat_greenlets"] <= base["chat_greenlets"] + 2
     grown = after["process_resident_memory_bytes"] - base["process_resident_memory_bytes"]
     assert grown < 150 * 2**20, f"resident memory grew by {grown / 2**20:.0f} MiB"
-    with sqlite3.connect(srv.workdir / "data" / "chat.db") as db:  # nobody can reach these: none kept
-        assert db.execute("SELECT count(*) FROM conversations WHERE client_id LIKE 'anon:%'").fetchone()[0] == 0
+    assert anonymous_left() == 0  # nobody can reach these: none kept

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from chat.engine.sse import MAX_LINE_BYTES, Body
-from conftest import ROOT
+from helpers import ROOT
 
 EVENTS = [b'data: {"choices":[{"delta":{"content":"%d"}}]}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]
 LINES = [line for event in EVENTS for line in event.split(b"\n")[:-1]]

@@ -14,7 +14,6 @@ from chat.errors import ProtocolError
 from chat.limits import Limits
 from chat.runs import Run, RunRegistry
 from chat.state import open_state
-from redis_server import RedisServer
 
 A, B = "198.51.100.7", "203.0.113.9"
 ALICE, BOB, CAROL = "alice-0123456789abcd", "bob-0123456789abcdefg", "carol-0123456789abcde"
@@ -23,10 +22,8 @@ OPEN = {"rate_limit_per_min": 0, "rate_limit_per_ip_per_min": 0, "max_active_per
 
 
 @pytest.fixture(scope="module")
-def redis_url():
-    server = RedisServer()
-    yield server.url
-    server.close()
+def redis_url(redis_server):
+    return redis_server.url
 
 
 @pytest.fixture(params=["local", "redis"])

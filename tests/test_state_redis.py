@@ -6,19 +6,11 @@ import time
 
 import pytest
 
-from conftest import WS, conv_of, cookie_for, text_of, wait_settled
+from helpers import (WS, cancel_and_stop_from_the_other, conv_of, cookie_for, finished_answer_resumes,
+                     resume_after_forced_drops, text_of, wait_settled)
 from fakes import AppServer, FakeEngine
-from redis_server import RedisServer
-from test_conversations_ws import finished_answer_resumes, resume_after_forced_drops
 
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer()
-    yield server
-    server.close()
 
 
 @pytest.fixture
@@ -57,27 +49,6 @@ def test_resume_on_the_other_worker_loses_and_repeats_nothing(pair):
 def test_a_finished_answer_resumes_from_the_other_worker(pair):
     a, b = pair()
     finished_answer_resumes(a, b)
-
-
-def cancel_and_stop_from_the_other(a, b) -> None:
-    """An answer running on ``a``: cancel sent on ``b`` ends it; so does stop on ``b``, on the socket
-    that resumed it there (shared with test_scaleout.py)."""
-    cookie = cookie_for(a)
-    runner = WS(a.ws_url, cookie=cookie)
-    runner.send({"type": "chat", "id": "long", "content": "go", "params": LONG})
-    runner.until(lambda f: f["type"] == "delta")
-    other = WS(b.ws_url, cookie=cookie)
-    other.send({"type": "cancel", "id": "long"})
-    assert runner.until(lambda f: f["type"] == "done")[-1]["reason"] == "cancelled"
-    runner.send({"type": "chat", "id": "again", "content": "go", "params": LONG})
-    runner.until(lambda f: f["type"] == "delta")
-    runner.conn.sock.close()
-    follower = WS(b.ws_url, cookie=cookie)
-    follower.send({"type": "resume", "id": "again", "from": 0})
-    follower.until(lambda f: f["type"] == "delta")
-    follower.send({"type": "stop"})
-    assert follower.until(lambda f: f["type"] == "done")[-1]["reason"] == "cancelled"
-    other.close()
 
 
 def test_cancel_and_stop_reach_the_worker_that_runs_the_answer(pair):

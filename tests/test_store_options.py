@@ -7,7 +7,8 @@ import pytest
 
 from chat.store import MIGRATIONS, Store
 from chat.store import pg_schema
-from test_store_versions import ALICE, BOB, LIMIT, _answer, _code, store  # noqa: F401  (store: a fixture)
+from helpers import ALICE, BOB, LIMIT
+from helpers import add_answer as _answer, error_code as _code
 
 
 def _ids(store, client=ALICE):

@@ -12,7 +12,7 @@ import pytest
 from chat import create_app
 from chat.config import Settings
 from chat.store import Store, open_store
-from conftest import WS, conv_of, cookie_for, http_get, text_of, wait_settled
+from helpers import WS, conv_of, cookie_for, http_get, text_of, wait_settled
 from fakes import AppServer, FakeEngine
 
 ROOT = Path(__file__).resolve().parent.parent

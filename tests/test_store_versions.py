@@ -4,25 +4,9 @@ import sqlite3
 
 import pytest
 
-from chat.errors import ProtocolError
 from chat.store import MIGRATIONS, Store
-
-ALICE = "alice-client-0123456789"
-BOB = "bob-client-0123456789ab"
-LIMIT = 1000
-
-
-@pytest.fixture
-def store(db_path):
-    s = Store(db_path)
-    yield s
-    s.close()
-
-
-def _answer(store, conv_id, text, reason="stop", parent=None):
-    mid = store.start_assistant(conv_id, parent)
-    store.finish_assistant(mid, text, reason, {"prompt_tokens": 1, "completion_tokens": 1}, {})
-    return mid
+from helpers import ALICE, BOB, LIMIT
+from helpers import add_answer as _answer, error_code as _code
 
 
 @pytest.fixture
@@ -38,12 +22,6 @@ def chat(store):
 
 def _path(store, conv_id, client=ALICE):
     return [m["content"] for m in store.get_conversation(client, conv_id)["messages"]]
-
-
-def _code(call, *args, **kwargs):
-    with pytest.raises(ProtocolError) as err:
-        call(*args, **kwargs)
-    return err.value.code
 
 
 def test_migration_turns_old_conversations_into_single_paths(tmp_path):

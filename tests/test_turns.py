@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
-from conftest import WS, conv_of, cookie_for, http_get
+from helpers import WS, conv_of, cookie_for, http_get
 from fakes import FakeEngine
 
 NOWHERE = "0123456789abcdef0123456789abcdef"

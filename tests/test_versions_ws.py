@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from conftest import WS, conv_of, conversation, cookie_for, start_of, text_of, wait_settled
+from helpers import WS, conv_of, conversation, cookie_for, start_of, text_of, wait_settled
 
 SHORT = {"temperature": 0, "max_new_tokens": 8}
 

@@ -1,0 +1,147 @@
+"""The report's judgements: the goals (issue 10's for the engine, issue 14's for the web tier, issue 24's
+against llama.cpp's server) each with its measured value, and the raw figures behind them."""
+from __future__ import annotations
+
+import statistics
+
+from . import peer, webtier
+from .phases import MiB, RAW
+
+LLAMA_CPP = [  # measured in issue 10 on a 2-core AMD EPYC with native bf16, same model as GGUF
+    ("llama.cpp server, one stream tok/s", 153), ("llama.cpp server, 8 slots aggregate tok/s", 243),
+    ("llama.cpp server, first token with 8 users ms", 49),
+    ("raw transformers forward loop there, batch 8 tok/s", 240)]
+
+
+def reference(res: dict) -> dict:
+    """The in-process limit: the mean of its run before the server started and its run right after the
+    single-stream phases, so a drift of the machine's speed between phases (±15 % on a shared VM)
+    biases the ratios less. Raw loops and generate alike."""
+    runs = [r for r in (res.get("inprocess"), res.get("inprocess_after")) if r and "error" not in r]
+    if not runs:
+        return {}
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return statistics.fmean(values) if values else None
+
+    merged = {**runs[0], "tok_s": mean(r.get("tok_s") for r in runs),
+              "prefill_s": mean(r.get("prefill_s") for r in runs)}
+    merged["raw"] = {b: {key: mean((r.get("raw") or {}).get(b, {}).get(key) for r in runs)
+                         for key in ("tok_s", "step_ms")} for b in runs[0].get("raw") or {}}
+    return merged
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def targets(res: dict) -> list[dict]:
+    """The goals of issue 10, each with its measured value."""
+    def row(metric, value, goal, ok):
+        return {"metric": metric, "value": value, "goal": goal, "ok": None if value is None else ok(value)}
+
+    inproc, single, sampled = reference(res), res.get("single") or {}, res.get("sampled") or {}
+    sweep = {r["streams"]: r for r in res.get("concurrency") or [] if "error" not in r}
+    cancel, multi, mem = res.get("cancel") or {}, res.get("multiturn") or {}, res.get("memory") or {}
+    join, big = res.get("join") or {}, res.get("v1_big") or {}
+    raw8 = ((inproc.get("raw") or {}).get("8") or {}).get("tok_s")
+    agg8 = (sweep.get(8) or {}).get("aggregate_tok_s")
+
+    def paired(phase: dict):
+        """Median over this phase's runs of each one ÷ the in-process generate right after it; without
+        those, the phase's median ÷ the before/after in-process mean."""
+        return phase.get("paired_ratio_p50") or ratio(phase.get("tok_s_p50"), inproc.get("tok_s"))
+
+    step_ms = 1000 / single["tok_s_p50"] if single.get("tok_s_p50") else None
+    delta = mem["peak_rss"] - mem["idle_rss"] if mem.get("peak_rss") and mem.get("idle_rss") else None
+    return [
+        row("one stream sampled (T 0.7, top-p 0.9) over WS ÷ greedy in-process generate",
+            paired(sampled), "≥ 0.95", lambda v: v >= 0.95),
+        row("one stream greedy over WS ÷ greedy in-process generate",
+            paired(single), "≥ 0.95", lambda v: v >= 0.95),
+        row("aggregate tok/s at 8 streams ÷ one stream", ratio(agg8, single.get("aggregate_tok_s_p50")),
+            "≥ 5", lambda v: v >= 5),
+        row("aggregate tok/s at 8 streams ÷ raw batch-8 forward loop", ratio(agg8, raw8), "≥ 0.85",
+            lambda v: v >= 0.85),
+        row("p95 TTFD at 8 ÷ single", ratio((sweep.get(8) or {}).get("ttfd_p95_s"), single.get("ttfd_p95_s")),
+            "≤ 3", lambda v: v <= 3),
+        row("2000-token prompt joining 4 streams: their max gap ÷ median gap", join.get("ratio"), "≤ 4",
+            lambda v: v <= 4),
+        row("TTFD turn 6 ÷ turn 1 (~2000-token conversation)", multi.get("ratio"), "≤ 1.5", lambda v: v <= 1.5),
+        row("200 x 4000-char /v1 request answered or refused (s)", big.get("seconds"), "≤ 2", lambda v: v <= 2),
+        row("/healthz max during that request (ms)", big.get("healthz_max_ms"), "≤ 100", lambda v: v <= 100),
+        row("cancel → done p95 (ms)", cancel.get("p95_ms"),
+            f"≤ one step + 50 = {step_ms + 50:.0f}" if step_ms else "≤ one step + 50",
+            lambda v: step_ms is not None and v <= step_ms + 50),
+        row(f"RSS growth idle → {mem.get('peak_streams', 16)} streams (MiB)", delta / MiB if delta is not None else None, "≤ 1024",
+            lambda v: v <= 1024),
+    ] + peer.targets(res, row) + webtier.targets(res.get("webtier") or {}, row)
+
+
+def figures(res: dict) -> list[tuple[str, object]]:
+    """The raw numbers behind the targets, in reading order."""
+    inproc, single, sampled = reference(res), res.get("single") or {}, res.get("sampled") or {}
+    cancel, health = res.get("cancel") or {}, res.get("healthz") or {}
+    multi, mem, start = res.get("multiturn") or {}, res.get("memory") or {}, res.get("startup") or {}
+    join, big, raw = res.get("join") or {}, res.get("v1_big") or {}, inproc.get("raw") or {}
+
+    def ms(v):
+        return v * 1000 if v is not None else None
+
+    def mib(v):
+        return v / MiB if v else None
+
+    return [
+        ("in-process generate tok/s (batch 1): mean, before the server / after the single streams",
+         _pair(inproc.get("tok_s"), *[(res.get(k) or {}).get("tok_s") for k in ("inprocess", "inprocess_after")])),
+        ("in-process prefill ms", ms(inproc.get("prefill_s"))),
+        ("raw forward loop tok/s at batch 1 / 8 / 16", _pair(*[(raw.get(b) or {}).get("tok_s") for b in RAW])),
+        ("raw forward loop ms per step at batch 1 / 8 / 16", _pair(*[(raw.get(b) or {}).get("step_ms") for b in RAW])),
+        ("prompt tokens (single stream)", inproc.get("prompt_tokens")),
+        ("server single stream tok/s greedy / sampled (delivered, p50)",
+         _pair(single.get("tok_s_p50"), sampled.get("tok_s_p50"))),
+        ("in-process generate tok/s interleaved with the greedy / sampled runs (p50)",
+         _pair(single.get("reference_tok_s_p50"), sampled.get("reference_tok_s_p50"))),
+        ("greedy / sampled: ratio of those medians (the targets use the median of the pairs' ratios)",
+         _pair(*[_three(ratio(p.get("tok_s_p50"), p.get("reference_tok_s_p50"))) for p in (single, sampled)])),
+        ("server single TTFD p50 / p95 ms", _pair(ms(single.get("ttfd_p50_s")), ms(single.get("ttfd_p95_s")))),
+        ("server-reported TTFT p50 ms", single.get("server_ttft_ms_p50")),
+        ("decode step ms (1 ÷ single tok/s)", 1000 / single["tok_s_p50"] if single.get("tok_s_p50") else None),
+        ("cancel → done p50 / p95 / max ms", _pair(cancel.get("p50_ms"), cancel.get("p95_ms"), cancel.get("max_ms"))),
+        ("deltas received after cancel (max)", cancel.get("deltas_after_cancel_max")),
+        ("/healthz under 8 streams p50 / p95 / max ms",
+         _pair(health.get("p50_ms"), health.get("p95_ms"), health.get("max_ms"))),
+        ("join: prompt tokens / its TTFD ms", _pair(join.get("join_prompt_tokens"), ms(join.get("join_ttfd_s")))),
+        ("join: running streams' median gap / max gap during the join ms",
+         _pair(join.get("median_gap_ms"), join.get("max_gap_during_join_ms"))),
+        ("join: running streams' median gap while the long prompt's answer decodes beside them ms",
+         join.get("median_gap_beside_ms")),
+        ("TTFD turn 1 / turn 6 ms", _pair(ms(multi.get("ttfd_turn1_s")), ms(multi.get("ttfd_turn6_s")))),
+        ("turn 6 prompt tokens / reused from cache",
+         _pair(multi.get("turn6_prompt_tokens"), multi.get("turn6_reused_tokens"))),
+        ("200 x 4000-char /v1: status / seconds / body bytes",
+         _pair(big.get("status"), big.get("seconds"), big.get("body_bytes"))),
+        ("/healthz during it p95 / max ms", _pair(big.get("healthz_p95_ms"), big.get("healthz_max_ms"))),
+        ("start-up to /readyz s (weights cache warm?)",
+         f"{start['ready_s']:.1f} ({_fmt_warm(start.get('cache_warm'))})" if start.get("ready_s") else None),
+        (f"worker RSS MiB: idle at start / after one stream / peak at {mem.get('peak_streams', 16)} / at the end",
+         _pair(mib(mem.get("idle_rss")), mib(mem.get("warm_idle_rss")), mib(mem.get("peak_rss")),
+               mib(mem.get("end_rss")))),
+        ("load average before the run (1 min)", res["machine"].get("loadavg_before")),
+    ] + ([] if res.get("peer") else [(f"reference (issue 10, another machine): {name}", value)
+                                     for name, value in LLAMA_CPP])
+
+
+def _pair(*values) -> str | None:
+    if all(v is None for v in values):
+        return None
+    return " / ".join("—" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v)) for v in values)
+
+
+def _three(value) -> str | None:
+    return None if value is None else f"{value:.3f}"
+
+
+def _fmt_warm(warm) -> str:
+    return {True: "warm", False: "cold: converted the GGUF", None: "n/a"}[warm]
