@@ -1,6 +1,7 @@
 """The benchmark's phases against this server: the in-process limit, one stream (paired with an
-in-process reference), the concurrency sweep, /healthz under load, cancel, a long prompt joining,
-the long conversation, a huge /v1 request. Each returns a dict for the report (see bench/README.md).
+in-process reference), a long prompt's prefill (paired too), the concurrency sweep, /healthz under
+load, cancel, a long prompt joining, the long conversation, a huge /v1 request, and the quantized
+path's quality. Each returns a dict for the report (see bench/README.md).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def basic_machine() -> dict:
 
 
 def machine_facts(env: dict) -> dict:
-    """CPU, cores, torch/transformers versions and threads, dtype, whether the weights cache is warm."""
+    """CPU, cores, torch/transformers versions and threads, dtype, native bf16, CHAT_QUANT, the GGUF."""
     code = ("import json, torch, transformers\n"
             "from chat.engine import model as m\n"
             "from chat.config import Settings\n"
@@ -43,18 +44,12 @@ def machine_facts(env: dict) -> dict:
             "if s.threads:\n"
             "    torch.set_num_threads(s.threads)\n"
             "device = m.pick_device(s.device)\n"
-            "warm = None\n"
-            "if not s.model or s.model.endswith('.gguf'):\n"
-            "    from pathlib import Path\n"
-            "    gguf = Path(s.model).expanduser() if s.model else m.bundled_gguf()\n"
-            "    warm = (m._gguf_cache_dir(gguf, s.model_cache_dir) / 'config.json').is_file()\n"
-            "    gguf = str(gguf)\n"
-            "else:\n"
-            "    gguf = None\n"
+            "found = m.gguf_source(s.model)\n"
             "print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__,\n"
             "    'torch_threads': torch.get_num_threads(), 'device': str(device),\n"
-            "    'dtype': str(m.pick_dtype(s.dtype, device)).removeprefix('torch.'), 'cache_warm': warm,\n"
-            "    'gguf': gguf, 'system_prompt': s.system_prompt}))\n")
+            "    'dtype': str(m.pick_dtype(s.dtype, device)).removeprefix('torch.'),\n"
+            "    'native_bf16': m.cpu_has_native_bf16(), 'quant': s.quant,\n"
+            "    'gguf': str(found[0]) if found else None, 'system_prompt': s.system_prompt}))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     facts = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-500:]}
@@ -94,7 +89,13 @@ class Reference:
         return answer
 
     def generate(self, tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"tokens": tokens}) + "\n")
+        return self._ask({"tokens": tokens})
+
+    def prefill(self, text: str) -> dict:
+        return self._ask({"prefill": text})
+
+    def _ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return self._answer()
 
@@ -118,6 +119,47 @@ def run_single(srv: BenchServer, args, sampled: bool = False, ref: Reference | N
         out["reference_tok_s_p50"] = percentile(out["reference_tok_s"], 50)
         out["paired_ratio_p50"] = percentile([r["tok_s"] / p["tok_s"] for r, p in zip(out["runs"], paired)], 50)
     return out
+
+
+def wait_finished(srv: BenchServer, timeout: float = 120) -> float | None:
+    """Seconds until /readyz stops saying ``finishing`` (the idle chores after start-up: dense copies,
+    crossovers), so no phase shares the engine with them; None when it never says it."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        status, body = http_get(srv.port, "/readyz")
+        if status == 200 and not json.loads(body).get("finishing"):
+            return time.perf_counter() - started
+        time.sleep(0.2)
+    return None
+
+
+def run_prefill(srv: BenchServer, args, ref: Reference) -> dict:
+    """A long message's prefill inside the server (its own ``ttft_ms``: request to first token, one
+    new token) against the same prompt's prefill in a plain process, pair by pair."""
+    pairs = []
+    for i in range(args.prefill_reps):
+        text = notes_message(100 + i, args.prefill_tokens)  # a new turn number each time: nothing to reuse
+        client = Client(srv.ws_url, timeout=args.timeout)
+        try:
+            run = client.request(f"prefill{i}", text, {"temperature": 0, "max_new_tokens": 1})
+        finally:
+            client.close()
+        plain = ref.prefill(text)
+        pairs.append({"server_ms": run["server_ttft_ms"], "plain_ms": plain["prefill_s"] * 1000,
+                      "prompt_tokens": run["prompt_tokens"], "plain_prompt_tokens": plain["prompt_tokens"]})
+    ratios = [p["server_ms"] / p["plain_ms"] for p in pairs]
+    return {"pairs": pairs, "ratio_p50": percentile(ratios, 50),
+            "server_ms_p50": percentile([p["server_ms"] for p in pairs], 50),
+            "plain_ms_p50": percentile([p["plain_ms"] for p in pairs], 50)}
+
+
+def run_quality(env: dict, args) -> dict:
+    """``bench.quality`` in a subprocess: the quantized path's greedy answers and perplexity against dense."""
+    out = subprocess.run([sys.executable, "-m", "bench.quality"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=args.timeout)
+    if out.returncode != 0 or not out.stdout.strip():
+        raise RuntimeError(f"quality run failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run_concurrency(srv: BenchServer, args, memory: dict) -> list[dict]:

@@ -71,6 +71,8 @@ def chart(result: dict, path) -> None:
     sweep = [r for r in result.get("concurrency") or [] if "error" not in r]
     if not sweep and "sweep" in (result.get("webtier") or {}):
         return webtier_chart(result, path)
+    if not sweep:
+        return None  # no concurrency sweep in this run (--only without it): nothing to draw
     fig, (rate, ttfd) = plt.subplots(1, 2, figsize=(11, 4.2))
     n = [r["streams"] for r in sweep]
     rate.plot(n, [r["aggregate_tok_s"] for r in sweep], "o-", label="aggregate (server)")

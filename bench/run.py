@@ -1,10 +1,11 @@
 """``python -m bench.run``: measure the chat server against the real bundled model, in one run.
 
-Phases: the in-process limit (plain ``generate`` and a raw forward loop at batch 1/8/16, in a
-subprocess), start-up, one stream (greedy, then sampled), concurrency 1/2/4/8/16, /healthz
-under load, cancel latency, a long prompt joining running streams, a long multi-turn
-conversation, a huge /v1 request, resident memory, the web tier's capacity, and llama.cpp's
-server on the same workloads when ``LLAMA_SERVER`` names one. Writes ``latest.json``,
+Phases: the in-process limit (a plain greedy generation and a raw forward loop at batch 1/8/16 on
+the engine's own decoder, in a subprocess), start-up, one stream (greedy, then sampled), a long
+message's prefill in the server against a plain process, concurrency 1/2/4/8/16, /healthz under
+load, cancel latency, a long prompt joining running streams, a long multi-turn conversation, a huge
+/v1 request, resident memory, the quantized path's quality against dense weights, the web tier's
+capacity, and llama.cpp's server on the same workloads when ``LLAMA_SERVER`` names one. Writes ``latest.json``,
 ``latest.md`` and ``latest.png`` to ``bench/results/`` (or ``--out``) and prints the markdown.
 
 The modules: ``workloads`` (prompts, and the work any server gets), ``phases`` (this server's
@@ -24,11 +25,11 @@ import traceback
 from pathlib import Path
 
 from . import peer, phases, report, targets, webtier
-from .server import ROOT, BenchServer, Client
+from .server import ROOT, BenchServer, Client, http_get
 
 # Every phase, in the order a full run takes them; --only picks some.
-PHASES = ("inprocess", "single", "sampled", "concurrency", "healthz", "cancel", "join", "multiturn", "v1-big",
-          "webtier", "peer")
+PHASES = ("inprocess", "single", "sampled", "prefill", "concurrency", "healthz", "cancel", "join", "multiturn",
+          "v1-big", "quality", "webtier", "peer")
 # --only peer: this server and llama.cpp's on the comparison's workloads, nothing else (a few minutes).
 PRESETS = {"peer": ("single", "concurrency", "multiturn", "peer")}
 
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--join-tokens", type=int,
                         help="answer length of the running streams (default 256; --quick 64)")
     parser.add_argument("--multiturn-reps", type=int, help="conversations of 6 turns (default 3; --quick 1)")
+    parser.add_argument("--prefill-tokens", type=int, help="the prefill phase's message (default 1000; --quick 200)")
+    parser.add_argument("--prefill-reps", type=int, help="prefill pairs (default 5; --quick 2)")
     parser.add_argument("--max-batch", type=int, help="the server's CHAT_MAX_BATCH (default: 16, or the largest "
                         "--concurrency); run twice (8 and 16) to compare batch sizes")
     for name in PHASES:
@@ -102,7 +105,8 @@ def resolve(args, parser) -> None:
         args.concurrency = [peer.STREAMS] if only and "peer" in only else [1, 2, 4, 8, 16]
     defaults = {"tokens": (128, 16), "reps": (5, 2), "inprocess_reps": (3, 1), "cancel_reps": (10, 3),
                 "history_tokens": (2000, 300), "multiturn_reps": (3, 1),
-                "join_prompt_tokens": (2000, 300), "join_tokens": (256, 64)}
+                "join_prompt_tokens": (2000, 300), "join_tokens": (256, 64), "prefill_tokens": (1000, 200),
+                "prefill_reps": (5, 2)}
     for name, (full, quick) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
@@ -130,14 +134,16 @@ def run_server_phases(res: dict, workdir: Path, env: dict, args) -> None:
     srv = BenchServer(workdir, env)
     try:
         print("[bench] starting the server ...", file=sys.stderr, flush=True)
-        res["startup"] = {"ready_s": srv.start(timeout=args.timeout), "cache_warm": res["machine"].get("cache_warm")}
+        res["startup"] = {"ready_s": srv.start(timeout=args.timeout)}
+        res["startup"]["finished_s"] = phases.wait_finished(srv)  # then the idle chores (dense copies...)
+        res["startup"]["readyz"] = json.loads(http_get(srv.port, "/readyz")[1])
         time.sleep(1.0)  # the worker's memory after start-up settles: what "idle" means in the report
         res["memory"] = {"idle_rss": srv.worker_rss()}
         hello = Client(srv.ws_url)
         res["machine"]["model"] = hello.ready.get("model")
         hello.close()
         ref = None
-        if "inprocess" in on and on & {"single", "sampled"}:
+        if "inprocess" in on and on & {"single", "sampled", "prefill"}:
             print("[bench] loading the paired in-process reference ...", file=sys.stderr, flush=True)
             ref = phases.Reference(env, args)
         try:
@@ -145,6 +151,8 @@ def run_server_phases(res: dict, workdir: Path, env: dict, args) -> None:
                 phase(res, "single", phases.run_single, srv, args, False, ref)
             if "sampled" in on:
                 phase(res, "sampled", phases.run_single, srv, args, True, ref)
+            if "prefill" in on and ref is not None:
+                phase(res, "prefill", phases.run_prefill, srv, args, ref)
         finally:
             if ref is not None:
                 ref.close()
@@ -186,6 +194,8 @@ def main(argv=None) -> int:
         res["machine"] = {**phases.machine_facts(env), "loadavg_before": load_before}
         if on - {"inprocess", "webtier", "peer"}:
             run_server_phases(res, workdir, env, args)
+        if "quality" in on:
+            phase(res, "quality", phases.run_quality, env, args)
         if "peer" in on:  # alone on the machine, like this server's phases
             phase(res, "peer", peer.run_peer, workdir, args, res["machine"], "multiturn" in on)
         if "webtier" in on:

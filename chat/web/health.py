@@ -24,6 +24,8 @@ def readyz() -> ResponseReturnValue:
         ready = {"status": "ready", "model": engine.model_name}
         if engine.weights:  # the local model's: what its decode step multiplies by
             ready["weights"] = engine.weights
+            # Still making the dense copies and measuring crossovers while idle (see CHAT_QUANT).
+            ready["finishing"] = bool(engine.stats().get("finishing"))
         return jsonify(ready)
     if engine.error:  # the reason (paths, backend URL) is in the server log, not for anyone who asks
         return jsonify({"status": "failed"}), 503
