@@ -53,16 +53,16 @@ def synthetic(kind: str, rows: int = 48, cols: int = 96, seed: int = 0) -> tuple
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_block_contents_match_gguf_py(kind):
     tensor, reference = synthetic(kind)
-    assert np.array_equal(gguf.dequantize(tensor), reference)
+    assert np.array_equal(gguf.dequantize(tensor).numpy(), reference)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_int4_parts_are_the_blocks_weights(kind):
     tensor, reference = synthetic(kind)
     q, scale, zero = gguf.int4_parts(tensor)
-    assert q.dtype == np.uint8 and q.min() >= 0 and q.max() <= 15
-    rebuilt = (q.reshape(48, -1, 32).astype(np.float32) - 8) * scale[..., None] + zero[..., None]
-    np.testing.assert_allclose(rebuilt.reshape(48, 96), reference, rtol=0, atol=1e-5)
+    assert q.dtype == torch.uint8 and int(q.min()) >= 0 and int(q.max()) <= 15
+    rebuilt = (q.reshape(48, -1, 32).float() - 8) * scale[..., None] + zero[..., None]
+    np.testing.assert_allclose(rebuilt.reshape(48, 96).numpy(), reference, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
@@ -81,8 +81,8 @@ def test_q8_0_as_two_int4_products_is_exact_but_for_bf16_scales():
     tensor, _ = synthetic("Q8_0", rows=64, cols=128)
     q, d = gguf.int8_parts(tensor)
     # The weights the two products stand for: d rounded to bf16, times q.
-    d16 = torch.from_numpy(d).to(torch.bfloat16).float().numpy()
-    reference = (q.reshape(64, -1, 32).astype(np.float32) * d16[..., None]).reshape(64, 128)
+    d16 = d.to(torch.bfloat16).float()
+    reference = (q.reshape(64, -1, 32).float() * d16[..., None]).reshape(64, 128).numpy()
 
     def product():
         pair = quant.Int8Pair(q, d)
@@ -164,10 +164,10 @@ def test_the_loader_falls_back_to_dense_when_the_self_check_fails(tiny_file, tmp
 def test_calibrate_gives_each_shape_its_crossover():
     def run():
         linears = [quant.Linear(torch.randn(64, 32, dtype=torch.bfloat16),
-                                quant.Int4(np.zeros((64, 32), np.uint8), np.ones((64, 1), np.float32),
-                                           np.zeros((64, 1), np.float32))) for _ in range(3)]
-        known = quant.calibrate(linears, {"64x32": 7})
-        measured = quant.calibrate(linears)
+                                quant.Int4(torch.zeros((64, 32), dtype=torch.uint8), torch.ones((64, 1)),
+                                           torch.zeros((64, 1)))) for _ in range(3)]
+        known = dict(quant.calibrate(linears, {"64x32": 7}))
+        measured = dict(quant.calibrate(linears))
         return linears, known, measured
     linears, known, measured = on_thread(run)
     assert known == {"64x32": 7}
@@ -212,7 +212,7 @@ def _text(gen) -> str:
 
 
 @native_bf16
-def test_idle_chores_add_dense_copies_and_keep_the_crossovers(quant_engine, tiny_file, tmp_path):
+def test_idle_chores_measure_and_keep_the_crossovers(quant_engine, tiny_file, tmp_path):
     import time
     deadline = time.monotonic() + 120
     while quant_engine.chores is not None:

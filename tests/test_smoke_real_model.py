@@ -1,9 +1,12 @@
 """The real bundled model (SmolLM2-135M-Instruct) answering over the socket."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from helpers import WS, text_of
+from chat.engine.model import cpu_has_native_bf16
+from helpers import WS, http_get, text_of, wait_for
 
 
 @pytest.mark.real_model
@@ -15,3 +18,10 @@ def test_bundled_model_knows_the_capital_of_france(server_factory):
     client.close()
     assert frames[-1]["type"] == "done" and frames[-1]["reason"] == "stop", frames[-1]
     assert "Paris" in text_of(frames)
+    # The GGUF's own 4-bit blocks run the decode steps where the CPU has native bf16.
+    weights = "int4" if cpu_has_native_bf16() else "float32"
+    ready = json.loads(http_get(srv.url + "/readyz")[2])
+    assert ready["weights"] == weights
+    assert f'chat_model_weights{{weights="{weights}"}} 1.0' in http_get(srv.url + "/metrics")[2].decode()
+    # While idle it adds the dense copies for prefill and measures where each pays, then says so.
+    assert wait_for(lambda: not json.loads(http_get(srv.url + "/readyz")[2])["finishing"], timeout=120)

@@ -1,4 +1,4 @@
-"""Reading a GGUF file: its metadata and its tensors as the file stores them (no torch here).
+"""Reading a GGUF file: its metadata and its tensors as the file stores them.
 
 The reader walks the header once (the vocabulary's tens of thousands of strings
 are skipped, not decoded: the tokenizer is built by transformers) and maps the
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 BLOCK = 32
@@ -137,54 +138,58 @@ def _value(blob, pos: int, kind: int):
     return count, pos
 
 
-# ---- block contents
+# ---- block contents, as torch tensors (vectorized and multi-threaded: the whole model in a second)
 
 
-def _halves(blocks: np.ndarray, at: int) -> np.ndarray:
+def _blocks(t: Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.array(t.blocks()))  # a copy: the map is read-only
+
+
+def _halves(blocks: torch.Tensor, at: int) -> torch.Tensor:
     """The f16 at byte ``at`` of every block, as float32 (rows, blocks)."""
-    return np.ascontiguousarray(blocks[:, :, at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+    return blocks[:, :, at:at + 2].contiguous().view(torch.float16)[..., 0].float()
 
 
-def _nibbles(qs: np.ndarray) -> np.ndarray:
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """16 bytes a block -> its 32 4-bit values in weight order, (rows, blocks * 32) uint8."""
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-    return q.reshape(q.shape[0], -1)
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(qs.shape[0], -1)
 
 
-def int4_parts(t: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def int4_parts(t: Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Q4_0 or Q4_1 tensor as (q 0..15 (rows, cols) uint8, scale, zero (rows, cols / 32) float32)
     with w = (q - 8) * scale + zero, exactly: Q4_1's d * q + m is (q - 8) * d + (m + 8 * d)."""
-    blocks = t.blocks()
+    blocks = _blocks(t)
     d = _halves(blocks, 0)
     if t.kind == Q4_0:
-        return _nibbles(blocks[:, :, 2:]), d, np.zeros_like(d)
+        return _nibbles(blocks[:, :, 2:]), d, torch.zeros_like(d)
     if t.kind == Q4_1:
         return _nibbles(blocks[:, :, 4:]), d, _halves(blocks, 2) + 8 * d
     raise ValueError(f"{t.name} is not a 4-bit tensor")
 
 
-def int8_parts(t: Tensor) -> tuple[np.ndarray, np.ndarray]:
+def int8_parts(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 tensor as (q (rows, cols) int8, d (rows, cols / 32) float32): w = d * q."""
-    blocks = t.blocks()
-    return np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(blocks.shape[0], -1), _halves(blocks, 0)
+    blocks = _blocks(t)
+    return blocks[:, :, 2:].contiguous().view(torch.int8).reshape(blocks.shape[0], -1), _halves(blocks, 0)
 
 
-def dequantize(t: Tensor) -> np.ndarray:
-    """The tensor as float32 (rows, cols), as llama.cpp computes each weight."""
+def dequantize(t: Tensor) -> torch.Tensor:
+    """The tensor as float32 (rows, cols), each weight as llama.cpp (and gguf-py) computes it."""
     if t.kind in _FLOAT:
-        return np.array(t.raw.view(_FLOAT[t.kind]), dtype=np.float32).reshape(t.rows, -1)
+        return torch.from_numpy(np.array(t.raw.view(_FLOAT[t.kind]), dtype=np.float32)).reshape(t.rows, -1)
     if t.kind == BF16:
-        return (t.raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(t.rows, -1)
+        return torch.from_numpy(np.array(t.raw)).view(torch.bfloat16).float().reshape(t.rows, -1)
     if t.kind in (Q4_0, Q4_1):  # the blocks' own formulas (int4_parts' form rounds differently)
-        blocks = t.blocks()
+        blocks = _blocks(t)
         d = _halves(blocks, 0)[..., None]
         if t.kind == Q4_0:
-            q = _nibbles(blocks[:, :, 2:]).reshape(t.rows, -1, BLOCK).astype(np.float32)
+            q = _nibbles(blocks[:, :, 2:]).reshape(t.rows, -1, BLOCK).float()
             return (d * (q - 8)).reshape(t.rows, -1)
-        q = _nibbles(blocks[:, :, 4:]).reshape(t.rows, -1, BLOCK).astype(np.float32)
+        q = _nibbles(blocks[:, :, 4:]).reshape(t.rows, -1, BLOCK).float()
         return (d * q + _halves(blocks, 2)[..., None]).reshape(t.rows, -1)
     if t.kind == Q8_0:
         q, d = int8_parts(t)
-        return (q.reshape(t.rows, -1, BLOCK).astype(np.float32) * d[..., None]).reshape(t.rows, -1)
+        return (q.reshape(t.rows, -1, BLOCK).float() * d[..., None]).reshape(t.rows, -1)
     from gguf import GGMLQuantizationType, quants  # the other block types
-    return quants.dequantize(np.asarray(t.raw), GGMLQuantizationType(t.kind)).reshape(t.rows, -1)
+    dense = quants.dequantize(np.asarray(t.raw), GGMLQuantizationType(t.kind)).reshape(t.rows, -1)
+    return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32))

@@ -213,26 +213,28 @@ def _load_direct(settings, device: torch.device, dtype: torch.dtype):
 
 def finish(loaded: LoadedModel, settings) -> Iterator[None]:
     """What is left to do once the model serves, a step at a time (the engine runs it while idle):
-    for a GGUF on the int4 path with ``CHAT_QUANT=auto``, the layers' dense copies, then the
-    int4/dense crossovers (measured once, kept under the model cache for later starts)."""
+    with both int4 and dense weights (``CHAT_QUANT=auto``), each product shape's int4/dense crossover,
+    measured once and kept under the model cache for later starts (a second or so a shape)."""
     decoder, source = loaded.decoder, loaded.source
-    if decoder is None or source is None or decoder.weights != "int4" or settings.quant != "auto":
+    if decoder is None or source is None or not quant.by_shape(decoder.linears()):
         return
-    yield from weights.add_dense(source, decoder)
     store = Path(settings.model_cache_dir) / "crossovers.json"
     key = f"{source.path.name}:{source.path.stat().st_size}:{torch.__version__}:{torch.get_num_threads()}"
     try:
         saved = json.loads(store.read_text())
     except (OSError, ValueError):
         saved = {}
-    found = quant.calibrate(decoder.linears(), saved.get(key))
+    found = {}
+    for shape, rows in quant.calibrate(decoder.linears(), saved.get(key)):
+        found[shape] = rows
+        yield
+    log.info("int4 products up to these rows, dense above: %s", ", ".join(f"{k}: {m}" for k, m in found.items()))
     if found != saved.get(key):
         try:
             store.parent.mkdir(parents=True, exist_ok=True)
             store.write_text(json.dumps({**saved, key: found}))
         except OSError as exc:
             log.warning("could not keep the measured crossovers in %s: %s", store, exc)
-    yield
 
 
 def _load_transformers(settings, device: torch.device, dtype: torch.dtype):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -38,10 +38,10 @@ def supported() -> bool:
 class Int4:
     """A packed 4-bit matrix (out, in): the kernel's weight and its (groups, out, 2) scales and zeros."""
 
-    def __init__(self, q: np.ndarray, scale: np.ndarray, zero: np.ndarray):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
         self.out_features, self.in_features = q.shape
-        self.packed = _pack(torch.from_numpy(np.ascontiguousarray(q, dtype=np.int32)), 1)
-        self.scales = torch.from_numpy(np.stack([scale.T, zero.T], axis=-1)).to(torch.bfloat16).contiguous()
+        self.packed = _pack(q.to(torch.int32).contiguous(), 1)
+        self.scales = torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _mm(x, self.packed, GROUP, self.scales)
@@ -53,18 +53,18 @@ class Int4:
 
 def stack_int4(parts: list[tuple]) -> Int4:
     """One Int4 of several (q, scale, zero) matrices stacked along their outputs (fused q/k/v, gate/up)."""
-    return Int4(*(np.concatenate(p) for p in zip(*parts)))
+    return Int4(*(torch.cat(p) for p in zip(*parts)))
 
 
 class Int8Pair:
     """A Q8_0 matrix on the int4 kernel, exactly: q + 128 = 16 h + l with 4-bit h and l, so
     d * q = (h - 8) * 16d + (l - 8) * d + 8d: two int4 products, summed."""
 
-    def __init__(self, q: np.ndarray, d: np.ndarray):
-        biased = q.astype(np.int16) + 128
-        high, low = (biased >> 4).astype(np.uint8), (biased & 15).astype(np.uint8)
+    def __init__(self, q: torch.Tensor, d: torch.Tensor):
+        biased = q.to(torch.int16) + 128
+        high, low = (biased >> 4).to(torch.uint8), (biased & 15).to(torch.uint8)
         self.out_features, self.in_features = q.shape
-        self.high = Int4(high, 16 * d, np.zeros_like(d))
+        self.high = Int4(high, 16 * d, torch.zeros_like(d))
         self.low = Int4(low, d, 8 * d)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,21 +139,24 @@ def crossover(linears: list[Linear], rows=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64), 
     return best
 
 
-def calibrate(linears: list[Linear], known: dict | None = None) -> dict:
-    """Give every Linear that has both int4 and dense weights the crossover of its shape: from
-    ``known`` ({"OUTxIN": rows}, an earlier measurement), else measured (``crossover``). Returns
-    the crossovers by shape, to keep for the next start."""
+def by_shape(linears: list[Linear]) -> dict:
+    """The Linears that have both int4 and dense weights, by shape ("OUTxIN"): each shape's share one
+    crossover."""
     groups: dict = {}
     for linear in linears:
         if linear.dense is not None and linear.quant is not None:
             groups.setdefault("x".join(map(str, linear.dense.shape)), []).append(linear)
-    found = {}
-    for key, group in groups.items():
-        found[key] = (known or {}).get(key)
-        if found[key] is None:
-            found[key] = crossover(group)
+    return groups
+
+
+def calibrate(linears: list[Linear], known: dict | None = None) -> Iterator[tuple[str, int]]:
+    """Give every Linear that has both int4 and dense weights the crossover of its shape: from
+    ``known`` ({"OUTxIN": rows}, an earlier measurement), else measured (``crossover``, a second or
+    so a shape). Yields (shape, rows) as each shape is done, so a caller can do other work between."""
+    for key, group in by_shape(linears).items():
+        rows = (known or {}).get(key)
+        if rows is None:
+            rows = crossover(group)
         for linear in group:
-            linear.crossover = found[key]
-    if found:
-        log.info("int4 products up to these rows, dense above: %s", ", ".join(f"{k}: {m}" for k, m in found.items()))
-    return found
+            linear.crossover = rows
+        yield key, rows

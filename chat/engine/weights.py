@@ -7,17 +7,14 @@ output layer shares it, the output product as two int4 products (``quant.Int8Pai
 other types are dequantized to dense weights. ``quant`` picks what is kept:
 
 - ``auto``: int4 where the file has it, plus the layers' dense copies for products of
-  many rows (prefill), each product picking by its measured crossover; the dense copies
-  are made after start-up (``add_dense``), so the server is ready sooner;
+  many rows (prefill), each product picking by its crossover, measured after start-up;
 - ``int4``: int4 only (least memory; long prompts prefill slower);
 - ``off``: dense only, every weight dequantized as transformers does.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 from . import gguf, quant
@@ -54,13 +51,12 @@ def gguf_shape(f: gguf.GGUFFile) -> Shape:
                  vocab=f.tensors["token_embd.weight"].shape[0])
 
 
-def _llama_rows(heads: int, head_dim: int) -> np.ndarray:
+def _llama_rows(heads: int, head_dim: int) -> torch.Tensor:
     """GGUF's llama q/k rows in transformers' order: llama.cpp's converter interleaved each head's
     two rotary halves (row 2i + j of a head holds transformers' row j * head_dim / 2 + i)."""
     half = head_dim // 2
-    i, j = np.meshgrid(np.arange(half), np.arange(2))
-    within = (i * 2 + j).reshape(-1)  # transformers' row j * half + i, in order
-    return (np.arange(heads)[:, None] * head_dim + within[None, :]).reshape(-1)
+    within = (torch.arange(half)[None, :] * 2 + torch.arange(2)[:, None]).reshape(-1)  # row j * half + i
+    return (torch.arange(heads)[:, None] * head_dim + within[None, :]).reshape(-1)
 
 
 class _Reader:
@@ -76,7 +72,7 @@ class _Reader:
     def tensor(self, name: str) -> gguf.Tensor:
         return self.f.tensors[name]
 
-    def _order(self, name: str, a: np.ndarray) -> np.ndarray:
+    def _order(self, name: str, a: torch.Tensor) -> torch.Tensor:
         rows = self.rows.get(name.split(".")[-2])
         return a if rows is None else a[rows]
 
@@ -87,7 +83,7 @@ class _Reader:
         return tuple(self._order(name, a) for a in gguf.int4_parts(self.tensor(name)))
 
     def dense(self, name: str) -> torch.Tensor:
-        return torch.from_numpy(self._order(name, gguf.dequantize(self.tensor(name)))).to(self.dtype)
+        return self._order(name, gguf.dequantize(self.tensor(name))).to(self.dtype)
 
     def vector(self, name: str) -> torch.Tensor | None:
         if name not in self.f.tensors:
@@ -104,7 +100,7 @@ def _layer_names(i: int) -> list[list[str]]:
 
 def _linear(r: _Reader, names: list[str], mode: str, biases: list | None = None) -> Linear:
     use_int4 = mode != "off" and all(r.is_int4(n) for n in names)
-    dense = _dense(r, names) if not use_int4 else None
+    dense = _dense(r, names) if not use_int4 or mode == "auto" else None
     packed = quant.stack_int4([r.int4(n) for n in names]) if use_int4 else None
     bias = torch.cat(biases) if biases and all(b is not None for b in biases) else None
     return Linear(dense, packed, bias)
@@ -131,8 +127,7 @@ def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16) 
     table = r.tensor("token_embd.weight")
     head_name = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
     if table.kind == gguf.Q8_0 and mode != "off":
-        q, d = gguf.int8_parts(table)
-        embed = Embedding(q8=(torch.from_numpy(q), torch.from_numpy(d)), dtype=dtype)
+        embed = Embedding(q8=gguf.int8_parts(table), dtype=dtype)
     else:
         embed = Embedding(dense=r.dense("token_embd.weight"), dtype=dtype)
     head_tensor = r.tensor(head_name)
@@ -150,17 +145,6 @@ def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16) 
 
 def _dense(r: _Reader, names: list[str]) -> torch.Tensor:
     return torch.cat([r.dense(n) for n in names]) if len(names) > 1 else r.dense(names[0])
-
-
-def add_dense(f: gguf.GGUFFile, decoder: Decoder) -> Iterator[None]:
-    """Give the layers' int4 products their dense copies (``auto``), one layer per step: the engine
-    runs it while idle after start-up. Until a product has its copy and a crossover, it stays int4."""
-    r = _Reader(f, decoder.shape, decoder.dtype)
-    for i, layer in enumerate(decoder.layers):
-        for linear, names in zip((layer.qkv, layer.o, layer.gate_up, layer.down), _layer_names(i)):
-            if linear.quant is not None and linear.dense is None:
-                linear.dense = _dense(r, names)
-        yield
 
 
 def verify(f: gguf.GGUFFile, decoder: Decoder, tolerance: float = 0.02) -> bool:

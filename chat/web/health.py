@@ -21,7 +21,7 @@ def readyz() -> ResponseReturnValue:
     """200 once the model is loaded and warmed up, else 503."""
     engine = app_state().engine
     if engine.ready:
-        ready = {"status": "ready", "model": engine.model_name}
+        ready: dict[str, object] = {"status": "ready", "model": engine.model_name}
         if engine.weights:  # the local model's: what its decode step multiplies by
             ready["weights"] = engine.weights
             # Still making the dense copies and measuring crossovers while idle (see CHAT_QUANT).
