@@ -3,7 +3,8 @@
 Run as ``python -m bench.quality``; prints one JSON object. The model is the server's (``CHAT_MODEL``,
 default the bundled GGUF), loaded twice: ``CHAT_QUANT=auto`` (after the idle chores, as the
 server runs it) and ``CHAT_QUANT=off``. For each short question both answer greedily (the engine's
-own decoder, no sampling); an answer is right when it contains one of the expected words. The
+own decoder, no sampling); an answer is right when it contains one of the expected words (50
+short questions a 135M model gets about two thirds of). The
 perplexity of a fixed text is taken token by token through decode steps, where the int4 weights
 are used.
 """
@@ -36,6 +37,36 @@ QUESTIONS = [
     ("What gas do plants take in from the air?", ["carbon dioxide", "CO2"]),
     ("What is the tallest mountain in the world?", ["Everest"]),
     ("How many continents are there?", ["seven", "7"]),
+    ("What is the capital of the United Kingdom?", ["London"]),
+    ("What is the capital of Russia?", ["Moscow"]),
+    ("What is the capital of China?", ["Beijing"]),
+    ("What is the capital of Egypt?", ["Cairo"]),
+    ("What is the capital of Canada?", ["Ottawa"]),
+    ("What is the largest ocean on Earth?", ["Pacific"]),
+    ("What is the closest star to Earth?", ["Sun"]),
+    ("What do bees make?", ["honey"]),
+    ("What is the boiling point of water in Celsius?", ["100"]),
+    ("How many hours are in a day?", ["24", "twenty-four"]),
+    ("How many minutes are in an hour?", ["60", "sixty"]),
+    ("What is 10 times 10?", ["100", "hundred"]),
+    ("What is 5 plus 3?", ["8", "eight"]),
+    ("Who painted the Mona Lisa?", ["Leonardo", "da Vinci"]),
+    ("Who was the first president of the United States?", ["Washington"]),
+    ("What is the largest mammal?", ["whale"]),
+    ("What is the main language spoken in Mexico?", ["Spanish"]),
+    ("What is the currency of Japan?", ["yen"]),
+    ("What is frozen water called?", ["ice"]),
+    ("Which organ pumps blood through the body?", ["heart"]),
+    ("What do cows drink?", ["water"]),
+    ("What is the opposite of day?", ["night"]),
+    ("How many sides does a triangle have?", ["three", "3"]),
+    ("What color are bananas when they are ripe?", ["yellow"]),
+    ("What is the largest country by area?", ["Russia"]),
+    ("Which planet do we live on?", ["Earth"]),
+    ("What is the primary gas in the air we breathe?", ["nitrogen"]),
+    ("What is the capital of Australia?", ["Canberra"]),
+    ("How many months are in a year?", ["twelve", "12"]),
+    ("What animal says moo?", ["cow"]),
 ]
 
 TEXT = (

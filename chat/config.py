@@ -99,7 +99,9 @@ class Settings:
         doc="torch threads for the model. `0`: torch's default (all cores).")
     cache_dir: str = _setting(
         "CHAT_CACHE_DIR", "", str,
-        doc="Where GGUF models are kept after conversion to dense weights. Empty: `<CHAT_DATA_DIR>/model-cache`.")
+        doc="Where the engine keeps what it measured of the model (`crossovers.json`, see `CHAT_QUANT`) and the "
+            "dense conversion of a GGUF whose architecture the engine does not read directly. Empty: "
+            "`<CHAT_DATA_DIR>/model-cache`.")
     data_dir: str = _setting(
         "CHAT_DATA_DIR", str(ROOT / "data"), str, shown="`data/` in the checkout",
         doc="Folder for the database and the model cache.")
