@@ -354,8 +354,13 @@ class Tty:
                 os.close(self.fd)
                 return os.waitstatus_to_exitcode(status)
             time.sleep(0.05)
+        while select.select([self.fd], [], [], 0)[0]:  # what it printed since, for the message
+            try:
+                self.buf += os.read(self.fd, 4096)
+            except OSError:
+                break
         os.kill(self.pid, signal.SIGKILL)
-        raise AssertionError("the client did not exit")
+        raise AssertionError(f"the client did not exit; it printed {self.buf[-500:]!r}")
 
 
 def test_interactive_on_a_tty_ctrl_c_cancels_then_quits(fake):
