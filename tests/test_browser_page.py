@@ -169,6 +169,8 @@ def test_export_carries_every_version_and_import_restores_it(chat, tmp_path):
             {"role": "system", "content": "Be kind."}, {"role": "user", "content": "OpenAI style"},
             {"role": "assistant", "content": "Hello!"}]}).encode()}])
     c.wait_until("() => document.querySelectorAll('[data-testid=conversation-item]').length === 4")
+    c.wait_until("() => document.querySelector('#chat-title').textContent === 'OpenAI style (imported)'"
+                 " && document.querySelectorAll('[data-testid=message-user]').length > 0")
     assert user_texts(c) == ["OpenAI style"] and c.answer() == "Hello!"
     assert c.page.text_content("#chat-title") == "OpenAI style (imported)"
 

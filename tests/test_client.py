@@ -309,6 +309,9 @@ class Tty:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:
             os.chdir(ROOT)
+            # As a shell starts it: Ctrl-C's signal neither ignored nor blocked, whatever this process did.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
             os.execv(PYTHON, [PYTHON, "-m", "chat.client", *args])
         self.buf = b""
 
@@ -354,8 +357,20 @@ class Tty:
                 os.close(self.fd)
                 return os.waitstatus_to_exitcode(status)
             time.sleep(0.05)
+        while select.select([self.fd], [], [], 0)[0]:  # what it printed since, for the message
+            try:
+                self.buf += os.read(self.fd, 4096)
+            except OSError:
+                break
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                state = " ".join(line.strip() for line in f if line.startswith(("State", "Sig")))
+            with open(f"/proc/{self.pid}/wchan") as f:
+                state += f" wchan {f.read()}"
+        except OSError:
+            state = "?"
         os.kill(self.pid, signal.SIGKILL)
-        raise AssertionError("the client did not exit")
+        raise AssertionError(f"the client did not exit; it printed {self.buf[-500:]!r}; {state}")
 
 
 def test_interactive_on_a_tty_ctrl_c_cancels_then_quits(fake):
