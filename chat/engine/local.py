@@ -188,6 +188,7 @@ class LocalEngine(Engine):
         # full collections, which otherwise stall the event loop for tenths of a second.
         gc.collect()
         gc.freeze()
+        _release_memory()  # loading's temporaries (a GGUF's unpacked blocks: hundreds of MB)
         self.ready = True
         log.info("engine ready: %s, max batch %d, prefill chunk %d", self.model_name,
                  self.settings.max_batch, self.settings.prefill_chunk)

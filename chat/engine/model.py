@@ -45,7 +45,7 @@ class LoadedModel:
     device: torch.device
     eos_ids: frozenset
     load_s: float
-    source: gguf.GGUFFile | None = None  # the GGUF the decoder's weights come from
+    source: Path | None = None  # the GGUF file the decoder's weights were read from (no longer mapped)
 
 
     @property
@@ -208,7 +208,7 @@ def _load_direct(settings, device: torch.device, dtype: torch.dtype):
         log.warning("the int4 kernel disagrees with the dense weights on this machine: using dense weights "
                     "(CHAT_QUANT=off)")
         decoder = weights.from_gguf(f, "off", dtype)
-    return gguf_tokenizer(file), None, decoder, name, f
+    return gguf_tokenizer(file), None, decoder, name, file
 
 
 def finish(loaded: LoadedModel, settings) -> Iterator[None]:
@@ -219,7 +219,7 @@ def finish(loaded: LoadedModel, settings) -> Iterator[None]:
     if decoder is None or source is None or not quant.by_shape(decoder.linears()):
         return
     store = Path(settings.model_cache_dir) / "crossovers.json"
-    key = f"{source.path.name}:{source.path.stat().st_size}:{torch.__version__}:{torch.get_num_threads()}"
+    key = f"{source.name}:{source.stat().st_size}:{torch.__version__}:{torch.get_num_threads()}"
     try:
         saved = json.loads(store.read_text())
     except (OSError, ValueError):

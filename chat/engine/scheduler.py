@@ -125,11 +125,11 @@ class Scheduler:
             room -= 1
             slot = engine.new_slot(gen, ids)
             reused = engine.prefix.take(gen.key, ids)
-            if reused is None and gen.params.seed is None:
+            if reused is None and (gen.params.seed is None or gen.params.temperature == 0):
                 fresh.append(slot)
                 continue
-            # A seeded prompt is prefilled on its own, as it would be alone: a prompt padded into
-            # others' forward comes out a rounding error apart, which a sampled answer can amplify.
+            # A seeded, sampled prompt is prefilled on its own, as it would be alone: a prompt padded
+            # into others' forward comes out a rounding error apart, which sampling can amplify.
             slot.reused = reused[2] if reused else 0
             self._add_job([slot], reused, shared=False)
         if fresh:  # newcomers arriving together share their chunks
