@@ -81,7 +81,8 @@ class Decoder:
     @property
     def nbytes(self) -> int:
         norms = sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.attn_norm, layer.mlp_norm))
-        shared = self.head.quant is None and self.head.dense is self.embed.dense
+        shared = (self.head.quant is None and self.embed.dense is not None
+                  and self.head.dense.data_ptr() == self.embed.dense.data_ptr())  # tied
         return (sum(lin.nbytes for lin in self.linears()) + norms + self.embed.nbytes
                 + (0 if shared else self.head.nbytes))
 
