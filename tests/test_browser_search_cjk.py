@@ -5,26 +5,21 @@ from __future__ import annotations
 import json
 
 import pytest
-from playwright import sync_api
-
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-dev-shm-usage"]
 SENTENCE = "😀😀 你好，请用中文介绍一下你自己"
 
 
 @pytest.fixture(scope="module")
-def page(app_server):
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        context = browser.new_context(viewport={"width": 1200, "height": 800})
-        page = context.new_page()
-        errors = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(app_server.url + "/")
-        page.wait_for_selector("[data-testid=connection-status][data-state=open]", timeout=30000)
-        yield page
-        assert not errors, errors
-        browser.close()
+def page(app_server, browser):
+    """The page in the shared headless Chromium (conftest's ``browser``: Debian's build; the slow tier)."""
+    context = browser.new_context(viewport={"width": 1200, "height": 800})
+    page = context.new_page()
+    errors = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(app_server.url + "/")
+    page.wait_for_selector("[data-testid=connection-status][data-state=open]", timeout=30000)
+    yield page
+    assert not errors, errors
+    context.close()
 
 
 @pytest.mark.parametrize("query", ["介绍", "中文", "你好"])
