@@ -14,11 +14,10 @@ def tiny_model_dir(name: str = "tiny-qwen2", hidden: int = 64, layers: int = 2, 
     if (target / "config.json").is_file():
         return target
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from chat.engine.model import resolve_source
-    source, _ = resolve_source("", str(ROOT / "data" / "model-cache"))
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    from chat.engine.model import bundled_gguf, gguf_tokenizer
+    tokenizer = gguf_tokenizer(bundled_gguf())  # the bundled model's, read from its GGUF
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
