@@ -32,13 +32,21 @@ def compare(tokens: int) -> list[dict]:
     from chat.engine import prompt
     from chat.config import Settings
 
+    from bench.inprocess import decoder_steps
+
     answers = {}
     for dtype in ("float32", "bfloat16"):
-        loaded = loader.load(Settings.from_env(dtype=dtype))
+        # Dense weights in both (CHAT_QUANT=off): this compares dtypes, bench/quality.py the int4 path.
+        loaded = loader.load(Settings.from_env(dtype=dtype, quant="off"))
         outs = []
         for text in PROMPTS:
             ids = prompt.render(loaded.tokenizer, [{"role": "user", "content": text}])
             with torch.inference_mode():
+                if loaded.decoder is not None:
+                    new = decoder_steps(torch, loaded, ids, 1, tokens)
+                    end = next((i for i, t in enumerate(new) if t in loaded.eos_ids), len(new))
+                    outs.append(new[:end + 1])
+                    continue
                 out = loaded.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=tokens,
                                             pad_token_id=min(loaded.eos_ids))
             outs.append(out[0, len(ids):].tolist())
