@@ -25,12 +25,8 @@ def decoder_steps(torch, loaded, ids: list, batch: int, steps: int, clock=None) 
     """Greedy tokens of ``batch`` copies of ``ids`` on the engine's own decoder: prefill, then
     ``steps`` decode steps; ``clock()`` after the prefill and after each step. Returns the first
     row's tokens."""
-    from chat.engine.kv import KVBuffer
-
-    decoder, s = loaded.decoder, loaded.decoder.shape
-    kv = KVBuffer(s.layers, s.kv_heads, s.head_dim, loaded.dtype, loaded.device, rows=batch,
-                  capacity=len(ids) + steps + 8)
-    kv.n = batch
+    decoder = loaded.decoder
+    kv = decoder.cache(batch, len(ids) + steps + 8)
     kv.reserve(len(ids))
     kv.mask[:batch, :len(ids)] = 1
     logits = decoder(torch.tensor([ids] * batch), kv, torch.arange(len(ids))[None].expand(batch, -1))
@@ -127,16 +123,12 @@ def setup(prompt_text: str):
 
     def prefill(text: str) -> dict:
         """Seconds to prefill [system, user ``text``] alone (the engine's own decoder, or a forward)."""
-        from chat.engine.kv import KVBuffer
         prompt_ids = prompt.render(loaded.tokenizer, [{"role": "system", "content": settings.system_prompt},
                                                       {"role": "user", "content": text}])
         with torch.inference_mode():
             start = time.perf_counter()
             if loaded.decoder is not None:
-                s = loaded.decoder.shape
-                kv = KVBuffer(s.layers, s.kv_heads, s.head_dim, loaded.dtype, loaded.device, rows=1,
-                              capacity=len(prompt_ids) + 8)
-                kv.n = 1
+                kv = loaded.decoder.cache(1, len(prompt_ids) + 8)
                 kv.reserve(len(prompt_ids))
                 kv.mask[0, :len(prompt_ids)] = 1
                 loaded.decoder(torch.tensor([prompt_ids]), kv, torch.arange(len(prompt_ids))[None])

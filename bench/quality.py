@@ -96,12 +96,9 @@ def _answers(torch, loaded, steps: int) -> list[str]:
 
 
 def _perplexity(torch, loaded) -> float:
-    from chat.engine.kv import KVBuffer
-
     ids = loaded.tokenizer.encode(TEXT)
-    decoder, s = loaded.decoder, loaded.decoder.shape
-    kv = KVBuffer(s.layers, s.kv_heads, s.head_dim, loaded.dtype, loaded.device, rows=1, capacity=len(ids) + 8)
-    kv.n = 1
+    decoder = loaded.decoder
+    kv = decoder.cache(1, len(ids) + 8)
     total = 0.0
     for i in range(len(ids) - 1):
         kv.reserve(1)

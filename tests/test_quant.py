@@ -13,7 +13,6 @@ import pytest
 from chat.config import Settings
 from chat.engine import Delta, GenParams, gguf, quant, weights
 from chat.engine import model as loader
-from chat.engine.kv import KVBuffer
 from chat.engine.local import LocalEngine
 from tinygguf import tiny_gguf
 
@@ -99,9 +98,7 @@ def test_llama_rows_undo_the_converters_interleaving():
 
 
 def _prefill_logits(decoder, ids: list[int]):
-    s = decoder.shape
-    kv = KVBuffer(s.layers, s.kv_heads, s.head_dim, decoder.dtype, torch.device("cpu"), rows=1, capacity=len(ids) + 8)
-    kv.n = 1
+    kv = decoder.cache(1, len(ids) + 8)
     kv.reserve(len(ids))
     kv.mask[0, :len(ids)] = 1
     return decoder(torch.tensor([ids]), kv, torch.arange(len(ids))[None])[0]

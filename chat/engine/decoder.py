@@ -75,6 +75,13 @@ class Decoder:
         self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float)
                                                      / shape.head_dim))
 
+    def cache(self, rows: int, capacity: int) -> KVBuffer:
+        """An empty KV buffer of ``rows`` rows for this decoder (outside the engine: benchmarks, checks)."""
+        s = self.shape
+        kv = KVBuffer(s.layers, s.kv_heads, s.head_dim, self.dtype, torch.device("cpu"), rows=rows, capacity=capacity)
+        kv.n = rows
+        return kv
+
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 

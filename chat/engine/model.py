@@ -184,8 +184,12 @@ def load(settings) -> LoadedModel:
         raise ConfigError(f"CHAT_MODEL={settings.model!r}: the tokenizer has no chat template")
     loaded = LoadedModel(tokenizer, model, decoder, settings.model_name or name, dtype, device,
                          eos_ids(tokenizer, model), time.monotonic() - started, source)
-    log.info("loaded %s (%s weights, %s, %s forward) in %.1f s", loaded.name, loaded.weights, device,
-             "own" if decoder is not None else "transformers'", loaded.load_s)
+    if decoder is not None:
+        log.info("loaded %s (%s weights, %.0f MiB, %s, own forward) in %.1f s", loaded.name, loaded.weights,
+                 decoder.nbytes / 2**20, device, loaded.load_s)
+    else:
+        log.info("loaded %s (%s, %s, transformers' forward) in %.1f s", loaded.name, loaded.weights, device,
+                 loaded.load_s)
     return loaded
 
 
