@@ -14,7 +14,8 @@ run: $(RUNTIME)
 test: lint system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The edit-test loop: the in-process tier, about a minute; no browser, nginx, Redis or PostgreSQL needed.
+# The edit-test loop: the in-process tier, about a minute; no browser, nginx, Redis or PostgreSQL needed
+# (g++ is: tests/test_native.py builds the C++ decode step).
 # conftest.py marks the rest `slow` by the fixtures each test uses.
 test-fast: $(DEV)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
@@ -42,10 +43,11 @@ $(DEV): $(RUNTIME) requirements-dev.txt
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements-dev.txt
 	touch $@
 
-# Browser, proxy and scale-out tests need Debian's chromium, nginx, redis-server and postgresql.
-SYSTEM_PACKAGES := chromium nginx-light redis-server postgresql
+# Browser, proxy and scale-out tests need Debian's chromium, nginx, redis-server and postgresql;
+# the C++ decode step's tests a C++ compiler (g++).
+SYSTEM_PACKAGES := chromium nginx-light redis-server postgresql g++
 system-deps:
-	@if ! command -v chromium >/dev/null || ! test -x /usr/sbin/nginx || ! command -v redis-server >/dev/null \
+	@if ! command -v chromium >/dev/null || ! command -v g++ >/dev/null || ! test -x /usr/sbin/nginx || ! command -v redis-server >/dev/null \
 			|| ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
 		if [ "$$(id -u)" = 0 ]; then \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \

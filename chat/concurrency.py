@@ -6,6 +6,7 @@ plain thread, without gevent) consumes them through a ``Channel``.
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import time
 
@@ -31,6 +32,23 @@ def _original(module: str, name: str):
 def real_lock() -> Any:
     """A lock of the OS, usable between real threads even when threading is patched."""
     return _original("_thread", "allocate_lock")()
+
+
+def real_spawn(args: list[str]) -> int:
+    """Start ``args`` (found on PATH) with no input or output; its pid. Under gevent, neither
+    subprocess's nor os's patched functions work from a real OS thread (they need that thread's
+    event loop), and the worker's event loop reaps every child as it exits: have the command report
+    its own result (see ``real_reap``)."""
+    devnull = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
+    return _original("os", "posix_spawnp")(args[0], args, dict(os.environ), file_actions=devnull)
+
+
+def real_reap(pid: int) -> None:
+    """Collect an exited child started by ``real_spawn``, unless gevent's event loop already did."""
+    try:
+        _original("os", "waitpid")(pid, 0)
+    except ChildProcessError:
+        pass
 
 
 def start_real_thread(target: Callable[..., object], *args, name: str = "engine") -> None:

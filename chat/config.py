@@ -91,6 +91,14 @@ class Settings:
             "`int4`: the 4-bit weights only (least memory, slower long prompts). `off`: dense weights only. "
             "CPUs without native bf16 (`avx512_bf16`/`amx_bf16`) and other model formats always use dense "
             "weights. `/readyz` and `/metrics` report which (`weights`).")
+    native: bool = _setting(
+        "CHAT_NATIVE", True, _bool,
+        doc="Run each decode step on the CPU as one C++ call (`chat/engine/native.cpp`: the layers' norms, "
+            "rotary positions, attention and SwiGLU as plain loops, the products on torch's kernels), about "
+            "twice as fast at one stream as torch's operators. Built while the engine is idle after start-up "
+            "with the machine's C++ compiler (`$CXX`, `c++` or `g++`: install `g++`), about 15 s once, kept "
+            "under `CHAT_CACHE_DIR`; checked against torch's step before use. Without a compiler, or `false`: "
+            "torch's operators. `/readyz` reports which (`decode`).")
     device: str = _setting(
         "CHAT_DEVICE", "auto", _choice("auto", "cpu", "cuda"),
         doc="`auto`, `cpu` or `cuda`. `auto` uses CUDA when available.")

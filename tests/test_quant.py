@@ -192,8 +192,9 @@ def test_a_linear_takes_int4_for_small_decode_steps_and_dense_for_prefill(monkey
 
 @pytest.fixture(scope="module")
 def quant_engine(tiny_file, tmp_path_factory):
+    # torch's decode step throughout: the C++ one (test_native.py) would switch in while the tests run
     settings = Settings.from_env({}, model=str(tiny_file), data_dir=str(tmp_path_factory.mktemp("q")),
-                                 max_new_tokens=256, threads=1)
+                                 max_new_tokens=256, threads=1, native=False)
     engine = LocalEngine(settings)
     import time
     deadline = time.monotonic() + 120

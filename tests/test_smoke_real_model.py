@@ -23,5 +23,12 @@ def test_bundled_model_knows_the_capital_of_france(server_factory):
     ready = json.loads(http_get(srv.url + "/readyz")[2])
     assert ready["weights"] == weights
     assert f'chat_model_weights{{weights="{weights}"}} 1.0' in http_get(srv.url + "/metrics")[2].decode()
-    # While idle it adds the dense copies for prefill and measures where each pays, then says so.
-    assert wait_for(lambda: not json.loads(http_get(srv.url + "/readyz")[2])["finishing"], timeout=120)
+    # While idle it measures where int4 and dense products each pay and builds its C++ decode step
+    # (bfloat16 only; the tests install g++), then says so.
+    assert wait_for(lambda: not json.loads(http_get(srv.url + "/readyz")[2])["finishing"], timeout=180)
+    ready = json.loads(http_get(srv.url + "/readyz")[2])
+    assert ready["decode"] == ("native" if cpu_has_native_bf16() else "torch")
+    client = WS(srv.ws_url)
+    frames = client.chat("What is the capital of France?", params={"temperature": 0, "max_new_tokens": 40})
+    client.close()
+    assert "Paris" in text_of(frames)

@@ -8,6 +8,9 @@ columns in a decode step (``attention.plan``), logits only for each row's last
 position, and each product on int4 or dense weights by its number of rows
 (``quant.Linear``). Arithmetic follows transformers' (bf16 activations, norms
 in float32), so the dense path's answers are transformers' answers.
+
+Decode steps run in C++ instead (``native``) once that step is built and checked:
+the same layers in one call.
 """
 from __future__ import annotations
 
@@ -70,6 +73,7 @@ class Decoder:
                  weights: str, dtype: torch.dtype = torch.bfloat16):
         self.shape, self.embed, self.layers, self.norm, self.head = shape, embed, layers, norm, head
         self.weights = weights  # what the decode path multiplies by: "int4", "bfloat16", ...
+        self.native = None  # the decode step in one C++ call (native.Step), once built and checked
         self.dtype = dtype  # of activations and dense weights
         self._cos = self._sin = torch.empty(0)
         self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float)
@@ -107,14 +111,19 @@ class Decoder:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.eps).to(self.dtype)
 
-    def forward(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans=None) -> torch.Tensor:
-        """Float logits of each row's last column after feeding ``input_ids`` (rows, columns)."""
+    def forward(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans=None,
+                native=None) -> torch.Tensor:
+        """Float logits of each row's last column after feeding ``input_ids`` (rows, columns). A decode
+        step runs in C++ once ``native`` is set (``native=False``: on torch ops all the same)."""
         s = self.shape
         rows, cols = input_ids.shape
         cos, sin = self._rope(position_ids)
-        mask = _mask(kv, cols)
         h = self.embed(input_ids.reshape(-1))
         decode = cols == 1
+        step = self.native if native is None else native
+        if decode and step:
+            return self._logits(step(h, kv, cos, sin))
+        mask = _mask(kv, cols)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(h, layer.attn_norm), decode).view(rows, cols, -1, s.head_dim)
             qk = _rotate(qkv[:, :, :s.heads + s.kv_heads], cos, sin).transpose(1, 2)  # queries and keys at once
@@ -124,7 +133,9 @@ class Decoder:
             h = h + layer.o(a.transpose(1, 2).reshape(rows * cols, -1), decode)
             gate, up = layer.gate_up(self._norm(h, layer.mlp_norm), decode).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up, decode)
-        last = h.view(rows, cols, -1)[:, -1]
+        return self._logits(h.view(rows, cols, -1)[:, -1])
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
         return self.head(self._norm(last, self.norm)).float()
 
     __call__ = forward

@@ -101,7 +101,8 @@ class LocalEngine(Engine):
         return {"active": len(self.rows) + self.queue.prefilling, "queued": self.queue.queued(),
                 "prefix_cache_bytes": self.prefix.used, "prefix_hits": self.prefix.hits,
                 "prefix_misses": self.prefix.misses, "tokens_generated": self.tokens_generated,
-                "finishing": self.chores is not None}
+                "finishing": self.chores is not None,
+                "decode": "native" if self.decoder is not None and self.decoder.native else "torch"}
 
     def drain(self) -> None:
         """Stop taking new requests; running and queued ones go on."""

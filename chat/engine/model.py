@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import ConfigError
-from . import gguf, quant, weights
+from . import gguf, native, quant, weights
 from .decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -218,10 +218,18 @@ def _load_direct(settings, device: torch.device, dtype: torch.dtype):
 def finish(loaded: LoadedModel, settings) -> Iterator[None]:
     """What is left to do once the model serves, a step at a time (the engine runs it while idle):
     with both int4 and dense weights (``CHAT_QUANT=auto``), each product shape's int4/dense crossover,
-    measured once and kept under the model cache for later starts (a second or so a shape)."""
+    measured once and kept under the model cache for later starts (a second or so a shape); then the
+    C++ decode step (``native``), built once per machine and kept there too (~15 s)."""
     decoder, source = loaded.decoder, loaded.source
-    if decoder is None or source is None or not quant.by_shape(decoder.linears()):
+    if decoder is None:
         return
+    if source is not None and quant.by_shape(decoder.linears()):
+        yield from _crossovers(decoder, source, settings)
+    if settings.native and decoder.dtype == torch.bfloat16 and loaded.device.type == "cpu":
+        yield from native.attach(decoder, settings.model_cache_dir)
+
+
+def _crossovers(decoder: Decoder, source: Path, settings) -> Iterator[None]:
     store = Path(settings.model_cache_dir) / "crossovers.json"
     key = f"{source.name}:{source.stat().st_size}:{torch.__version__}:{torch.get_num_threads()}"
     try:

@@ -24,8 +24,10 @@ def readyz() -> ResponseReturnValue:
         ready: dict[str, object] = {"status": "ready", "model": engine.model_name}
         if engine.weights:  # the local model's: what its decode step multiplies by
             ready["weights"] = engine.weights
-            # Still making the dense copies and measuring crossovers while idle (see CHAT_QUANT).
-            ready["finishing"] = bool(engine.stats().get("finishing"))
+            stats = engine.stats()
+            # Still measuring crossovers and building the C++ step while idle (CHAT_QUANT, CHAT_NATIVE).
+            ready["finishing"] = bool(stats.get("finishing"))
+            ready["decode"] = stats.get("decode", "torch")  # the decode step: "native" (C++) or "torch"
         return jsonify(ready)
     if engine.error:  # the reason (paths, backend URL) is in the server log, not for anyone who asks
         return jsonify({"status": "failed"}), 503

@@ -1,0 +1,157 @@
+"""The C++ decode step (chat/engine/native.cpp): built and kept, checked against torch's step,
+a row's bits independent of its batch, used by the engine once built, and left alone when it
+cannot be built or disagrees. Needs a C++ compiler (`make test` installs g++)."""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from chat.engine import GenParams, gguf, native, weights
+from helpers import QUESTIONS, ROOT, ask, collect, make_engine
+from test_quant import native_bf16, on_thread
+from tinygguf import tiny_gguf
+
+SHARED = ROOT / "data" / "model-cache"  # where the live test servers keep theirs: built once a checkout
+MODES = ["off", pytest.param("int4", marks=native_bf16)]
+
+
+def drain(gen):
+    """Run a generator to its end; its return value."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
+@pytest.fixture(scope="module")
+def library():
+    path = drain(native.build(SHARED))
+    assert path is not None and path.exists(), "the C++ decode step did not build (see the log)"
+    native.load(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=MODES)
+def decoder(request, library):
+    return on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf()), request.param))
+
+
+def _batch(decoder, prompts: list[list[int]]):
+    """A KV buffer with each prompt prefilled alone (torch) and added right-aligned, as the engine
+    adds rows that finished prefilling; then the next column set for a decode step."""
+    kv = decoder.cache(1, 8)
+    kv.n = 0
+    for ids in prompts:
+        alone = decoder.cache(1, len(ids) + 4)
+        alone.reserve(len(ids))
+        alone.mask[0, :len(ids)] = 1
+        decoder.forward(torch.tensor([ids]), alone, torch.arange(len(ids))[None])
+        alone.length = len(ids)
+        kv.add_row(*alone.row(0))
+    kv.reserve(1)
+    kv.mask[:kv.n, kv.length] = 1
+    return kv
+
+
+def _step(decoder, kv, tokens, positions, native_step):
+    return decoder.forward(torch.tensor(tokens)[:, None], kv, torch.tensor(positions)[:, None], native=native_step)
+
+
+PROMPTS = [[5, 9, 14, 3, 22, 7, 8], [11, 4], [30, 2, 2, 19, 40]]
+
+
+def test_the_step_matches_torchs_over_several_steps(decoder):
+    def run():
+        step = native.Step(decoder)
+        assert native.agrees(decoder, step)
+        out = {}
+        for name, how in (("torch", False), ("native", step)):
+            kv, tokens, logits = _batch(decoder, PROMPTS), [1, 2, 3], []
+            positions = [len(p) for p in PROMPTS]
+            for _ in range(6):
+                logits.append(_step(decoder, kv, tokens, positions, how))
+                kv.length += 1
+                kv.reserve(1)
+                kv.mask[:kv.n, kv.length] = 1
+                tokens = logits[-1].argmax(-1).tolist()
+                positions = [p + 1 for p in positions]
+            out[name] = torch.stack(logits)
+        return out
+    out = on_thread(run)
+    mine, theirs = out["native"], out["torch"]
+    assert torch.equal(mine.argmax(-1), theirs.argmax(-1))
+    assert float((mine - theirs).abs().max()) < 2e-2 * float(theirs.abs().max())
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(decoder):
+    """Bit for bit: alone, or beside longer and shorter rows (so behind padding), as the engine's
+    seeded answers need."""
+    def run():
+        step = native.Step(decoder)
+        alone = _step(decoder, _batch(decoder, [PROMPTS[1]]), [4], [2], step)
+        batched = _step(decoder, _batch(decoder, PROMPTS), [1, 4, 3], [7, 2, 5], step)
+        return alone[0], batched[1]
+    alone, batched = on_thread(run)
+    assert torch.equal(alone, batched)
+
+
+def test_a_kept_build_is_loaded_not_rebuilt(library, monkeypatch):
+    before = library.stat().st_mtime_ns
+    monkeypatch.setattr(native, "command", lambda cxx, target: pytest.fail("compiled again"))
+    assert drain(native.build(SHARED)) == library and library.stat().st_mtime_ns == before
+
+
+def test_a_build_that_fails_is_logged_and_leaves_torch_ops(tmp_path, monkeypatch, caplog):
+    broken = tmp_path / "native.cpp"
+    broken.write_text("this is not C++;\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    with caplog.at_level(logging.WARNING, logger="chat.engine.native"):
+        assert drain(native.build(tmp_path)) is None
+    assert "could not build the C++ decode step" in caplog.text
+    assert not list((tmp_path / "native").glob("*.so*"))  # no half-written library left to load
+
+
+def test_without_a_compiler_decode_steps_stay_on_torch(tmp_path, monkeypatch, caplog):
+    decoder = on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf()), "off"))
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    with caplog.at_level(logging.INFO, logger="chat.engine.native"):
+        on_thread(lambda: drain(native.attach(decoder, tmp_path)))
+    assert decoder.native is None and "no C++ compiler" in caplog.text
+
+
+def test_a_step_that_disagrees_with_torch_is_not_used(library, monkeypatch, caplog):
+    decoder = on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf()), "off"))
+    real = native.Step.__call__
+    monkeypatch.setattr(native.Step, "__call__", lambda self, h, kv, cos, sin: real(self, h, kv, cos, sin).roll(1, -1))
+    with caplog.at_level(logging.WARNING, logger="chat.engine.native"):
+        on_thread(lambda: drain(native.attach(decoder, SHARED)))
+    assert decoder.native is None and "disagrees" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def native_engine(tiny_model, tmp_path_factory, library):
+    """The engine in bfloat16 (the C++ step's type) once the C++ step has switched in."""
+    engine = make_engine(tiny_model, tmp_path_factory.mktemp("native"), dtype="bfloat16", native=True,
+                         cache_dir=str(SHARED))
+    deadline = time.monotonic() + 120
+    while engine.stats()["finishing"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    yield engine
+    engine.shutdown()
+
+
+def test_the_engine_switches_to_the_step_and_seeded_answers_repeat_in_a_batch(native_engine):
+    engine = native_engine
+    assert engine.stats()["decode"] == "native"
+    params = GenParams(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=40)
+    alone = collect(engine.submit(ask("sample me"), params))[0]
+    others = [engine.submit(ask(q), GenParams(temperature=1.0, max_new_tokens=80)) for q in QUESTIONS]
+    mine = engine.submit(ask("sample me"), params)
+    assert collect(mine)[0] == alone and alone
+    for g in others:
+        collect(g)
