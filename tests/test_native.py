@@ -155,3 +155,34 @@ def test_the_engine_switches_to_the_step_and_seeded_answers_repeat_in_a_batch(na
     assert collect(mine)[0] == alone and alone
     for g in others:
         collect(g)
+
+
+def test_the_c_sampler_draws_what_the_torch_sampler_draws(library):
+    """Every filter and their mixes, peaked and flat distributions, greedy rows beside sampled ones:
+    the same tokens from the same uniform numbers, but where the draw lands within rounding of the
+    border between two tokens (its sums run in another order than torch's): then a neighbour."""
+    from chat.engine.sampling import sample
+
+    cases = [dict(temperature=0.0), dict(temperature=0.7, top_p=1.0), dict(temperature=1.3, top_p=0.9),
+             dict(temperature=0.7, top_k=40), dict(temperature=1.0, min_p=0.05),
+             dict(temperature=0.8, top_k=50, top_p=0.95, min_p=0.02), dict(temperature=2.0, top_p=0.5)]
+    gen = torch.Generator().manual_seed(3)
+    same = draws = 0
+    for scale in (1.0, 4.0, 12.0):  # flat to peaked
+        logits = torch.randn(len(cases), 4096, generator=gen) * scale
+        rank = logits.argsort(dim=-1, descending=True).argsort(dim=-1)  # each token's place, most likely first
+        for seed in range(20):
+            params = [GenParams(**c) for c in cases]
+            mine = sample(logits, params, [torch.Generator().manual_seed(seed) for _ in cases], native=native.sample)
+            theirs = sample(logits, params, [torch.Generator().manual_seed(seed) for _ in cases])
+            for row, (a, b) in enumerate(zip(mine, theirs)):
+                draws += 1
+                same += a == b
+                # without filters the draw walks the vocabulary in its order, else most likely first
+                place = (lambda t: t) if row == 1 else (lambda t: int(rank[row, t]))
+                assert abs(place(a) - place(b)) <= 1, (scale, seed, row, a, b)
+    assert same >= 0.97 * draws, (same, draws)
+    # top-k past the tokens near the most likely: the sampler looks further
+    peaked = torch.tensor([[30.0] + [-float(i) for i in range(1, 200)]])
+    assert sample(peaked, [GenParams(temperature=1.0, top_k=20)], [torch.Generator().manual_seed(0)],
+                  native=native.sample) == [0]

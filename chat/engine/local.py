@@ -19,7 +19,7 @@ import torch
 
 from ..concurrency import run_in_thread, start_real_thread
 from ..errors import EngineError, EngineUnavailable, Overloaded
-from . import attention, prompt
+from . import attention, native, prompt
 from . import model as model_loader
 from .base import Engine, GenParams, Generation
 from .events import Delta, Done, Queued, Refused, Started
@@ -286,9 +286,13 @@ class LocalEngine(Engine):
 
     def _accept_all(self, slots: list, logits) -> None:
         """Sample every row's next token in one pass, then emit each row's text."""
-        tokens = sample(logits, [s.params for s in slots], [s.generator for s in slots])
+        tokens = sample(logits, [s.params for s in slots], [s.generator for s in slots], native=self._sampler())
         for slot, token in zip(slots, tokens):
             self._accept(slot, token)
+
+    def _sampler(self):
+        """The C++ sampler once the C++ decode step is in (the same library)."""
+        return native.sample if self.decoder is not None and self.decoder.native else None
 
     def _accept(self, slot: Slot, token: int) -> None:
         """Take a row's next token and emit its text; finish the row if it ended."""

@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -282,6 +284,137 @@ at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, a
   return h;
 }
 
+// e^x for x <= 0 in float32, within ~2 ulp (Cody-Waite reduction, a degree-6 polynomial), written so
+// the compiler vectorizes it (the C library's expf is a call per element).
+inline float exp_neg(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+// The first index of the largest of n floats.
+inline int64_t argmax(const float* x, int64_t n) noexcept {
+  float part[LANES];
+  std::fill(part, part + LANES, -INFINITY);
+  const int64_t body = n - n % LANES;
+  for (int64_t i = 0; i < body; i += LANES)
+    for (int64_t l = 0; l < LANES; ++l) part[l] = x[i + l] > part[l] ? x[i + l] : part[l];
+  float top = -INFINITY;
+  for (int64_t l = 0; l < LANES; ++l) top = std::max(top, part[l]);
+  for (int64_t i = body; i < n; ++i) top = std::max(top, x[i]);
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] == top) return i;
+  return 0;  // all NaN
+}
+
+// w[i] = e^((x[i] - top) * inv) for n floats; their sum (in LANES partial sums).
+float weights(const float* __restrict x, float* __restrict w, int64_t n, float top, float inv) noexcept {
+  for (int64_t i = 0; i < n; ++i) w[i] = exp_neg((x[i] - top) * inv);
+  float part[LANES] = {};
+  const int64_t body = n - n % LANES;
+  for (int64_t i = 0; i < body; i += LANES)
+    for (int64_t l = 0; l < LANES; ++l) part[l] += w[i + l];
+  float total = 0.f;
+  for (int64_t l = 0; l < LANES; ++l) total += part[l];
+  for (int64_t i = body; i < n; ++i) total += w[i];
+  return total;
+}
+
+// Next token of each row of ``logits`` (rows, vocab) float32, as chat/engine/sampling.py draws it:
+// temperature <= 0 is argmax; else probabilities over the whole vocabulary at that temperature,
+// then top-k, top-p over what top-k kept, min-p against the most likely, and the token where the
+// row's uniform ``u`` falls in the kept probabilities (most likely first; with none of the three
+// filters, in vocabulary order). Weights are kept relative to the most likely token (1); only
+// tokens within e^-4 of it are sorted unless the filters reach further (then within e^-12, then
+// all): the tokens sorted are always all those above a floor, so what is kept is exact.
+at::Tensor sample(const at::Tensor& logits_in, const at::Tensor& temperature, const at::Tensor& top_k,
+                  const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& u) {
+  const at::Tensor logits = logits_in.to(at::kFloat).contiguous();
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const at::Tensor t = temperature.to(at::kFloat).contiguous(), k = top_k.to(at::kLong).contiguous(),
+                   tp = top_p.to(at::kFloat).contiguous(), mp = min_p.to(at::kFloat).contiguous(),
+                   draw = u.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({rows}, at::kLong);
+  std::vector<float> w(vocab);
+  std::vector<std::pair<float, int64_t>> order;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = logits.data_ptr<float>() + r * vocab;
+    const int64_t best = argmax(x, vocab);
+    const float temp = t.data_ptr<float>()[r];
+    if (!(temp > 0.f)) {
+      out.data_ptr<int64_t>()[r] = best;
+      continue;
+    }
+    const float total = weights(x, w.data(), vocab, x[best], 1.f / temp);
+    const int64_t kk = k.data_ptr<int64_t>()[r];
+    const float p_cut = tp.data_ptr<float>()[r], m_cut = mp.data_ptr<float>()[r], want = draw.data_ptr<float>()[r];
+    int64_t chosen = best;
+    if (kk <= 0 && p_cut >= 1.f && m_cut <= 0.f) {  // no filter: the whole vocabulary, in its order
+      const float target = want * total;
+      float cdf = 0.f;
+      for (int64_t i = 0; i < vocab; ++i) {
+        cdf += w[i];
+        if (cdf > target) {
+          chosen = i;
+          break;
+        }
+      }
+      out.data_ptr<int64_t>()[r] = chosen;
+      continue;
+    }
+    for (float floor_w : {1.8315639e-2f, 6.1442124e-6f, 0.f}) {  // e^-4, e^-12, then everything
+      order.clear();
+      for (int64_t i = 0; i < vocab; ++i)
+        if (w[i] >= floor_w) order.emplace_back(w[i], i);
+      const int64_t n = static_cast<int64_t>(order.size());
+      if (kk > n && floor_w > 0.f) continue;  // top-k reaches past the candidates
+      std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      });
+      const int64_t limit = kk > 0 ? std::min(kk, n) : n;
+      float mass = total;  // top-p is over what top-k kept
+      if (kk > 0) {
+        mass = 0.f;
+        for (int64_t j = 0; j < limit; ++j) mass += order[j].first;
+      }
+      float before = 0.f;
+      int64_t kept = 0;
+      bool settled = kk > 0;
+      for (int64_t j = 0; j < limit; ++j) {
+        if (j > 0 && (before >= p_cut * mass || order[j].first < m_cut)) {
+          settled = true;
+          break;
+        }
+        before += order[j].first;
+        kept = j + 1;
+      }
+      if (!settled && (before >= p_cut * mass || n == vocab)) settled = true;
+      if (!settled) continue;  // the nucleus reaches past the candidates
+      const float target = want * before;
+      float cdf = 0.f;
+      chosen = order[kept - 1].second;
+      for (int64_t j = 0; j < kept; ++j) {
+        cdf += order[j].first;
+        if (cdf > target) {
+          chosen = order[j].second;
+          break;
+        }
+      }
+      break;
+    }
+    out.data_ptr<int64_t>()[r] = chosen;
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(chat_native, lib) {
@@ -290,4 +423,6 @@ TORCH_LIBRARY(chat_native, lib) {
   lib.def("forget(int id) -> ()", &forget);
   lib.def("decode(int id, Tensor embedded, Tensor[] keys, Tensor[] values, Tensor starts, int col, Tensor cos, "
           "Tensor sin) -> Tensor", &decode);
+  lib.def("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor u) -> Tensor",
+          &sample);
 }
