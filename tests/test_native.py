@@ -186,3 +186,30 @@ def test_the_c_sampler_draws_what_the_torch_sampler_draws(library):
     peaked = torch.tensor([[30.0] + [-float(i) for i in range(1, 200)]])
     assert sample(peaked, [GenParams(temperature=1.0, top_k=20)], [torch.Generator().manual_seed(0)],
                   native=native.sample) == [0]
+
+
+def test_a_long_prompt_joining_running_rows_changes_no_answer(native_engine):
+    """With the C++ step the batch's padding is never read, so a row longer than the running ones
+    joins without zeroing their new padding (a long join stalled them most of a second): every
+    answer is still its solo answer."""
+    from chat.engine import Delta
+
+    engine = native_engine
+    short, long_text = ask("hi"), ask(" ".join(f"word{i}" for i in range(300)))
+    running, late = GenParams(temperature=0, max_new_tokens=400), GenParams(temperature=0, max_new_tokens=24)
+    expected = [collect(engine.submit(short, running))[0], collect(engine.submit(long_text, late))[0]]
+    first = engine.submit(short, running)
+    head = []
+    for event in first:
+        if isinstance(event, Delta):
+            head.append(event.text)
+            break
+    second = engine.submit(long_text, late)
+    late_head = []
+    for event in second:
+        if isinstance(event, Delta):
+            late_head.append(event.text)
+            break
+    kv = engine.kv  # both rows are in it now
+    assert kv is not None and not kv.reads_padding
+    assert ["".join(head) + collect(first)[0], "".join(late_head) + collect(second)[0]] == expected

@@ -102,7 +102,7 @@ class LocalEngine(Engine):
                 "prefix_cache_bytes": self.prefix.used, "prefix_hits": self.prefix.hits,
                 "prefix_misses": self.prefix.misses, "tokens_generated": self.tokens_generated,
                 "finishing": self.chores is not None,
-                "decode": "native" if self.decoder is not None and self.decoder.native else "torch"}
+                "decode": "native" if self._native else "torch"}
 
     def drain(self) -> None:
         """Stop taking new requests; running and queued ones go on."""
@@ -257,9 +257,10 @@ class LocalEngine(Engine):
             return
         if self.kv is None and len(kept) == job.rows:
             self.kv = job.kv  # the job's buffer becomes the batch's: no copy
-        else:
-            if self.kv is None:
-                self.kv = KVBuffer(*self.dims, rows=len(kept), capacity=job.kv.length + 64)
+        elif self.kv is None:
+            self.kv = KVBuffer(*self.dims, rows=len(kept), capacity=job.kv.length + 64)
+        self.kv.reads_padding = not self._native  # the C++ step reads no padding
+        if self.kv is not job.kv:
             for r in kept:
                 self.kv.add_row(*job.kv.row(r, copy=False))
         slots = [job.slots[r] for r in kept]
@@ -290,9 +291,14 @@ class LocalEngine(Engine):
         for slot, token in zip(slots, tokens):
             self._accept(slot, token)
 
+    @property
+    def _native(self) -> bool:
+        """Decode steps run in C++ (``native``): built and checked while idle after start-up."""
+        return self.decoder is not None and bool(self.decoder.native)
+
     def _sampler(self):
         """The C++ sampler once the C++ decode step is in (the same library)."""
-        return native.sample if self.decoder is not None and self.decoder.native else None
+        return native.sample if self._native else None
 
     def _accept(self, slot: Slot, token: int) -> None:
         """Take a row's next token and emit its text; finish the row if it ended."""
