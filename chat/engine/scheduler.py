@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..concurrency import Counter, Wakeup
 from ..errors import EngineError
 from .base import Generation
-from .prefill import PrefillJob
+from .prefill import MIN_CHUNK, PrefillJob
 from .slot import Slot
 
 STALL = 2.0  # a prefill chunk between two decode steps takes at most about this many decode steps
@@ -51,6 +51,7 @@ class Scheduler:
         self.wake = Wakeup()
         self.arriving = Counter()  # submits still fitting their prompt: see gather
         self.prefilling = 0  # rows in jobs and joining, kept by the engine thread for other threads to read
+        self.token_s = 0.0  # seconds a prompt token costs in a chunk beside decoding rows (measured)
 
     # ---- any thread
 
@@ -171,6 +172,10 @@ class Scheduler:
                 for slot in job.slots:
                     engine.done(slot.gen, slot.gen.cancel_reason, slot)
                 continue
+            if decoding and not job.columns and self.token_s:
+                # A job's first chunk: sized from what earlier chunks cost (at their depth, so
+                # no more than this one, which starts the prompt), not just the token budget.
+                job.columns = max(MIN_CHUNK, int((target - engine.step_s) / (self.token_s * job.rows)))
             # Nobody decoding means nobody to stall: the whole prompt at once.
             columns = job.chunk(budget) if decoding else job.remaining
             started = time.monotonic()
@@ -180,6 +185,8 @@ class Scheduler:
                 budget -= columns * job.rows
                 seconds -= spent
                 job.measured(columns, spent, engine.step_s, target)
+            # (alone, a forward's fixed cost counts as its tokens': an estimate on the safe side)
+            self.token_s = max(spent - (engine.step_s if decoding else 0), 1e-4) / (columns * job.rows)
             if logits is not None:
                 self.jobs.popleft()
                 self.joining.append((job, logits))
