@@ -99,6 +99,22 @@ def test_a_rows_result_does_not_depend_on_its_batch(decoder):
     assert torch.equal(alone, batched)
 
 
+def test_bad_arguments_raise_instead_of_reading_out_of_bounds(decoder):
+    def run():
+        step = native.Step(decoder)
+        kv = _batch(decoder, [PROMPTS[0]])
+        h = decoder.embed(torch.tensor([1]))
+        cos, sin = decoder._rope(torch.tensor([[7]]))
+        for starts, col in ((torch.tensor([9]), kv.length), (torch.tensor([0]), kv.capacity)):
+            with pytest.raises(RuntimeError):
+                torch.ops.chat_native.decode(step.id, h, kv.keys, kv.values, starts, col, cos[:, 0, 0], sin[:, 0, 0])
+        with pytest.raises(RuntimeError):  # a buffer per layer
+            torch.ops.chat_native.decode(step.id, h, kv.keys[:1], kv.values[:1], torch.tensor([0]), kv.length,
+                                         cos[:, 0, 0], sin[:, 0, 0])
+        return True
+    assert on_thread(run)
+
+
 def test_a_kept_build_is_loaded_not_rebuilt(library, monkeypatch):
     before = library.stat().st_mtime_ns
     monkeypatch.setattr(native, "command", lambda cxx, target: pytest.fail("compiled again"))

@@ -269,6 +269,11 @@ at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, a
   const int64_t rows = embedded.size(0);
   at::Tensor h = embedded.contiguous().clone();
   at::Tensor c = cos.contiguous(), s = sin.contiguous(), first = starts.to(at::kLong).contiguous();
+  TORCH_CHECK(first.numel() == rows && c.size(0) == rows && c.size(1) == m.dim && s.sizes() == c.sizes(),
+              "a start column and rotary angles per row expected");
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(first.data_ptr<int64_t>()[r] >= 0 && first.data_ptr<int64_t>()[r] <= col, "row ", r,
+                " starts after the column it writes");
   at::Tensor q = at::empty({rows, m.heads * m.dim}, embedded.options().dtype(at::kFloat));
   for (size_t l = 0; l < m.layers.size(); ++l) {
     const Layer& layer = m.layers[l];
