@@ -122,8 +122,8 @@ def run_single(srv: BenchServer, args, sampled: bool = False, ref: Reference | N
 
 
 def wait_finished(srv: BenchServer, timeout: float = 120) -> float | None:
-    """Seconds until /readyz stops saying ``finishing`` (the idle chores after start-up: dense copies,
-    crossovers), so no phase shares the engine with them; None when it never says it."""
+    """Seconds until /readyz stops saying ``finishing`` (the idle chores after start-up: crossovers,
+    building the C++ step), so no phase shares the engine with them; None when it never says it."""
     started = time.perf_counter()
     while time.perf_counter() - started < timeout:
         status, body = http_get(srv.port, "/readyz")

@@ -135,7 +135,7 @@ def run_server_phases(res: dict, workdir: Path, env: dict, args) -> None:
     try:
         print("[bench] starting the server ...", file=sys.stderr, flush=True)
         res["startup"] = {"ready_s": srv.start(timeout=args.timeout)}
-        res["startup"]["finished_s"] = phases.wait_finished(srv)  # then the idle chores (dense copies...)
+        res["startup"]["finished_s"] = phases.wait_finished(srv)  # then the idle chores (crossovers, C++ step)
         res["startup"]["readyz"] = json.loads(http_get(srv.port, "/readyz")[1])
         time.sleep(1.0)  # the worker's memory after start-up settles: what "idle" means in the report
         res["memory"] = {"idle_rss": srv.worker_rss()}
