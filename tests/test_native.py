@@ -139,6 +139,24 @@ def test_without_a_compiler_decode_steps_stay_on_torch(tmp_path, monkeypatch, ca
     assert decoder.native is None and "no C++ compiler" in caplog.text
 
 
+def test_an_unwritable_cache_folder_leaves_torch_ops(tmp_path, caplog):
+    decoder = on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf()), "off"))
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger="chat.engine.native"):
+        on_thread(lambda: drain(native.attach(decoder, blocked)))
+    assert decoder.native is None and "could not build the C++ decode step" in caplog.text
+
+
+def test_a_model_shape_the_step_does_not_cover_leaves_torch_ops(library, caplog):
+    # heads of 24 numbers: the C++ loops take multiples of 16
+    decoder = on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf(hidden=96)), "off"))
+    assert decoder.shape.head_dim == 24
+    with caplog.at_level(logging.WARNING, logger="chat.engine.native"):
+        on_thread(lambda: drain(native.attach(decoder, SHARED)))
+    assert decoder.native is None and "does not run this model" in caplog.text
+
+
 def test_a_step_that_disagrees_with_torch_is_not_used(library, monkeypatch, caplog):
     decoder = on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf()), "off"))
     real = native.Step.__call__

@@ -190,16 +190,26 @@ def agrees(decoder, step: Step) -> bool:
 
 def attach(decoder, cache_dir: str | Path) -> Iterator[None]:
     """Build (or find) the library, check it, and give ``decoder`` the C++ step; yields while building."""
-    path = yield from build(cache_dir)
+    try:
+        path = yield from build(cache_dir)
+    except OSError as exc:  # the cache folder cannot be written, no /bin/sh, ...
+        log.warning("could not build the C++ decode step under %s: %s; decode steps stay on torch ops",
+                    cache_dir, exc)
+        return
     if path is None:
         return
     try:
         load(path)
-        step = Step(decoder)
-    except (OSError, RuntimeError) as exc:
+    except OSError as exc:
         log.warning("could not load the C++ decode step from %s (removed, built again next start): %s", path, exc)
         path.unlink(missing_ok=True)
         return
-    if agrees(decoder, step):
+    try:
+        step = Step(decoder)
+        ok = agrees(decoder, step)
+    except RuntimeError as exc:  # a shape it does not cover (head size not a multiple of 16, ...)
+        log.warning("the C++ decode step does not run this model (%s): decode steps stay on torch ops", exc)
+        return
+    if ok:
         decoder.native = step
         log.info("decode steps run in C++ (%s)", path.name)
