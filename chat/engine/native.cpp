@@ -39,6 +39,28 @@ inline uint16_t to_bf(float f) {  // round to nearest even, as c10::BFloat16 (br
   return static_cast<uint16_t>(f != f ? 0x7FC0 : rounded);
 }
 
+// e^x for x <= 0 in float32, within ~2 ulp (Cody-Waite reduction, a degree-6 polynomial), written so
+// the compiler vectorizes it (the C library's expf is a call per element).
+inline float exp_neg(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+// silu(x) = x / (1 + e^-x), with e^-|x| only (exp_neg's range).
+inline float silu(float x) {
+  const float e = exp_neg(-std::fabs(x));
+  return x >= 0.f ? x / (1.f + e) : x * e / (1.f + e);
+}
+
 constexpr int64_t LANES = 16;  // partial sums: a fixed summation order the compiler can vectorize
 
 // sum of a[i] * b[i] over n (a multiple of LANES) floats, in LANES partial sums added in order
@@ -119,10 +141,7 @@ at::Tensor swiglu(const at::Tensor& gu) {
     const uint16_t* g = bits(gu) + r * 2 * f;
     const uint16_t* u = g + f;
     uint16_t* o = bits(out) + r * f;
-    for (int64_t i = 0; i < f; ++i) {
-      float x = bf(g[i]);
-      o[i] = to_bf(bf(to_bf(x / (1.f + std::exp(-x)))) * bf(u[i]));
-    }
+    for (int64_t i = 0; i < f; ++i) o[i] = to_bf(bf(to_bf(silu(bf(g[i])))) * bf(u[i]));
   }
   return out;
 }
@@ -190,10 +209,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
         float* s = scores.data() + h * n;
         float top = s[0];
         for (int64_t j = 1; j < n; ++j) top = std::max(top, s[j]);
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = std::exp(s[j] - top);
-          total[h] += s[j];
-        }
+        for (int64_t j = 0; j < n; ++j) s[j] = exp_neg(s[j] - top);
+        for (int64_t j = 0; j < n; ++j) total[h] += s[j];
       }
       for (int64_t j = 0; j < n; ++j) {
         widen(vbase + (first + j) * vs[2], key.data(), d);
@@ -287,22 +304,6 @@ at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, a
     add_into(h, layer.down(swiglu(layer.gate_up(norm(h, layer.mlp_norm, m.eps)).contiguous())).contiguous());
   }
   return h;
-}
-
-// e^x for x <= 0 in float32, within ~2 ulp (Cody-Waite reduction, a degree-6 polynomial), written so
-// the compiler vectorizes it (the C library's expf is a call per element).
-inline float exp_neg(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
 // The first index of the largest of n floats.
