@@ -111,6 +111,12 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds(decoder):
         with pytest.raises(RuntimeError):  # a buffer per layer
             torch.ops.chat_native.decode(step.id, h, kv.keys[:1], kv.values[:1], torch.tensor([0]), kv.length,
                                          cos[:, 0, 0], sin[:, 0, 0])
+        with pytest.raises(RuntimeError):  # values shaped as keys
+            torch.ops.chat_native.decode(step.id, h, kv.keys, [v[:, :, :4] for v in kv.values], torch.tensor([0]),
+                                         kv.length, cos[:, 0, 0], sin[:, 0, 0])
+        with pytest.raises(RuntimeError):  # the model's hidden size
+            torch.ops.chat_native.decode(step.id, h[:, :32], kv.keys, kv.values, torch.tensor([0]), kv.length,
+                                         cos[:, 0, 0], sin[:, 0, 0])
         return True
     assert on_thread(run)
 

@@ -246,6 +246,8 @@ int64_t keep(at::TensorList norms, at::TensorList products, at::TensorList biase
     Layer layer;
     layer.attn_norm = norms[2 * l].contiguous();
     layer.mlp_norm = norms[2 * l + 1].contiguous();
+    TORCH_CHECK(layer.attn_norm.scalar_type() == at::kBFloat16 && layer.mlp_norm.scalar_type() == at::kBFloat16,
+                "bf16 norm weights expected");
     Product* parts[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     for (int p = 0; p < 4; ++p) {
       const int64_t i = l * 12 + p * 3;
@@ -281,7 +283,9 @@ at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, a
     found = &it->second;
   }
   const Model& m = *found;
-  TORCH_CHECK(embedded.scalar_type() == at::kBFloat16 && embedded.dim() == 2, "bf16 (rows, hidden) expected");
+  TORCH_CHECK(embedded.scalar_type() == at::kBFloat16 && embedded.dim() == 2 &&
+                  embedded.size(1) == m.layers[0].attn_norm.numel(),
+              "bf16 (rows, hidden) expected");
   TORCH_CHECK(keys.size() == m.layers.size() && values.size() == m.layers.size(), "a buffer per layer expected");
   const int64_t rows = embedded.size(0);
   at::Tensor h = embedded.contiguous().clone();
@@ -295,8 +299,9 @@ at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, a
   for (size_t l = 0; l < m.layers.size(); ++l) {
     const Layer& layer = m.layers[l];
     at::Tensor k = keys[l], v = values[l];
-    TORCH_CHECK(k.scalar_type() == at::kBFloat16 && k.stride(3) == 1 && v.stride(3) == 1 && k.size(0) >= rows &&
-                    col < k.size(2),
+    TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == at::kBFloat16 &&
+                    v.scalar_type() == at::kBFloat16 && k.stride(3) == 1 && v.stride(3) == 1 && k.size(0) >= rows &&
+                    k.size(1) == m.kv_heads && k.size(3) == m.dim && col < k.size(2),
                 "key/value buffers of the wrong shape");
     at::Tensor qkv = layer.qkv(norm(h, layer.attn_norm, m.eps)).contiguous();
     rope_and_store(qkv, c, s, m, q, k, v, col);
