@@ -225,7 +225,8 @@ class LocalEngine(Engine):
         device = self.loaded.device
         kv.reserve(1)
         kv.mask[:kv.n, kv.length] = 1
-        spans = attention.plan(kv.row_starts(1), kv.length + 1 - kv.start) if kv.n > 1 else None
+        # the torch step's runs of rows (the C++ step takes each row's own columns itself)
+        spans = attention.plan(kv.row_starts(1), kv.length + 1 - kv.start) if kv.n > 1 and not self._native else None
         logits = self.forward(torch.tensor(tokens, device=device)[:, None], kv,
                                torch.tensor(positions, device=device)[:, None], spans)
         kv.length += 1
