@@ -2,6 +2,7 @@
 import { els } from './dom.js';
 import * as attachments from './attachments.js';
 import * as chat from './chat.js';
+import * as frames from './frames.js';
 import * as composer from './composer.js';
 import { importFile } from './importer.js';
 import * as models from './models.js';
@@ -191,7 +192,7 @@ document.addEventListener('visibilitychange', () => {
 settings.show();
 settings.showServer(socket.model(), socket.limits());
 models.setModels(socket.models(), socket.model());
-socket.start({ frame: chat.onFrame, closed: chat.refreshControls });
+socket.start({ frame: frames.onFrame, closed: chat.refreshControls });
 // The conversation in the address (/c/<id>), else the one open last time ("/" after New chat: none).
 const opening = router.idFromPath() || sidebar.savedId();
 if (opening) {

@@ -1,0 +1,149 @@
+// What the server's frames do to the page: a request's answer streaming in, settling,
+// failing or rolled back; resuming after a reconnect. chat.js sends; this module receives.
+import * as attachments from './attachments.js';
+import * as chat from './chat.js';
+import * as composer from './composer.js';
+import * as models from './models.js';
+import * as requests from './requests.js';
+import * as router from './router.js';
+import * as settings from './settings.js';
+import * as sidebar from './sidebar.js';
+import * as socket from './socket.js';
+import * as thread from './thread.js';
+import { REASONS } from './message.js';
+import { announce } from './util.js';
+
+/** Undo the optimistic page of a request the server refused (no start, no done). */
+function rollback(req) {
+  requests.finish(req);
+  if (req.reload) {
+    if (req.conversationId === sidebar.currentId()) chat.openConversation(req.conversationId, { keepError: true });
+  } else if (req.oldView) {
+    if (req.view.el.isConnected) req.view.el.replaceWith(req.oldView);
+    req.oldView.view.setRegenerating(null);
+  } else {
+    req.view.el.remove();
+    req.userEl?.remove();
+    composer.restore(req.content);
+    attachments.restore(req.files);
+  }
+  thread.showEmptyIfNone();
+}
+
+/** A regenerated answer takes the old one's place once it has something to show. */
+function swapIn(req) {
+  if (!req.oldView || req.view.el.isConnected || !req.oldView.isConnected) return;
+  req.oldView.replaceWith(req.view.el);
+  req.oldView.view.setRegenerating(null);
+}
+
+/** End a started request with the text that has arrived, drawn final. */
+function settle(req) {
+  requests.finish(req);
+  swapIn(req);
+  thread.cancelRender(req.view);
+  req.view.setText(req.prefix + req.text, true);
+}
+
+function onReady() {
+  settings.showServer(socket.model(), socket.limits());
+  models.setModels(socket.models(), socket.model());
+  models.showFor(chat.shownRecord());
+  for (const req of requests.all()) {
+    if (req.sent) {
+      req.resuming = true;
+      socket.send({ type: 'resume', id: req.id, from: req.nextIndex });
+      if (req.cancelRequested) socket.send({ type: 'cancel', id: req.id });
+    } else if (!req.started) {
+      rollback(req);
+    }
+  }
+  chat.refreshControls();
+  sidebar.refresh();
+}
+
+function onQueued(msg) {
+  const req = requests.get(msg.id);
+  if (!req || req.started) return;
+  req.view.setThinking(msg.position > 1 ? `Waiting in line · position ${msg.position}` : 'Waiting in line · next up');
+}
+
+function onStart(msg) {
+  const req = requests.get(msg.id);
+  if (!req) return;
+  req.started = true;
+  req.resuming = false;
+  if (req.text === '') req.view.setThinking();
+  if (!req.conversationId) {
+    const viewingIt = sidebar.currentId() === null;
+    req.conversationId = msg.conversation_id;
+    sidebar.added(msg.conversation_id, req.content);
+    if (viewingIt) {
+      sidebar.setCurrent(msg.conversation_id);
+      router.show(msg.conversation_id, { replace: true }); // the new chat's address becomes its own
+    }
+    sidebar.render();
+  }
+  requests.remember(req);
+  announce('The assistant is answering.');
+  sidebar.refreshSoon();
+}
+
+function onDelta(msg) {
+  const req = requests.get(msg.id);
+  if (!req || !requests.addDelta(req, msg.index, msg.text)) return;
+  swapIn(req);
+  thread.scheduleRender(req.view, req.prefix + req.text);
+}
+
+function onDone(msg) {
+  const req = requests.get(msg.id);
+  if (!req) return;
+  settle(req);
+  req.view.finish(msg);
+  if (!req.prefix && !req.text && msg.reason === 'stop') req.view.body.textContent = '(empty answer)';
+  thread.followStream();
+  chat.refreshControls();
+  if (req.conversationId === sidebar.currentId()) {
+    const reason = REASONS[msg.reason] ? ` (${REASONS[msg.reason]})` : '';
+    announce(`Answer${reason}: ${req.text.slice(0, 2000)}`);
+    chat.syncIds(); // the new messages' ids and versions, for Edit and the version switcher
+    chat.sendQueued();
+  }
+  sidebar.refreshSoon();
+}
+
+function onError(msg) {
+  const req = msg.id ? requests.get(msg.id) : null;
+  const text = composer.errorText(msg.code, msg.message);
+  if (!req) {
+    composer.showError(text);
+  } else if (req.resuming && msg.code === 'unknown_id') {
+    // The server no longer has this answer: take what it stored.
+    requests.finish(req);
+    if (!req.started) {
+      // Never accepted: give the text back so nothing typed is lost.
+      rollback(req);
+      composer.showError('The connection dropped before your message was accepted. Please send it again.');
+    }
+    if (req.conversationId && req.conversationId === sidebar.currentId()) {
+      chat.openConversation(req.conversationId, { keepError: true });
+    }
+  } else if (!req.started) {
+    rollback(req);
+    composer.showError(text);
+    if (msg.code === 'not_found' && req.conversationId === sidebar.currentId()) chat.forgetConversation(req.conversationId);
+  } else {
+    settle(req);
+    req.view.fail(text);
+  }
+  chat.refreshControls();
+  if (req && req.conversationId === sidebar.currentId()) chat.sendQueued();
+}
+
+const HANDLERS = { ready: onReady, queued: onQueued, start: onStart, delta: onDelta, done: onDone, error: onError };
+
+/** Route one server frame to its handler; unknown types are ignored. */
+export function onFrame(msg) {
+  HANDLERS[msg?.type]?.(msg);
+}
