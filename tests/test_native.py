@@ -105,18 +105,16 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds(decoder):
         kv = _batch(decoder, [PROMPTS[0]])
         h = decoder.embed(torch.tensor([1]))
         cos, sin = decoder._rope(torch.tensor([[7]]))
-        for starts, col in ((torch.tensor([9]), kv.length), (torch.tensor([0]), kv.capacity)):
+        good = dict(embedded=h, keys=kv.keys, values=kv.values, starts=torch.tensor([0]), col=kv.length,
+                    cos=cos[:, 0, 0], sin=sin[:, 0, 0])
+        for bad in (dict(starts=torch.tensor([9])),  # a row starting after the column it writes
+                    dict(col=kv.capacity),  # past the buffer
+                    dict(keys=kv.keys[:1], values=kv.values[:1]),  # a buffer per layer
+                    dict(values=[v[:, :, :4] for v in kv.values]),  # values shaped as keys
+                    dict(embedded=h[:, :32])):  # the model's hidden size
+            args = {**good, **bad}
             with pytest.raises(RuntimeError):
-                torch.ops.chat_native.decode(step.id, h, kv.keys, kv.values, starts, col, cos[:, 0, 0], sin[:, 0, 0])
-        with pytest.raises(RuntimeError):  # a buffer per layer
-            torch.ops.chat_native.decode(step.id, h, kv.keys[:1], kv.values[:1], torch.tensor([0]), kv.length,
-                                         cos[:, 0, 0], sin[:, 0, 0])
-        with pytest.raises(RuntimeError):  # values shaped as keys
-            torch.ops.chat_native.decode(step.id, h, kv.keys, [v[:, :, :4] for v in kv.values], torch.tensor([0]),
-                                         kv.length, cos[:, 0, 0], sin[:, 0, 0])
-        with pytest.raises(RuntimeError):  # the model's hidden size
-            torch.ops.chat_native.decode(step.id, h[:, :32], kv.keys, kv.values, torch.tensor([0]), kv.length,
-                                         cos[:, 0, 0], sin[:, 0, 0])
+                torch.ops.chat_native.decode(step.id, *args.values())
         return True
     assert on_thread(run)
 
@@ -239,17 +237,9 @@ def test_a_long_prompt_joining_running_rows_changes_no_answer(native_engine):
     running, late = GenParams(temperature=0, max_new_tokens=400), GenParams(temperature=0, max_new_tokens=24)
     expected = [collect(engine.submit(short, running))[0], collect(engine.submit(long_text, late))[0]]
     first = engine.submit(short, running)
-    head = []
-    for event in first:
-        if isinstance(event, Delta):
-            head.append(event.text)
-            break
+    head = next(e.text for e in first if isinstance(e, Delta))
     second = engine.submit(long_text, late)
-    late_head = []
-    for event in second:
-        if isinstance(event, Delta):
-            late_head.append(event.text)
-            break
+    late_head = next(e.text for e in second if isinstance(e, Delta))
     kv = engine.kv  # both rows are in it now
     assert kv is not None and not kv.reads_padding
-    assert ["".join(head) + collect(first)[0], "".join(late_head) + collect(second)[0]] == expected
+    assert [head + collect(first)[0], late_head + collect(second)[0]] == expected
