@@ -38,7 +38,7 @@ def basic_machine() -> dict:
 def machine_facts(env: dict) -> dict:
     """CPU, cores, torch/transformers versions and threads, dtype, native bf16, CHAT_QUANT, the GGUF."""
     code = ("import json, torch, transformers\n"
-            "from chat.engine import model as m\n"
+            "from chat.engine import cpu, model as m\n"
             "from chat.config import Settings\n"
             "s = Settings.from_env()\n"
             "if s.threads:\n"
@@ -48,7 +48,8 @@ def machine_facts(env: dict) -> dict:
             "print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__,\n"
             "    'torch_threads': torch.get_num_threads(), 'device': str(device),\n"
             "    'dtype': str(m.pick_dtype(s.dtype, device)).removeprefix('torch.'),\n"
-            "    'native_bf16': m.cpu_has_native_bf16(), 'quant': s.quant,\n"
+            "    'native_bf16': m.cpu_has_native_bf16(s.cpu_isa), 'cpu_class': cpu.detect(s.cpu_isa).describe(),\n"
+            "    'quant': s.quant,\n"
             "    'gguf': str(found[0]) if found else None, 'system_prompt': s.system_prompt}))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)

@@ -84,13 +84,21 @@ class Settings:
             "native bf16 (`avx512_bf16` or `amx_bf16`), and float32 elsewhere.")
     quant: str = _setting(
         "CHAT_QUANT", "auto", _choice("auto", "int4", "off"),
-        doc="Weights of a GGUF model on the CPU. `auto`: the file's 4-bit blocks (Q4_0, Q4_1; Q8_0 for the token "
-            "table) on torch's int4 kernel for decode steps, plus dense bfloat16 copies of the layers for long "
-            "prefills, each product picking the faster by a crossover measured at start-up; the 4-bit path is "
-            "checked against dense weights at start-up and left for dense with a warning if they disagree. "
-            "`int4`: the 4-bit weights only (least memory, slower long prompts). `off`: dense weights only. "
-            "CPUs without native bf16 (`avx512_bf16`/`amx_bf16`) and other model formats always use dense "
-            "weights. `/readyz` and `/metrics` report which (`weights`).")
+        doc="Weights of a GGUF model on the CPU. `auto`: the file's blocks on torch's int4 kernel wherever they "
+            "are w = s·q + z per 32 weights (Q4_0, Q4_1, Q4_K as one 4-bit product; Q5_0, Q5_1, Q5_K, Q8_0 as "
+            "two), exactly but for s and z in bf16; other types (Q6_K, F16, ...) dense. On CPUs with native bf16 "
+            "(`avx512_bf16`/`amx_bf16`) also dense bfloat16 copies of the layers for long prefills, each product "
+            "picking the faster by a crossover measured at start-up; elsewhere (AVX2, AVX-512 without bf16) the "
+            "4-bit weights alone, which are faster there at any size. The 4-bit path is checked against dense "
+            "weights at start-up and left for dense with a warning if they disagree. `int4`: the 4-bit weights "
+            "only. `off`: dense weights only. CPUs without AVX2 and other model formats use dense weights. "
+            "`/readyz` and `/metrics` report which (`weights`, `formats`, `cpu`).")
+    cpu_isa: str = _setting(
+        "CHAT_CPU_ISA", "auto", _choice("auto", "avx512_bf16", "avx512", "avx2", "generic"),
+        doc="The CPU class the engine uses: `auto` (this CPU's), or a lower one to test or measure that class on "
+            "a better machine: the weights' policy, the C++ step's compiler flags and torch's own kernels "
+            "(`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`, set when the engine starts "
+            "unless already set) follow it. A class above this CPU's is ignored with a warning.")
     native: bool = _setting(
         "CHAT_NATIVE", True, _bool,
         doc="Run each decode step on the CPU as one C++ call (`chat/engine/native.cpp`: the layers' norms, "

@@ -76,6 +76,8 @@ class Metrics:
                               buckets=RATE_BUCKETS, registry=r)
         self.weights = Gauge("chat_model_weights", "1 for the weight format the local model's decode step uses "
                              "(int4, bfloat16, float32)", ["weights"], registry=r, multiprocess_mode="livemax")
+        self.cpu = Gauge("chat_cpu_class", "1 for the CPU class the local engine runs (avx512_bf16, avx512, avx2, "
+                         "generic)", ["cpu"], registry=r, multiprocess_mode="livemax")
 
     def finished(self, done: Done) -> None:
         """Record one ``Done`` event."""
@@ -93,6 +95,8 @@ class Metrics:
     def render(self) -> bytes:
         if self.engine.weights:
             self.weights.labels(self.engine.weights).set(1)
+        if self.engine.cpu:
+            self.cpu.labels(self.engine.cpu).set(1)
         if not self.multiprocess:
             return generate_latest(self.registry)
         from prometheus_client import multiprocess as mp

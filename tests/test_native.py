@@ -11,11 +11,11 @@ import torch
 
 from chat.engine import GenParams, gguf, native, weights
 from helpers import QUESTIONS, ROOT, ask, collect, make_engine
-from test_quant import native_bf16, on_thread
+from test_quant import int4_cpu, on_thread
 from tinygguf import tiny_gguf
 
 SHARED = ROOT / "data" / "model-cache"  # where the live test servers keep theirs: built once a checkout
-MODES = ["off", pytest.param("int4", marks=native_bf16)]
+MODES = ["off", pytest.param("int4", marks=int4_cpu)]
 
 
 def drain(gen):
@@ -35,9 +35,16 @@ def library():
     return path
 
 
-@pytest.fixture(scope="module", params=MODES)
+# The tiny llama (Q4_1 layers, Q8_0 table), and a Qwen2 (q/k/v biases) whose layers mix K-quants, 5-bit and
+# 8-bit types and a dense Q6_K part, with a dense Q6_K output layer: every form the step multiplies by.
+FILES = {"llama": {}, "qwen2-mix": {"hidden": 256, "qtype": "mix", "arch": "qwen2", "head": "Q6_K"}}
+
+
+@pytest.fixture(scope="module", params=[("off", "llama"), pytest.param(("int4", "llama"), marks=int4_cpu),
+                                        pytest.param(("int4", "qwen2-mix"), marks=int4_cpu)], ids="-".join)
 def decoder(request, library):
-    return on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf()), request.param))
+    mode, file = request.param
+    return on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf(**FILES[file])), mode))
 
 
 def _batch(decoder, prompts: list[list[int]]):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from chat.engine.model import cpu_has_native_bf16
+from chat.engine import cpu, quant
 from helpers import WS, http_get, text_of, wait_for
 
 
@@ -18,16 +18,19 @@ def test_bundled_model_knows_the_capital_of_france(server_factory):
     client.close()
     assert frames[-1]["type"] == "done" and frames[-1]["reason"] == "stop", frames[-1]
     assert "Paris" in text_of(frames)
-    # The GGUF's own 4-bit blocks run the decode steps where the CPU has native bf16.
-    weights = "int4" if cpu_has_native_bf16() else "float32"
+    # The GGUF's own 4-bit blocks run the decode steps on every x86 class with AVX2 (engine/cpu.py).
+    isa = cpu.detect().isa
+    weights = "int4" if quant.quantized(isa) else "float32"
     ready = json.loads(http_get(srv.url + "/readyz")[2])
-    assert ready["weights"] == weights
+    assert ready["weights"] == weights and ready["cpu"] == isa
+    assert ready["formats"] == ({"qkv": "int4", "o": "int4", "gate_up": "int4", "down": "int4", "output": "int4x2"}
+                                if weights == "int4" else {k: "float32" for k in ("qkv", "o", "gate_up", "down", "output")})
     assert f'chat_model_weights{{weights="{weights}"}} 1.0' in http_get(srv.url + "/metrics")[2].decode()
     # While idle it measures where int4 and dense products each pay and builds its C++ decode step
-    # (bfloat16 only; the tests install g++), then says so.
+    # (on bf16 activations: with the int4 weights; the tests install g++), then says so.
     assert wait_for(lambda: not json.loads(http_get(srv.url + "/readyz")[2])["finishing"], timeout=180)
     ready = json.loads(http_get(srv.url + "/readyz")[2])
-    assert ready["decode"] == ("native" if cpu_has_native_bf16() else "torch")
+    assert ready["decode"] == ("native" if weights == "int4" else "torch")
     client = WS(srv.ws_url)
     frames = client.chat("What is the capital of France?", params={"temperature": 0, "max_new_tokens": 40})
     client.close()

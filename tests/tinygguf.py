@@ -1,5 +1,6 @@
-"""Build a small random Llama GGUF (Q4_1 layers, Q8_0 tied token table, F32 norms) with the bundled
-model's tokenizer and chat template, for fast tests of the engine's direct GGUF path."""
+"""Build a small random Llama (or Qwen2, with q/k/v biases) GGUF with the bundled model's tokenizer and chat
+template, for fast tests of the engine's direct GGUF path: its layers in one block type (Q4_1 by default) or
+in ``MIX``, a type per matrix as llama.cpp's K-quant mixes have them; the tied token table Q8_0; norms F32."""
 from __future__ import annotations
 
 import os
@@ -14,12 +15,17 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.
                   "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
 
 
+# qtype "mix": each matrix of a layer in its own type (K-quants need 256 columns: hidden 256).
+MIX = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q5_1",
+       "ffn_up": "Q8_0", "ffn_down": "Q4_K"}
+
+
 def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, qtype: str = "Q4_1",
-              seed: int = 0, arch: str = "llama") -> Path:
-    """A .gguf file, built once and cached: every attention and MLP matrix in ``qtype`` (Q4_0 or
-    Q4_1), the token table (shared with the output layer) in Q8_0. Weights are wide (std 0.2), so
-    greedy answers have no near-ties."""
-    target = CACHE / f"tiny-{arch}-{qtype}-h{hidden}-l{layers}-s{seed}.gguf"
+              seed: int = 0, arch: str = "llama", head: str = "Q8_0") -> Path:
+    """A .gguf file, built once and cached: every attention and MLP matrix in ``qtype`` (Q4_0, Q4_1, Q5_0,
+    Q5_1, Q8_0, or "mix": ``MIX``), the token table (shared with the output layer) in ``head``. Weights
+    are wide (std 0.2), so greedy answers have no near-ties. ``arch`` qwen2 adds q/k/v biases."""
+    target = CACHE / f"tiny-{arch}-{qtype}-{head}-h{hidden}-l{layers}-s{seed}.gguf"
     if target.is_file():
         return target
     import numpy as np
@@ -29,7 +35,7 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
 
     source = GGUFReader(str(bundled_gguf()))
     rng = np.random.default_rng(seed)
-    kind = GGMLQuantizationType[qtype]
+    kind = GGMLQuantizationType[qtype] if qtype != "mix" else None
     head_dim = hidden // heads
     vocab = len(source.fields["tokenizer.ggml.tokens"].data)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
@@ -59,14 +65,33 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
         else:
             w.add_uint32(key, int(value))
 
-    def matrix(name: str, rows: int, cols: int, qt=kind) -> None:
+    def matrix(name: str, rows: int, cols: int, qt=None) -> None:
+        qt = qt or (GGMLQuantizationType[MIX[name.split(".")[-2]]] if qtype == "mix" else kind)
+        if qt.name.endswith("_K"):  # gguf-py cannot quantize these: random blocks with small scales
+            w.add_tensor(name, k_blocks(qt, rows, cols), raw_dtype=qt)
+            return
         data = rng.normal(0, 0.2, (rows, cols)).astype(np.float32)
         w.add_tensor(name, quants.quantize(data, qt), raw_dtype=qt)
+
+    def k_blocks(qt, rows: int, cols: int):
+        per, size = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}[qt.name]
+        raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+        scale = (np.abs(rng.normal(0, 1, (rows, cols // per))) * (0.0008 if qt.name != "Q6_K" else 0.0002))
+        halves = scale.astype(np.float16).view(np.uint8).reshape(rows, cols // per, 2)
+        if qt.name == "Q6_K":
+            raw[:, :, 208:210] = halves  # d; the int8 sub-block scales stay random
+        else:
+            raw[:, :, 0:2] = halves  # d and dmin
+            raw[:, :, 2:4] = halves
+        return raw.reshape(rows, -1)
+
+    def bias(name: str, size: int) -> None:
+        w.add_tensor(name, rng.normal(0, 0.2, size).astype(np.float32))
 
     def norm(name: str) -> None:
         w.add_tensor(name, (1 + rng.normal(0, 0.1, hidden)).astype(np.float32))
 
-    matrix("token_embd.weight", vocab, hidden, GGMLQuantizationType.Q8_0)
+    matrix("token_embd.weight", vocab, hidden, GGMLQuantizationType[head])
     norm("output_norm.weight")
     for i in range(layers):
         p = f"blk.{i}."
@@ -75,6 +100,10 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
         matrix(p + "attn_q.weight", hidden, hidden)
         matrix(p + "attn_k.weight", kv_heads * head_dim, hidden)
         matrix(p + "attn_v.weight", kv_heads * head_dim, hidden)
+        if arch == "qwen2":
+            bias(p + "attn_q.bias", hidden)
+            bias(p + "attn_k.bias", kv_heads * head_dim)
+            bias(p + "attn_v.bias", kv_heads * head_dim)
         matrix(p + "attn_output.weight", hidden, hidden)
         matrix(p + "ffn_gate.weight", hidden * 2, hidden)
         matrix(p + "ffn_up.weight", hidden * 2, hidden)

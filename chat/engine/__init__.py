@@ -1,7 +1,7 @@
 """The engine layer: the interface the web sees, the local batching engine, the remote one.
 
-Only this package imports torch and transformers, and only in the modules that
-run the model (``local``, ``model``); importing the package itself stays light.
+Only this package imports torch and transformers (``local`` and the modules it
+loads: the model, its weights, kernels and KV); importing the package itself stays light.
 """
 from __future__ import annotations
 
@@ -17,5 +17,7 @@ def make_engine(settings) -> Engine:
     if settings.backend == "openai":
         from .remote import RemoteEngine
         return RemoteEngine(settings)
+    from .cpu import limit
+    limit(settings.cpu_isa)  # before torch is imported: its kernels read the CPU class once
     from .local import LocalEngine
     return LocalEngine(settings)

@@ -159,6 +159,8 @@ class Engine:
 
     model_name: str = "model"
     weights: str | None = None  # what the local model's decode step multiplies by ("int4", "bfloat16"...)
+    formats: dict[str, str] | None = None  # the same per class of product (Decoder.formats)
+    cpu: str | None = None  # the CPU class the local engine runs (engine/cpu.py)
     ready: bool = False
     error: str | None = None
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import quant
 from .kv import KVBuffer
 from .quant import Linear
 
@@ -48,21 +49,22 @@ class Layer:
 
 
 class Embedding:
-    """Token ids -> bf16 rows: from a dense table, or from Q8_0 rows (int8 q times the block's d)."""
+    """Token ids -> activation rows: from a dense table, or from a quantized table's ``rows`` (q, s, z:
+    ``gguf.affine``), each looked-up row w = s * q + z in float32, then rounded to the activations' type."""
 
-    def __init__(self, dense: torch.Tensor | None = None, q8: tuple | None = None, dtype=torch.bfloat16):
-        self.dense, self.q8, self.dtype = dense, q8, dtype
+    def __init__(self, dense: torch.Tensor | None = None, rows: tuple | None = None, dtype=torch.bfloat16):
+        self.dense, self.rows, self.dtype = dense, rows, dtype
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
             return F.embedding(ids, self.dense)
-        q, d = self.q8  # (vocab, hidden) int8, (vocab, hidden / 32) float32
-        rows = q[ids].float().unflatten(-1, (d.shape[1], -1)) * d[ids][..., None]
+        q, s, z = self.rows  # (vocab, hidden) uint8, (vocab, hidden / 32) float32 twice
+        rows = q[ids].float().unflatten(-1, (s.shape[1], -1)) * s[ids][..., None] + z[ids][..., None]
         return rows.flatten(-2).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
-        parts = [self.dense] if self.dense is not None else list(self.q8)
+        parts = [self.dense] if self.dense is not None else list(self.rows)
         return sum(t.numel() * t.element_size() for t in parts)
 
 
@@ -85,6 +87,19 @@ class Decoder:
         kv = KVBuffer(s.layers, s.kv_heads, s.head_dim, self.dtype, torch.device("cpu"), rows=rows, capacity=capacity)
         kv.n = rows
         return kv
+
+    def formats(self) -> dict[str, str]:
+        """What each class of product multiplies by at decode: ``int4`` (4-bit weights), ``int4x2`` (5 to 8
+        bits as two int4 products) or a dense type; several joined by ``+`` where layers or parts differ."""
+        def forms(linears: list[Linear]) -> str:
+            found: dict[str, None] = {}
+            for linear in linears:
+                for part in quant.parts(linear.quant) if linear.quant is not None else [linear]:
+                    found[_form(part)] = None
+            return "+".join(found)
+        classes = {"qkv": [x.qkv for x in self.layers], "o": [x.o for x in self.layers],
+                   "gate_up": [x.gate_up for x in self.layers], "down": [x.down for x in self.layers]}
+        return {**{name: forms(linears) for name, linears in classes.items()}, "output": forms([self.head])}
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -139,6 +154,15 @@ class Decoder:
         return self.head(self._norm(last, self.norm)).float()
 
     __call__ = forward
+
+
+def _form(part) -> str:
+    if isinstance(part, quant.Int4):
+        return "int4"
+    if isinstance(part, quant.Sum):
+        return "int4x2"
+    weight = part.weight if isinstance(part, quant.Dense) else part.dense
+    return str(weight.dtype).removeprefix("torch.")
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,16 @@ unchanged (``quant.py``), or dequantized to floats where it needs dense weights.
 Block layouts (llama.cpp's ggml-common.h), 32 weights a block:
 ``Q4_0`` d (f16), 16 bytes of 4-bit q: w = d * (q - 8);
 ``Q4_1`` d, m (f16), 16 bytes of q: w = d * q + m;
+``Q5_0`` d, 4 bytes of fifth bits, 16 bytes of 4-bit q: w = d * (q - 16);
+``Q5_1`` d, m, fifth bits, q: w = d * q + m;
 ``Q8_0`` d (f16), 32 signed bytes q: w = d * q.
-In the 4-bit ones byte i holds weight i in its low nibble and weight i + 16 in its high one.
+In the 4- and 5-bit ones byte i holds weight i in its low nibble and weight i + 16 in its high one;
+bit i of the fifth bits is weight i's. K-quants hold 256 weights a super-block in 8 sub-blocks of 32
+(``Q4_K``, ``Q5_K``: w = d * sc * q - dmin * m, 6-bit sc and m per sub-block) or 16 of 16 (``Q6_K``).
+
+``affine`` gives every type whose weights are w = s * q + z with one s and z per 32 weights (all of
+the above but Q6_K) as q, s and z, computed as gguf-py computes the weights, so
+``s * q + z`` is bit for bit gguf-py's dequantization: those go to the int4 kernel.
 """
 from __future__ import annotations
 
@@ -21,13 +29,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
+         Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", BF16: "BF16", 10: "Q2_K", 11: "Q3_K"}
 BLOCK = 32
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 _FLOAT = {F32: np.float32, F16: np.float16}
-# Other block types (K-quants, Q5, ...): sizes for walking the file; dequantized by gguf-py.
-_OTHER_BLOCKS = {6: (32, 22), 7: (32, 24), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176),
-                 14: (256, 210)}
+# Other block types: (weights, bytes) per block, for walking the file; dequantized by gguf-py.
+_OTHER_BLOCKS = {Q5_0: (32, 22), Q5_1: (32, 24), 10: (256, 84), 11: (256, 110), Q4_K: (256, 144),
+                 Q5_K: (256, 176), Q6_K: (256, 210)}
+AFFINE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K)  # w = s * q + z per 32 weights: see ``affine``
+BITS = {Q4_0: 4, Q4_1: 4, Q4_K: 4, Q5_0: 5, Q5_1: 5, Q5_K: 5, Q8_0: 8}
+
+
+def type_name(kind: int) -> str:
+    return NAMES.get(kind, f"type {kind}")
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
@@ -155,18 +171,6 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(qs.shape[0], -1)
 
 
-def int4_parts(t: Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0 or Q4_1 tensor as (q 0..15 (rows, cols) uint8, scale, zero (rows, cols / 32) float32)
-    with w = (q - 8) * scale + zero, exactly: Q4_1's d * q + m is (q - 8) * d + (m + 8 * d)."""
-    blocks = _blocks(t)
-    d = _halves(blocks, 0)
-    if t.kind == Q4_0:
-        return _nibbles(blocks[:, :, 2:]), d, torch.zeros_like(d)
-    if t.kind == Q4_1:
-        return _nibbles(blocks[:, :, 4:]), d, _halves(blocks, 2) + 8 * d
-    raise ValueError(f"{t.name} is not a 4-bit tensor")
-
-
 def int8_parts(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 tensor as (q (rows, cols) int8, d (rows, cols / 32) float32): w = d * q."""
     blocks = _blocks(t)
@@ -174,22 +178,60 @@ def int8_parts(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(t: Tensor) -> torch.Tensor:
-    """The tensor as float32 (rows, cols), each weight as llama.cpp (and gguf-py) computes it."""
+    """The tensor as float32 (rows, cols), each weight bit for bit as gguf-py computes it."""
     if t.kind in _FLOAT:
         return torch.from_numpy(np.array(t.raw.view(_FLOAT[t.kind]), dtype=np.float32)).reshape(t.rows, -1)
     if t.kind == BF16:
         return torch.from_numpy(np.array(t.raw)).view(torch.bfloat16).float().reshape(t.rows, -1)
-    if t.kind in (Q4_0, Q4_1):  # the blocks' own formulas (int4_parts' form rounds differently)
-        blocks = _blocks(t)
-        d = _halves(blocks, 0)[..., None]
-        if t.kind == Q4_0:
-            q = _nibbles(blocks[:, :, 2:]).reshape(t.rows, -1, BLOCK).float()
-            return (d * (q - 8)).reshape(t.rows, -1)
-        q = _nibbles(blocks[:, :, 4:]).reshape(t.rows, -1, BLOCK).float()
-        return (d * q + _halves(blocks, 2)[..., None]).reshape(t.rows, -1)
-    if t.kind == Q8_0:
-        q, d = int8_parts(t)
-        return (q.reshape(t.rows, -1, BLOCK).float() * d[..., None]).reshape(t.rows, -1)
-    from gguf import GGMLQuantizationType, quants  # the other block types
+    if t.kind in AFFINE:
+        q, s, z = affine(t)
+        return (q.reshape(t.rows, -1, BLOCK).float() * s[..., None] + z[..., None]).reshape(t.rows, -1)
+    from gguf import GGMLQuantizationType, quants  # the other block types (Q6_K, Q2_K, Q3_K)
     dense = quants.dequantize(np.asarray(t.raw), GGMLQuantizationType(t.kind)).reshape(t.rows, -1)
     return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32))
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """4 bytes of fifth bits a block -> (rows, blocks, 32) 0/1 in weight order (bit i: weight i)."""
+    word = qh.contiguous().view(torch.int32)  # little-endian, as the file stores it
+    return (word >> torch.arange(32, dtype=torch.int32)) & 1
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 bytes a super-block -> its 8 sub-blocks' 6-bit scales and mins (..., 8), as gguf-py unpacks them."""
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def affine(t: Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tensor of a type in ``AFFINE`` as (q (rows, cols) uint8 in 0 .. 2^bits - 1, s, z (rows, cols / 32)
+    float32) with w = s * q + z: each weight exactly as gguf-py dequantizes it (same float32 operations)."""
+    blocks = _blocks(t)
+    rows = blocks.shape[0]
+    if t.kind in (Q4_0, Q4_1, Q5_0, Q5_1):
+        d = _halves(blocks, 0)
+        offset = 2 if t.kind in (Q4_0, Q5_0) else 4
+        if t.kind in (Q4_0, Q4_1):
+            q = _nibbles(blocks[:, :, offset:])
+        else:
+            low = _nibbles(blocks[:, :, offset + 4:]).reshape(rows, -1, BLOCK)
+            q = (low | (_fifth_bits(blocks[:, :, offset:offset + 4]).to(torch.uint8) << 4)).reshape(rows, -1)
+        if t.kind in (Q4_0, Q5_0):  # d * (q - 8 or 16), exactly: d has 11 bits, q - 16 at most 5
+            return q, d, -float(1 << (BITS[t.kind] - 1)) * d
+        return q, d, _halves(blocks, 2)
+    if t.kind == Q8_0:
+        q, d = int8_parts(t)
+        return (q.to(torch.int16) + 128).to(torch.uint8), d, -128 * d
+    if t.kind in (Q4_K, Q5_K):
+        d, dmin = _halves(blocks, 0)[..., None], _halves(blocks, 2)[..., None]
+        sc, mn = _k_scales(blocks[:, :, 4:16])
+        s, z = d * sc.float(), dmin * mn.float()  # (rows, super-blocks, 8), as gguf-py
+        qs = blocks[:, :, -128:].reshape(rows, -1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]
+        q = (qs & 0x0F).reshape(rows, -1, 8, 32)
+        if t.kind == Q5_K:
+            qh = blocks[:, :, 16:48].reshape(rows, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
+            q = q | ((qh & 1) << 4)
+        return q.reshape(rows, -1), s.reshape(rows, -1), -z.reshape(rows, -1)
+    raise ValueError(f"{t.name}: {type_name(t.kind)} is not of the form s * q + z per 32 weights")

@@ -19,7 +19,7 @@ import torch
 
 from ..concurrency import run_in_thread, start_real_thread
 from ..errors import EngineError, EngineUnavailable, Overloaded
-from . import attention, native, prompt
+from . import attention, cpu, native, prompt
 from . import model as model_loader
 from .base import Engine, GenParams, Generation
 from .events import Delta, Done, Queued, Refused, Started
@@ -184,6 +184,8 @@ class LocalEngine(Engine):
             if self.settings.warmup:
                 self._warmup()
             self.weights = self.loaded.weights
+            self.cpu = cpu.detect(self.settings.cpu_isa).isa
+            self.formats = decoder.formats() if decoder is not None else None
             self.chores = model_loader.finish(self.loaded, self.settings)
         # Everything loaded so far lives for the whole process: keep it out of the GC's
         # full collections, which otherwise stall the event loop for tenths of a second.

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import ConfigError
-from . import gguf, native, quant, weights
+from . import cpu, gguf, native, quant, weights
 from .decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -63,13 +63,9 @@ def bundled_gguf() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / BUNDLED_FILE
 
 
-def cpu_has_native_bf16() -> bool:
-    """True on CPUs with native bfloat16 matmul (AVX512-BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+def cpu_has_native_bf16(isa: str = "auto") -> bool:
+    """True on CPUs with native bfloat16 matmul (AVX512-BF16 or AMX), as ``CHAT_CPU_ISA`` limits them."""
+    return cpu.detect(isa).native_bf16
 
 
 def pick_device(name: str) -> torch.device:
@@ -81,13 +77,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA and on CPUs with native bf16, else float32."""
+def pick_dtype(name: str, device: torch.device, isa: str = "auto") -> torch.dtype:
+    """``auto``: bfloat16 on CUDA and on CPUs with native bf16, else float32 (for dense weights: a quantized
+    GGUF's activations are bf16 on every class that runs the int4 kernel, ``_load_direct``)."""
     if name == "float32":
         return torch.float32
     if name == "bfloat16":
         return torch.bfloat16
-    if device.type == "cuda" or cpu_has_native_bf16():
+    if device.type == "cuda" or cpu_has_native_bf16(isa):
         return torch.bfloat16
     return torch.float32
 
@@ -177,9 +174,11 @@ def load(settings) -> LoadedModel:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     device = pick_device(settings.device)
-    dtype = pick_dtype(settings.dtype, device)
+    dtype = pick_dtype(settings.dtype, device, settings.cpu_isa)
     tokenizer, model, decoder, name, source = (_load_direct(settings, device, dtype)
                                                or _load_transformers(settings, device, dtype))
+    if decoder is not None:
+        dtype = decoder.dtype
     if not tokenizer.chat_template:
         raise ConfigError(f"CHAT_MODEL={settings.model!r}: the tokenizer has no chat template")
     loaded = LoadedModel(tokenizer, model, decoder, settings.model_name or name, dtype, device,
@@ -201,17 +200,25 @@ def _load_direct(settings, device: torch.device, dtype: torch.dtype):
         return None
     file, name = found
     f = gguf.read(file)
-    # Without native bf16 the int4 kernel's bf16 arithmetic is emulated: dense float32 is faster there.
-    mode = settings.quant if cpu_has_native_bf16() else "off"
+    machine = cpu.detect(settings.cpu_isa)
+    mode = settings.quant
+    if not quant.quantized(machine.isa) or settings.dtype == "float32":
+        mode = "off"
+    if mode != "off":
+        dtype = torch.bfloat16  # the int4 kernel's activations, on every class (emulated without native bf16)
     try:
-        decoder = weights.from_gguf(f, mode, dtype)
+        decoder = weights.from_gguf(f, mode, dtype, dense_copies=quant.dense_copies(machine.isa))
     except weights.Unsupported as exc:
         log.info("%s: %s; converting it for transformers' forward", file.name, exc)
         return None
     if decoder.weights == "int4" and not weights.verify(f, decoder):
         log.warning("the int4 kernel disagrees with the dense weights on this machine: using dense weights "
                     "(CHAT_QUANT=off)")
-        decoder = weights.from_gguf(f, "off", dtype)
+        decoder = weights.from_gguf(f, "off", pick_dtype(settings.dtype, device, settings.cpu_isa))
+    log.info("CPU class %s: %s weights (%s), %s", machine.describe(), decoder.weights,
+             ", ".join(f"{k} {v}" for k, v in decoder.formats().items()),
+             "CHAT_QUANT=off" if settings.quant == "off" else "CHAT_DTYPE=float32" if settings.dtype == "float32"
+             else quant.POLICY[machine.isa])
     return gguf_tokenizer(file), None, decoder, name, file
 
 
@@ -226,7 +233,7 @@ def finish(loaded: LoadedModel, settings) -> Iterator[None]:
     if source is not None and quant.by_shape(decoder.linears()):
         yield from _crossovers(decoder, source, settings)
     if settings.native and decoder.dtype == torch.bfloat16 and loaded.device.type == "cpu":
-        yield from native.attach(decoder, settings.model_cache_dir)
+        yield from native.attach(decoder, settings.model_cache_dir, cpu.detect(settings.cpu_isa))
 
 
 def _crossovers(decoder: Decoder, source: Path, settings) -> Iterator[None]:

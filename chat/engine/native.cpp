@@ -79,18 +79,38 @@ inline void widen(const uint16_t* in, float* out, int64_t n) {
 
 inline uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
-struct Product {  // one of the decoder's matrices: int4 (packed + scales/zeros), dense, or both
-  at::Tensor packed, scales, dense, bias;
-  int64_t crossover = 0;  // int4 up to this many rows, dense above (when there are both)
+// A run of a product's outputs: int4 products summed (one for 4-bit weights, two for 5 to 8 bits), or a
+// dense matrix (a type the int4 kernel cannot take).
+struct Segment {
+  std::vector<std::pair<at::Tensor, at::Tensor>> terms;  // (packed, scales and zeros)
+  at::Tensor dense;
 
   at::Tensor operator()(const at::Tensor& x) const {
+    if (dense.defined()) return at::linear(x, dense);
+    at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, terms[0].first, 32, terms[0].second);
+    for (size_t i = 1; i < terms.size(); ++i)
+      y.add_(at::_weight_int4pack_mm_for_cpu(x, terms[i].first, 32, terms[i].second));
+    return y;
+  }
+};
+
+struct Product {  // one of the decoder's matrices: int4 segments side by side, a dense copy, or both
+  std::vector<Segment> segments;
+  at::Tensor dense, bias;
+  int64_t crossover = 0;  // the segments up to this many rows, the dense copy above (when there are both)
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (segments.empty() || (dense.defined() && x.size(0) > crossover))
+      return bias.defined() ? at::linear(x, dense, bias) : at::linear(x, dense);
     at::Tensor y;
-    if (packed.defined() && (!dense.defined() || x.size(0) <= crossover)) {
-      y = at::_weight_int4pack_mm_for_cpu(x, packed, 32, scales);
-      if (bias.defined()) y.add_(bias);
+    if (segments.size() == 1) {
+      y = segments[0](x);
     } else {
-      y = bias.defined() ? at::linear(x, dense, bias) : at::linear(x, dense);
+      std::vector<at::Tensor> outs;
+      for (const Segment& s : segments) outs.push_back(s(x));
+      y = at::cat(outs, 1);
     }
+    if (bias.defined()) y.add_(bias);
     return y;
   }
 };
@@ -230,18 +250,28 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 
 at::Tensor opt(const at::Tensor& t) { return t.numel() ? t : at::Tensor(); }
 
-int64_t keep(at::TensorList norms, at::TensorList products, at::TensorList biases, at::IntArrayRef crossovers,
-             int64_t heads, int64_t kv_heads, int64_t dim, double eps) {
-  // Per layer: norms [attn, mlp]; products [packed, scales, dense] x [qkv, o, gate_up, down];
-  // biases x 4; crossovers x 4. Empty tensors stand for missing parts.
+int64_t keep(at::TensorList norms, at::TensorList tensors, at::IntArrayRef layout, at::TensorList biases,
+             at::IntArrayRef crossovers, int64_t heads, int64_t kv_heads, int64_t dim, double eps) {
+  // Per layer: norms [attn, mlp]; then for each of its products [qkv, o, gate_up, down] a bias (empty:
+  // none), a crossover, and in ``layout``: [has a dense copy, segments, then each segment's int4 terms
+  // (0: a dense segment)], whose tensors come in that order from ``tensors``: the dense copy, then per
+  // segment its dense matrix or its terms' (packed, scales) pairs.
   Model m;
   m.heads = heads, m.kv_heads = kv_heads, m.dim = dim, m.eps = eps;
   const int64_t n = norms.size() / 2;
   TORCH_CHECK(n > 0 && norms[0].numel() % LANES == 0, "hidden size not a multiple of ", LANES);
   TORCH_CHECK(dim <= 512 && dim % LANES == 0 && heads % kv_heads == 0, "unsupported head shape");
-  TORCH_CHECK(products.size() == static_cast<size_t>(n * 12) && biases.size() == static_cast<size_t>(n * 4) &&
-                  crossovers.size() == static_cast<size_t>(n * 4),
+  TORCH_CHECK(biases.size() == static_cast<size_t>(n * 4) && crossovers.size() == static_cast<size_t>(n * 4),
               "weights of ", n, " layers expected");
+  size_t at = 0, t = 0;
+  auto next_int = [&]() {
+    TORCH_CHECK(at < layout.size(), "layout too short");
+    return layout[at++];
+  };
+  auto next_tensor = [&]() {
+    TORCH_CHECK(t < tensors.size(), "too few weight tensors for the layout");
+    return tensors[t++];
+  };
   for (int64_t l = 0; l < n; ++l) {
     Layer layer;
     layer.attn_norm = norms[2 * l].contiguous();
@@ -250,15 +280,26 @@ int64_t keep(at::TensorList norms, at::TensorList products, at::TensorList biase
                 "bf16 norm weights expected");
     Product* parts[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     for (int p = 0; p < 4; ++p) {
-      const int64_t i = l * 12 + p * 3;
-      parts[p]->packed = opt(products[i]);
-      parts[p]->scales = opt(products[i + 1]);
-      parts[p]->dense = opt(products[i + 2]);
-      parts[p]->bias = opt(biases[l * 4 + p]);
-      parts[p]->crossover = crossovers[l * 4 + p];
+      Product& product = *parts[p];
+      if (next_int()) product.dense = next_tensor();
+      const int64_t segments = next_int();
+      TORCH_CHECK(segments > 0 || product.dense.defined(), "a product without weights");
+      for (int64_t i = 0; i < segments; ++i) {
+        Segment segment;
+        const int64_t terms = next_int();
+        if (terms == 0) segment.dense = next_tensor();
+        for (int64_t j = 0; j < terms; ++j) {
+          at::Tensor packed = next_tensor();
+          segment.terms.emplace_back(packed, next_tensor());
+        }
+        product.segments.push_back(std::move(segment));
+      }
+      product.bias = opt(biases[l * 4 + p]);
+      product.crossover = crossovers[l * 4 + p];
     }
     m.layers.push_back(std::move(layer));
   }
+  TORCH_CHECK(at == layout.size() && t == tensors.size(), "more weights than the layout describes");
   std::lock_guard<std::mutex> guard(registry_lock);
   const int64_t id = registry.empty() ? 1 : registry.rbegin()->first + 1;
   registry.emplace(id, std::move(m));
@@ -429,8 +470,8 @@ at::Tensor sample(const at::Tensor& logits_in, const at::Tensor& temperature, co
 }  // namespace
 
 TORCH_LIBRARY(chat_native, lib) {
-  lib.def("keep(Tensor[] norms, Tensor[] products, Tensor[] biases, int[] crossovers, int heads, int kv_heads, "
-          "int dim, float eps) -> int", &keep);
+  lib.def("keep(Tensor[] norms, Tensor[] tensors, int[] layout, Tensor[] biases, int[] crossovers, int heads, "
+          "int kv_heads, int dim, float eps) -> int", &keep);
   lib.def("forget(int id) -> ()", &forget);
   lib.def("decode(int id, Tensor embedded, Tensor[] keys, Tensor[] values, Tensor starts, int col, Tensor cos, "
           "Tensor sin) -> Tensor", &decode);

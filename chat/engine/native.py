@@ -9,10 +9,13 @@ attention and SwiGLU as plain loops (a one-row step 17 -> 9 ms here). The same
 library samples the next tokens (``sample``: ~0.4 -> 0.1 ms a row with top-p).
 
 It is built with the machine's C++ compiler (``$CXX``, else ``c++`` or ``g++``)
-against the installed torch's headers, at a low priority, while the engine is
-idle after start-up (~15 s), into ``<model cache>/native/decode-<hash>.so``; the
-hash covers the source, torch's version, the compiler and the CPU's flags, so a
-later start, or another worker, loads it in milliseconds. Before the engine
+against the installed torch's headers, for the engine's CPU class (``cpu.py``:
+``-march=native``, or that class's flags under ``CHAT_CPU_ISA``), at a low priority,
+while the engine is idle after start-up (~15 s), into
+``<model cache>/native/decode-<hash>.so``; the hash covers the source, torch's
+version, the compiler, the CPU's flags and the class's, so a later start, or
+another worker, loads it in milliseconds. Its loops keep bf16 in memory and
+compute in float32, so they need no bf16 instruction: the step runs on every class. Before the engine
 switches to it, its logits are checked against the eager step's on a fixed input.
 Without a compiler, with ``CHAT_NATIVE=off``, or if the check fails, decode steps
 stay on torch ops.
@@ -32,6 +35,8 @@ from pathlib import Path
 import torch
 
 from ..concurrency import real_reap, real_sleep, real_spawn
+from . import quant
+from .cpu import Cpu, detect
 from .kv import KVBuffer
 
 log = logging.getLogger(__name__)
@@ -49,19 +54,11 @@ def compiler() -> str | None:
     return None
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def library_path(cache_dir: str | Path, cxx: str, version: str) -> Path:
-    """Where the build for this source, torch, compiler (``version``: what it says of itself) and
-    CPU is kept."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, cxx, version, _cpu_flags()])
-                         .encode()).hexdigest()[:16]
+def library_path(cache_dir: str | Path, cxx: str, version: str, cpu: Cpu) -> Path:
+    """Where the build for this source, torch, compiler (``version``: what it says of itself), CPU and
+    CPU class is kept."""
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, cxx, version, " ".join(sorted(cpu.flags)),
+                                    *cpu.cxx_flags()]).encode()).hexdigest()[:16]
     return Path(cache_dir) / "native" / f"decode-{key}.so"
 
 
@@ -79,18 +76,19 @@ def _run(args: list[str], scratch: Path, poll_s: float) -> Iterator[None]:
     return int(status.read_text().strip() or 1), Path(f"{status}.out").read_text(errors="replace")
 
 
-def command(cxx: str, target: Path) -> list[str]:
-    """The compiler's command line: the library against the running torch, for this CPU."""
+def command(cxx: str, target: Path, cpu: Cpu) -> list[str]:
+    """The compiler's command line: the library against the running torch, for this CPU class."""
     torch_dir = Path(torch.__file__).parent
     lib = torch_dir / "lib"
-    return [cxx, "-O3", "-march=native", "-fno-trapping-math", "-std=c++20", "-shared", "-fPIC", "-w",
+    return [cxx, "-O3", *cpu.cxx_flags(), "-fno-trapping-math", "-std=c++20", "-shared", "-fPIC", "-w",
             f"-I{torch_dir / 'include'}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             str(SOURCE), "-o", str(target), f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
 
 
-def build(cache_dir: str | Path, poll_s: float = 0.05) -> Iterator[None]:
+def build(cache_dir: str | Path, cpu: Cpu | None = None, poll_s: float = 0.05) -> Iterator[None]:
     """Compile the library unless it is already kept; a generator that yields while the compiler
     runs (so the engine can serve between polls) and returns its path, or None (logged why)."""
+    cpu = cpu or detect()
     cxx = compiler()
     if cxx is None:
         log.info("no C++ compiler (c++, g++ or $CXX): decode steps stay on torch ops (install g++ for a "
@@ -102,12 +100,12 @@ def build(cache_dir: str | Path, poll_s: float = 0.05) -> Iterator[None]:
     with tempfile.TemporaryDirectory(dir=folder) as name:
         scratch = Path(name)
         _, version = yield from _run([cxx, "--version"], scratch, poll_s)
-        target = library_path(cache_dir, cxx, version)
+        target = library_path(cache_dir, cxx, version, cpu)
         if target.exists():
             return target
         partial = scratch / "decode.so"
         nice = ["nice", "-n", "10"] if shutil.which("nice") else []  # serving goes first
-        code, output = yield from _run([*nice, *command(cxx, partial)], scratch, poll_s)
+        code, output = yield from _run([*nice, *command(cxx, partial, cpu)], scratch, poll_s)
         if code != 0 or not partial.exists():
             log.warning("could not build the C++ decode step (%s exited %d): %s", Path(cxx).name, code,
                         output[-2000:])
@@ -129,19 +127,26 @@ class Step:
     hidden states before the final norm. The weights are shared with the decoder, not copied."""
 
     def __init__(self, decoder):
-        none = torch.empty(0)
-        norms, products, biases, crossovers = [], [], [], []
+        norms, tensors, layout, biases, crossovers = [], [], [], [], []
         for layer in decoder.layers:
             norms += [layer.attn_norm, layer.mlp_norm]
             for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                q = linear.quant
-                products += [q.packed, q.scales] if q is not None else [none, none]
-                products.append(linear.dense if linear.dense is not None else none)
-                biases.append(linear.bias if linear.bias is not None else none)
-                crossovers.append(min(linear.crossover, 1 << 62) if q is not None else 0)
+                layout.append(int(linear.dense is not None))
+                tensors += [linear.dense] if linear.dense is not None else []
+                segments = quant.parts(linear.quant) if linear.quant is not None else []
+                layout.append(len(segments))
+                for segment in segments:
+                    if isinstance(segment, quant.Dense):
+                        layout.append(0)
+                        tensors.append(segment.weight)
+                    else:
+                        layout.append(len(segment.terms()))
+                        tensors += [t for term in segment.terms() for t in (term.packed, term.scales)]
+                biases.append(linear.bias if linear.bias is not None else torch.empty(0))
+                crossovers.append(min(linear.crossover, 1 << 62) if linear.quant is not None else 0)
         s = decoder.shape
-        self.id = torch.ops.chat_native.keep(norms, products, biases, crossovers, s.heads, s.kv_heads, s.head_dim,
-                                             s.eps)
+        self.id = torch.ops.chat_native.keep(norms, tensors, layout, biases, crossovers, s.heads, s.kv_heads,
+                                             s.head_dim, s.eps)
         weakref.finalize(self, torch.ops.chat_native.forget, self.id)
 
     def __call__(self, embedded: torch.Tensor, kv: KVBuffer, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -188,10 +193,10 @@ def agrees(decoder, step: Step) -> bool:
     return ok
 
 
-def attach(decoder, cache_dir: str | Path) -> Iterator[None]:
+def attach(decoder, cache_dir: str | Path, cpu: Cpu | None = None) -> Iterator[None]:
     """Build (or find) the library, check it, and give ``decoder`` the C++ step; yields while building."""
     try:
-        path = yield from build(cache_dir)
+        path = yield from build(cache_dir, cpu)
     except OSError as exc:  # the cache folder cannot be written, no /bin/sh, ...
         log.warning("could not build the C++ decode step under %s: %s; decode steps stay on torch ops",
                     cache_dir, exc)

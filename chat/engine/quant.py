@@ -1,15 +1,18 @@
-"""The engine's matrices: dense bfloat16, or 4-bit groups on torch's int4 CPU kernel.
+"""The engine's products (kernels room): which kernel multiplies each matrix, on which CPU class.
 
 ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (a private op: torch is pinned)
 multiplies bf16 activations by 4-bit weights in groups of 32 along the input,
-each group with its own scale and zero: w = (q - 8) * scale + zero. GGUF's
-Q4_0 and Q4_1 blocks are exactly that (``gguf.int4_parts``), so their q values
-go to the kernel unchanged; only scale and zero are rounded to bf16.
+each group with its own scale and zero: w = (q - 8) * scale + zero. Every GGUF
+block type of the form w = s * q + z per 32 weights (``gguf.affine``) goes there
+exactly, but for s and z rounded to bf16: 4-bit types as one product (``Int4``),
+5- to 8-bit ones as two summed (``Sum``). Types it cannot take stay dense
+(``Dense``, a part of a ``Concat`` when a fused product mixes forms).
 
 The int4 kernel reads a quarter of the bytes, which is what a decode step at a
-few rows waits for; at many rows (a long prefill) it does the arithmetic far
-slower than the dense bf16 matmul. A ``Linear`` holding both picks per call by
-its number of rows, against a crossover measured at start-up (``calibrate``).
+few rows waits for; at many rows (a long prefill) it does the arithmetic slower
+than a dense bf16 matmul on a CPU with native bf16. There a ``Linear`` holds both
+and picks per call by its number of rows, against a crossover measured at
+start-up (``calibrate``). Elsewhere dense bf16 is the slow one: ``POLICY``.
 """
 from __future__ import annotations
 
@@ -25,18 +28,43 @@ from . import gguf
 log = logging.getLogger(__name__)
 
 GROUP = gguf.BLOCK
+
+# What each CPU class (``cpu.py``) keeps besides the int4 weights under CHAT_QUANT=auto, from products
+# measured with torch 2.13 at 2 threads (µs; M rows; the int4 kernel with bf16 inputs):
+#
+# | class       | product    | M  | fp32 dense | bf16 dense | int4  |
+# |-------------|------------|----|------------|------------|-------|
+# | avx512_bf16 | 576->1536  | 1  | 96         | 110        | 64    |
+# | avx512_bf16 | 576->1536  | 64 | 900        | 385        | 1026  |
+# | avx512_bf16 | 576->49152 | 1  | 9,923      | 4,159      | 1,709 |
+# | avx2        | 576->1536  | 1  | 132        | 139        | 75    |
+# | avx2        | 576->1536  | 8  | 328        | 939        | 335   |
+# | avx2        | 576->49152 | 8  | 33,465     | 30,827     | 11,136|
+#
+# With native bf16, dense bf16 beats int4 past ~16 rows (prefill): dense copies, picked by a measured
+# crossover. Without it, dense bf16 is ~3x slower than fp32 at 8+ rows and int4 is on par with fp32 at
+# many rows and far ahead at few: int4 alone (a float32 dense copy would quadruple the memory for no gain).
+# ``generic`` (no AVX2, or not x86) has only the kernel's reference path: dense float32 weights.
+POLICY = {"avx512_bf16": "int4 + dense bf16 copies", "avx512": "int4", "avx2": "int4", "generic": "dense float32"}
+
+
+def dense_copies(isa: str) -> bool:
+    """Whether ``CHAT_QUANT=auto`` keeps dense copies of the int4 products on this CPU class."""
+    return isa == "avx512_bf16"
+
+
+def quantized(isa: str) -> bool:
+    """Whether this CPU class runs the int4 kernel at all."""
+    return isa != "generic"
+
+
 _mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 _pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
 
 
-def supported() -> bool:
-    """The int4 CPU kernel exists in this torch."""
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and \
-        hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
-
-
 class Int4:
-    """A packed 4-bit matrix (out, in): the kernel's weight and its (groups, out, 2) scales and zeros."""
+    """A packed 4-bit matrix (out, in): the kernel's weight and its (groups, out, 2) scales and zeros,
+    w = (q - 8) * scale + zero."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
         self.out_features, self.in_features = q.shape
@@ -46,33 +74,82 @@ class Int4:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _mm(x, self.packed, GROUP, self.scales)
 
+    def terms(self) -> list["Int4"]:
+        return [self]
+
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.scales.numel() * 2
 
 
-def stack_int4(parts: list[tuple]) -> Int4:
-    """One Int4 of several (q, scale, zero) matrices stacked along their outputs (fused q/k/v, gate/up)."""
-    return Int4(*(torch.cat(p) for p in zip(*parts)))
+class Sum:
+    """Weights of 5 to 8 bits as two int4 products, summed: q = 16 h + l with 4-bit h and l, so
+    s * q + z = (h - 8) * 16 s + (l - 8) * s + (136 s + z). Exact but for s and the zeros in bf16 (as
+    for 4-bit weights): the high product's zero is 0 or 128 s, both exact in bf16, whichever leaves the
+    low product's zero the smaller; a symmetric type's zero (z = -2^(bits-1) s: Q5_0, Q8_0) follows the
+    scale's rounding, so a weight's error stays (s - bf16(s)) times its distance from the centre."""
 
-
-class Int8Pair:
-    """A Q8_0 matrix on the int4 kernel, exactly: q + 128 = 16 h + l with 4-bit h and l, so
-    d * q = (h - 8) * 16d + (l - 8) * d + 8d: two int4 products, summed."""
-
-    def __init__(self, q: torch.Tensor, d: torch.Tensor):
-        biased = q.to(torch.int16) + 128
-        high, low = (biased >> 4).to(torch.uint8), (biased & 15).to(torch.uint8)
+    def __init__(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int = 8):
+        centre = float(1 << (bits - 1))
+        rounded = s.to(torch.bfloat16).float()
+        z = torch.where(z == -centre * s, -centre * rounded, z)
+        s = rounded
+        total = 136 * s + z
+        high_zero = torch.where((total - 128 * s).abs() < total.abs(), 128 * s, torch.zeros_like(s))
+        self.high = Int4(q >> 4, 16 * s, high_zero)
+        self.low = Int4(q & 15, s, total - high_zero)
         self.out_features, self.in_features = q.shape
-        self.high = Int4(high, 16 * d, torch.zeros_like(d))
-        self.low = Int4(low, d, 8 * d)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.high(x).add_(self.low(x))
 
+    def terms(self) -> list[Int4]:
+        return [self.high, self.low]
+
     @property
     def nbytes(self) -> int:
         return self.high.nbytes + self.low.nbytes
+
+
+def from_affine(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) -> Int4 | Sum:
+    """The int4 kernel's form of weights w = s * q + z (``gguf.affine``): one product for 4 bits, two above."""
+    return Int4(q, s, z + 8 * s) if bits == 4 else Sum(q, s, z, bits)
+
+
+class Dense:
+    """A dense part of a product whose other parts are int4 (a type the int4 kernel cannot take)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class Concat:
+    """A fused product (q/k/v, gate/up) whose parts are stored in different forms: their outputs side by side."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def parts(product) -> list:
+    """A product's parts side by side (one, unless it is a ``Concat``)."""
+    return product.parts if isinstance(product, Concat) else [product]
 
 
 class Linear:

@@ -1,15 +1,18 @@
 """Building the engine's own decoder (``decoder.py``): from a GGUF file's blocks, or from a
 transformers model of the same shape.
 
-From a GGUF, nothing is converted to files: 4-bit blocks (Q4_0, Q4_1) go to the int4
-kernel as they are; the Q8_0 token table serves lookups as int8 rows and, when the
-output layer shares it, the output product as two int4 products (``quant.Int8Pair``);
-other types are dequantized to dense weights. ``quant`` picks what is kept:
+From a GGUF, nothing is converted to files: every block type of the form w = s * q + z per 32
+weights (``gguf.AFFINE``: Q4_0, Q4_1, Q4_K as one int4 product; Q5_0, Q5_1, Q5_K, Q8_0 as two,
+``quant.Sum``) goes to the int4 kernel exactly (but for s and z in bf16); other types (Q6_K,
+Q2_K, Q3_K, F16, BF16, F32) are dequantized to dense weights, as parts of a fused product where
+its other parts are int4 (``quant.Concat``). The token table serves lookups from its q, s and z
+rows. ``quant`` picks what is kept:
 
-- ``auto``: int4 where the file has it, plus the layers' dense copies for products of
-  many rows (prefill), each product picking by its crossover, measured after start-up;
-- ``int4``: int4 only (least memory; long prompts prefill slower);
-- ``off``: dense only, every weight dequantized as transformers does.
+- ``auto``: int4 where the file has it, plus, on CPUs whose dense bf16 products are fast
+  (native bf16, ``quant.POLICY``), the layers' dense copies for products of many rows
+  (prefill), each product picking by its crossover, measured after start-up;
+- ``int4``: int4 only (least memory; long prompts prefill slower on native-bf16 CPUs);
+- ``off``: dense only, every weight dequantized as gguf-py does.
 """
 from __future__ import annotations
 
@@ -76,11 +79,13 @@ class _Reader:
         rows = self.rows.get(name.split(".")[-2])
         return a if rows is None else a[rows]
 
-    def is_int4(self, name: str) -> bool:
-        return self.tensor(name).kind in (gguf.Q4_0, gguf.Q4_1)
+    def form(self, name: str) -> int | None:
+        """How the int4 kernel takes this tensor: 4 (one product), 8 (two: 5 to 8 bits), None (dense)."""
+        kind = self.tensor(name).kind
+        return None if kind not in gguf.AFFINE else 4 if gguf.BITS[kind] == 4 else 8
 
-    def int4(self, name: str) -> tuple:
-        return tuple(self._order(name, a) for a in gguf.int4_parts(self.tensor(name)))
+    def affine(self, name: str) -> tuple:
+        return tuple(self._order(name, a) for a in gguf.affine(self.tensor(name)))
 
     def dense(self, name: str) -> torch.Tensor:
         return self._order(name, gguf.dequantize(self.tensor(name))).to(self.dtype)
@@ -98,18 +103,40 @@ def _layer_names(i: int) -> list[list[str]]:
             [p + "ffn_gate.weight", p + "ffn_up.weight"], [p + "ffn_down.weight"]]
 
 
-def _linear(r: _Reader, names: list[str], mode: str, biases: list | None = None) -> Linear:
-    use_int4 = mode != "off" and all(r.is_int4(n) for n in names)
-    dense = _dense(r, names) if not use_int4 or mode == "auto" else None
-    packed = quant.stack_int4([r.int4(n) for n in names]) if use_int4 else None
+def _quantized(r: _Reader, names: list[str]):
+    """The int4 kernel's form of a (fused) product: runs of tensors of one form stacked along the outputs,
+    a type the kernel cannot take as a dense part; None when every part is dense."""
+    runs: list[tuple[int | None, list[str]]] = []
+    for name in names:
+        form = r.form(name)
+        if runs and runs[-1][0] == form:
+            runs[-1][1].append(name)
+        else:
+            runs.append((form, [name]))
+    if all(form is None for form, _ in runs):
+        return None
+    built = []
+    for form, group in runs:
+        if form is None:
+            built.append(quant.Dense(_dense(r, group)))
+        else:
+            q, s, z = (torch.cat(part) for part in zip(*(r.affine(n) for n in group)))
+            built.append(quant.from_affine(q, s, z, form))
+    return built[0] if len(built) == 1 else quant.Concat(built)
+
+
+def _linear(r: _Reader, names: list[str], mode: str, dense_copies: bool, biases: list | None = None) -> Linear:
+    packed = _quantized(r, names) if mode != "off" else None
+    dense = _dense(r, names) if packed is None or (mode == "auto" and dense_copies) else None
     bias = torch.cat(biases) if biases and all(b is not None for b in biases) else None
     return Linear(dense, packed, bias)
 
 
-def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16) -> Decoder:
-    """The decoder of a GGUF file's weights (see the module's docstring for ``mode``)."""
+def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, dense_copies: bool = True) -> Decoder:
+    """The decoder of a GGUF file's weights (see the module's docstring for ``mode``). ``dense_copies``:
+    whether ``auto`` keeps dense copies of the int4 products for long prefills (``quant.POLICY``)."""
     shape = gguf_shape(f)
-    if mode != "off" and (dtype != torch.bfloat16 or not quant.supported()):
+    if dtype != torch.bfloat16:
         mode = "off"  # the int4 kernel takes bf16 activations only
     r = _Reader(f, shape, dtype)
     layers = []
@@ -119,27 +146,26 @@ def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16) 
         biases = [r.vector(p + n) for n in ("attn_q.bias", "attn_k.bias", "attn_v.bias")]
         layers.append(Layer(
             attn_norm=r.vector(p + "attn_norm.weight"),
-            qkv=_linear(r, qkv, mode, biases),
-            o=_linear(r, o, mode, [r.vector(p + "attn_output.bias")]),
+            qkv=_linear(r, qkv, mode, dense_copies, biases),
+            o=_linear(r, o, mode, dense_copies, [r.vector(p + "attn_output.bias")]),
             mlp_norm=r.vector(p + "ffn_norm.weight"),
-            gate_up=_linear(r, gate_up, mode),
-            down=_linear(r, down, mode)))
-    table = r.tensor("token_embd.weight")
-    head_name = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
-    if table.kind == gguf.Q8_0 and mode != "off":
-        embed = Embedding(q8=gguf.int8_parts(table), dtype=dtype)
+            gate_up=_linear(r, gate_up, mode, dense_copies),
+            down=_linear(r, down, mode, dense_copies)))
+    table = "token_embd.weight"
+    head_name = "output.weight" if "output.weight" in f.tensors else table
+    if mode != "off" and r.form(table) is not None:
+        embed = Embedding(rows=gguf.affine(r.tensor(table)), dtype=dtype)  # looked up row by row
     else:
-        embed = Embedding(dense=r.dense("token_embd.weight"), dtype=dtype)
-    head_tensor = r.tensor(head_name)
-    if mode != "off" and head_tensor.kind == gguf.Q8_0:
-        head = Linear(quant=quant.Int8Pair(*gguf.int8_parts(head_tensor)))
-    elif mode != "off" and r.is_int4(head_name):
-        head = Linear(quant=quant.Int4(*gguf.int4_parts(head_tensor)))
-    elif head_name == "token_embd.weight" and embed.dense is not None:
+        embed = Embedding(dense=r.dense(table), dtype=dtype)
+    head_quant = _quantized(r, [head_name]) if mode != "off" else None
+    if head_quant is not None:
+        head = Linear(quant=head_quant)
+    elif head_name == table and embed.dense is not None:
         head = Linear(embed.dense)
     else:
         head = Linear(r.dense(head_name))
-    weights = "int4" if mode != "off" and layers[0].qkv.quant is not None else str(dtype).removeprefix("torch.")
+    quantized = mode != "off" and any(lin.quant is not None for lin in (layers[0].qkv, layers[0].gate_up))
+    weights = "int4" if quantized else str(dtype).removeprefix("torch.")
     return Decoder(shape, embed, layers, r.vector("output_norm.weight"), head, weights, dtype)
 
 

@@ -22,8 +22,12 @@ def readyz() -> ResponseReturnValue:
     engine = app_state().engine
     if engine.ready:
         ready: dict[str, object] = {"status": "ready", "model": engine.model_name}
-        if engine.weights:  # the local model's: what its decode step multiplies by
+        if engine.weights:  # the local model's: what its decode step multiplies by, on which CPU class
             ready["weights"] = engine.weights
+            if engine.cpu:
+                ready["cpu"] = engine.cpu
+            if engine.formats:
+                ready["formats"] = engine.formats
             stats = engine.stats()
             # Still measuring crossovers and building the C++ step while idle (CHAT_QUANT, CHAT_NATIVE).
             ready["finishing"] = bool(stats.get("finishing"))
