@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.runtime-installed
 DEV := $(VENV)/.dev-installed
 
-.PHONY: run test test-fast test-slow lint install install-dev system-deps bench docs vendor clean
+.PHONY: run test test-fast test-slow lint install install-dev system-deps bench bench-matrix docs vendor clean
 
 run: $(RUNTIME)
 	$(BIN)/gunicorn -c gunicorn.conf.py wsgi:app
@@ -60,6 +60,11 @@ system-deps:
 # runs just that comparison (bench/README.md).
 bench: $(DEV)
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+# The comparison on several files (bundled, Qwen2.5-0.5B-shaped Q4_K_M/Q8_0/Q4_0) and CPU classes (this one's,
+# AVX2): LLAMA_SERVER and LLAMA_SERVER_AVX2 name llama.cpp builds (bench/README.md); MATRIX_ARGS pass options.
+bench-matrix: $(DEV)
+	$(BIN)/python -m bench.matrix $(MATRIX_ARGS)
 
 # docs/configuration.md is generated from the Settings metadata in chat/config.py.
 docs: $(RUNTIME)

@@ -116,6 +116,33 @@ def test_a_fused_product_of_mixed_types_is_its_parts_side_by_side(tmp_path):
     assert on_thread(lambda: weights.verify(f, decoder))
 
 
+def test_q8_0_on_load_is_llama_cpps_q8_0():
+    tensor, _ = blocks_of("Q8_0")
+    weight = torch.from_numpy(np.random.default_rng(0).normal(0, 1, (48, 256)).astype(np.float32))  # blocks_of's
+    mine = weights.q8_0(weight)
+    theirs = gguf.affine(tensor)
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+
+
+@int4_cpu
+def test_a_hub_model_is_quantized_on_load_and_answers_as_its_dense_weights(tiny_model, tmp_path):
+    def both():
+        out = {}
+        for mode in ("auto", "off"):
+            settings = Settings.from_env({}, model=str(tiny_model), data_dir=str(tmp_path), quant=mode, dtype="auto")
+            loaded = loader.load(settings)
+            ids = loaded.tokenizer.encode("a fixed input for the quantized path")
+            out[mode] = (loaded.weights, loaded.decoder.formats(), _prefill_logits(loaded.decoder, ids))
+        return out
+    out = on_thread(both)
+    weights_q, formats, q8 = out["auto"]
+    assert weights_q == "int4" and set(formats.values()) == {"int4x2"}
+    assert out["off"][0] != "int4"
+    dense = out["off"][2]
+    assert float(torch.nn.functional.cosine_similarity(q8, dense, dim=0)) > 0.999
+    assert int(q8.argmax()) == int(dense.argmax())
+
+
 def test_llama_rows_undo_the_converters_interleaving():
     rows = weights._llama_rows(heads=2, head_dim=8)
     # Each head: transformers' row j * 4 + i is GGUF's row 2 i + j.

@@ -257,9 +257,15 @@ def _crossovers(decoder: Decoder, source: Path, settings) -> Iterator[None]:
 
 
 def _load_transformers(settings, device: torch.device, dtype: torch.dtype):
+    """A hub id, a folder, or a GGUF the own decoder does not read. On the CPU a Llama-shaped model runs on the
+    own decoder, its weights quantized on load to Q8_0 on the int4 kernel (``weights.quantize``) where the CPU
+    class runs it and ``CHAT_QUANT`` is not ``off``; then the transformers model itself is let go."""
     source, name = resolve_source(settings.model, settings.model_cache_dir)
+    machine = cpu.detect(settings.cpu_isa)
+    quantize = (device.type == "cpu" and settings.quant != "off" and settings.dtype != "float32"
+                and quant.quantized(machine.isa))
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16 if quantize else dtype)
     model.to(device).eval()
     decoder = None
     if device.type == "cpu":
@@ -267,4 +273,17 @@ def _load_transformers(settings, device: torch.device, dtype: torch.dtype):
             decoder = weights.from_hf(model)
         except weights.Unsupported as exc:
             log.info("%s: %s; using transformers' forward", name, exc)
+    if decoder is not None and quantize:
+        if weights.quantize(decoder, quant.dense_copies(machine.isa) and settings.quant == "auto"):
+            log.info("CPU class %s: %s quantized on load to Q8_0 on the int4 kernel (%s)", machine.describe(), name,
+                     quant.POLICY[machine.isa])
+            return tokenizer, _Config(model), decoder, name, None  # the model's dense weights go
+        log.warning("the int4 kernel disagrees with the dense weights on this machine: keeping dense weights")
     return tokenizer, model, decoder, name, None
+
+
+class _Config:
+    """What the engine reads of a transformers model it no longer runs (its weights live in the decoder)."""
+
+    def __init__(self, model):
+        self.config, self.generation_config = model.config, model.generation_config

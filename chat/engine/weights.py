@@ -180,25 +180,69 @@ def verify(f: gguf.GGUFFile, decoder: Decoder, tolerance: float = 0.02) -> bool:
     something else; bf16 rounding alone stays near 0.005)."""
     shape = decoder.shape
     r = _Reader(f, shape, torch.float32)
-    last = shape.layers - 1
     head = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
     checks = [(decoder.head, [head])]
-    for i in (0, last):
+    for i in (0, shape.layers - 1):
         layer = decoder.layers[i]
         checks += list(zip((layer.qkv, layer.o, layer.gate_up, layer.down), _layer_names(i)))
+    return _agree([(linear, lambda names=names: _dense(r, names), names[0]) for linear, names in checks], tolerance)
+
+
+def _agree(checks: list, tolerance: float) -> bool:
+    """Each (Linear, its float32 reference weights (a function), name): the int4 product on a fixed input
+    within ``tolerance`` of the reference's, relative to its size."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for linear, names in checks:
+        for linear, reference_of, name in checks:
             if linear.quant is None:
                 continue
-            reference = _dense(r, names)
+            reference = reference_of()
             x = torch.randn(4, reference.shape[1], generator=generator)
             want = x @ reference.T
             got = linear.quant(x.to(torch.bfloat16)).float()
             error = float((got - want).norm() / want.norm())
             if not error <= tolerance:  # NaN fails too
-                log.warning("int4 self-check: %s differs by %.3g of its size", names[0], error)
+                log.warning("int4 self-check: %s differs by %.3g of its size", name, error)
                 return False
+    return True
+
+
+# ---- dense weights quantized on load (hub and folder models)
+
+
+def q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0 of a dense (rows, cols) matrix, as ``gguf.affine`` gives a Q8_0 tensor: per 32 weights
+    d = max |w| / 127 (kept in f16) and q = round(w / d), so w ~ d * (q + 128) - 128 d."""
+    blocks = weight.float().reshape(weight.shape[0], -1, gguf.BLOCK)
+    d = blocks.abs().amax(-1) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    scaled = blocks * inverse[..., None]
+    q = (scaled.sign() * (scaled.abs() + 0.5).floor()).clamp_(-127, 127).to(torch.int16) + 128  # half away from 0
+    d = d.half().float()
+    return q.to(torch.uint8).reshape(weight.shape), d, -128 * d
+
+
+def quantize(decoder: Decoder, dense_copies: bool, tolerance: float = 0.02) -> bool:
+    """Put a dense decoder's layers and output layer on the int4 kernel as Q8_0 (two int4 products each:
+    ``quant.Sum``), keeping the dense weights only where ``dense_copies`` (``quant.POLICY``). Checked on the
+    first and last layers and the output layer before the dense weights go; False (and nothing changed)
+    when the check fails. The token table stays dense (lookups)."""
+    linears = [*decoder.linears(), decoder.head]
+    built = [quant.from_affine(*q8_0(linear.dense), 8) for linear in linears]
+    last = len(decoder.layers) - 1
+    sample = {0, 1, 2, 3, 4 * last, 4 * last + 1, 4 * last + 2, 4 * last + 3, len(linears) - 1}
+    checks = [(Linear(quant=built[i]), lambda i=i: linears[i].dense.float(), f"product {i}") for i in sorted(sample)]
+    if not _agree(checks, tolerance):
+        return False
+    for i, (linear, q) in enumerate(zip(linears, built)):
+        keep = dense_copies and i < len(linears) - 1  # the output layer is a decode-step product only
+        if linear is decoder.head:
+            decoder.head = Linear(linear.dense if keep else None, q, linear.bias)
+        else:
+            linear.quant = q
+            linear.dense = linear.dense if keep else None
+            linear.crossover = Linear.ALWAYS
+    decoder.weights = "int4"
     return True
 
 
