@@ -75,8 +75,38 @@ def test_prefix_reuse_gives_identical_greedy_answers(engine):
     reused_text, reused_events = collect(engine.submit(turn2, GenParams(temperature=0, max_new_tokens=24),
                                                        key="conv-a"))
     fresh_text, fresh_events = collect(engine.submit(turn2, GenParams(temperature=0, max_new_tokens=24)))
-    assert reused_events[-1].reused_tokens > 0 and fresh_events[-1].reused_tokens == 0
+    # (a prompt of no conversation may still reuse its system prompt's shared preamble: fewer tokens)
+    assert reused_events[-1].reused_tokens > fresh_events[-1].reused_tokens
     assert reused_text == fresh_text
+
+
+def test_a_new_conversation_reuses_its_system_prompts_shared_preamble(tiny_model, tmp_path):
+    from chat.engine import prompt
+    from helpers import until
+    eng = make_engine(tiny_model, tmp_path, system_prompt="You are the default.")
+    try:
+        tokenizer = eng.loaded.tokenizer
+        default = prompt.preamble(tokenizer, [{"role": "system", "content": "You are the default."}])
+        until(lambda: eng.prefix.has_preamble(default))  # warmed while idle after start-up
+        params = GenParams(temperature=0, max_new_tokens=16)
+        system = "You are a pirate who answers in one line."
+        chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in QUESTIONS[:3]]
+        cold, cold_events = collect(eng.submit(chats[0], params, key="c0"))
+        assert cold_events[-1].reused_tokens == 0  # this system prompt was not seen before
+        mine = prompt.preamble(tokenizer, chats[0])
+        until(lambda: eng.prefix.has_preamble(mine))  # prefilled alone while idle, then shared
+        warm, warm_events = collect(eng.submit(chats[0], params, key="c1"))
+        assert warm_events[-1].reused_tokens == len(mine) and warm == cold
+        other, other_events = collect(eng.submit(chats[1], params))  # another question, no conversation
+        assert other_events[-1].reused_tokens == len(mine)
+        assert eng.stats()["prefix_shared_hits"] >= 2
+        # a prompt that does not start with exactly the preamble's ids reuses nothing of it (at most its
+        # own system prompt's preamble, if the idle engine prefilled that before admitting it)
+        changed = [{"role": "system", "content": system + "!"}, {"role": "user", "content": QUESTIONS[0]}]
+        _, events = collect(eng.submit(changed, params))
+        assert events[-1].reused_tokens in (0, len(prompt.preamble(tokenizer, changed)))
+    finally:
+        eng.shutdown()
 
 
 def test_prefix_cache_evicts_under_a_tiny_budget(tiny_model, tmp_path):

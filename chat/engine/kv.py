@@ -152,13 +152,21 @@ class KVBuffer:
 
 
 class PrefixCache:
-    """Per-conversation KV kept after an answer, bounded in bytes, least recently used out first."""
+    """KV kept for reuse: each conversation's after an answer (bounded in bytes, least recently used out
+    first), and the shared preambles (a system prompt and the template around it, the same for every
+    conversation that uses that system prompt; ``share``), which any conversation's first turn reuses.
+
+    A preamble entry serves only a prompt whose ids start with exactly its ids, and only its keys and
+    values are shared: they are copied into the new row, never written in place (docs/security.md)."""
+
+    PREAMBLES = 8  # shared preambles kept (a few KB to a MB each)
 
     def __init__(self, budget_bytes: int):
         self.budget = budget_bytes
         self.entries: collections.OrderedDict = collections.OrderedDict()
+        self.preambles: collections.OrderedDict = collections.OrderedDict()  # ids tuple -> (keys, values)
         self.used = 0
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.shared_hits = 0
 
     def put(self, key, ids, keys, values) -> None:
         size = sum(t.numel() * t.element_size() for t in keys + values)
@@ -177,19 +185,45 @@ class PrefixCache:
             self.used -= entry[3]
         return entry
 
-    def take(self, key, ids):
-        """(keys, values, reused length) for the longest shared prefix of ``ids``, or None."""
+    def share(self, ids, keys, values) -> None:
+        """Keep a preamble's KV (computed for ``ids`` alone) for every conversation that starts with it."""
+        self.preambles[tuple(ids)] = (keys, values)
+        self.preambles.move_to_end(tuple(ids))
+        while len(self.preambles) > self.PREAMBLES:
+            self.preambles.popitem(last=False)
+
+    def has_preamble(self, ids) -> bool:
+        return tuple(ids) in self.preambles
+
+    def take(self, key, ids, shared: bool = True):
+        """(keys, values, reused length) for the longest prefix of ``ids`` held: the conversation's own
+        entry (taken out: the conversation goes on from it) or, with ``shared``, a shared preamble (views:
+        copied by the caller); None when neither holds one."""
         entry = self.pop(key) if key else None
-        if entry is None:
-            self.misses += 1
-            return None
-        cached, keys, values, _ = entry
+        limit = len(ids) - 1  # leave at least one token to prefill
         n = 0
-        limit = min(len(cached), len(ids) - 1)  # leave at least one token to prefill
-        while n < limit and cached[n] == ids[n]:
-            n += 1
-        if n == 0:
+        if entry is not None:
+            cached, keys, values, _ = entry
+            limit_own = min(len(cached), limit)
+            while n < limit_own and cached[n] == ids[n]:
+                n += 1
+        preamble = self._preamble(ids, limit) if shared else None
+        if preamble is not None and len(preamble[0]) > n:
+            self.shared_hits += 1
+            found, (keys, values) = preamble
+            self.preambles.move_to_end(found)
+            n = len(found)
+        elif n == 0:
             self.misses += 1
             return None
-        self.hits += 1
+        else:
+            self.hits += 1
         return [k[:, :, :n] for k in keys], [v[:, :, :n] for v in values], n
+
+    def _preamble(self, ids, limit: int):
+        """The longest shared preamble that ``ids`` starts with (and goes past), or None."""
+        best = None
+        for found, kv in self.preambles.items():
+            if len(found) <= limit and (best is None or len(found) > len(best[0])) and tuple(ids[:len(found)]) == found:
+                best = (found, kv)
+        return best

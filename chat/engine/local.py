@@ -60,6 +60,9 @@ class LocalEngine(Engine):
         self.closed = False  # the engine thread has ended
         self.trimmed = True
         self.chores = None  # idle work after start-up (model.finish): an iterator, a step per idle turn
+        # System prompts' preambles seen without their KV held, as keys (any thread adds: atomic; the engine
+        # pops them with popitem, prefills each alone while idle and shares it: PrefixCache.share)
+        self.preambles: dict[tuple, None] = {}
         self.tokens_generated = 0
         self.step_s = 0.05  # measured: a decode step's forward (moving average)
         start_real_thread(self._run, name="engine")
@@ -100,7 +103,8 @@ class LocalEngine(Engine):
     def stats(self) -> dict:
         return {"active": len(self.rows) + self.queue.prefilling, "queued": self.queue.queued(),
                 "prefix_cache_bytes": self.prefix.used, "prefix_hits": self.prefix.hits,
-                "prefix_misses": self.prefix.misses, "tokens_generated": self.tokens_generated,
+                "prefix_misses": self.prefix.misses, "prefix_shared_hits": self.prefix.shared_hits,
+                "tokens_generated": self.tokens_generated,
                 "finishing": self.chores is not None,
                 "decode": "native" if self._native else "torch"}
 
@@ -158,6 +162,9 @@ class LocalEngine(Engine):
         for job, logits in queue.take_joining():
             self._join(job, logits)
         if not queue.busy:
+            if self.preambles and not queue.queued():
+                self._warm(list(self.preambles.popitem()[0]))
+                return
             if self.chores is not None and not queue.waiting:
                 if next(self.chores, _DONE) is _DONE:
                     self.chores = None
@@ -187,6 +194,9 @@ class LocalEngine(Engine):
             self.cpu = cpu.detect(self.settings.cpu_isa).isa
             self.formats = decoder.formats() if decoder is not None else None
             self.chores = model_loader.finish(self.loaded, self.settings)
+            # the default system prompt's preamble first, so the first user after a start reuses it too
+            self._want_preamble([{"role": "system", "content": self.settings.system_prompt}]
+                                if self.settings.system_prompt else [])
         # Everything loaded so far lives for the whole process: keep it out of the GC's
         # full collections, which otherwise stall the event loop for tenths of a second.
         gc.collect()
@@ -238,7 +248,23 @@ class LocalEngine(Engine):
         """The prompt ids, history trimmed so the answer has room in the context."""
         max_new = min(gen.params.max_new_tokens, self.settings.max_new_tokens)
         budget = self.settings.context_tokens - min(max_new, self.settings.context_tokens // 2)
-        return prompt.fit(self.loaded.tokenizer, gen.messages, budget)[0]
+        ids = prompt.fit(self.loaded.tokenizer, gen.messages, budget)[0]
+        self._want_preamble(gen.messages)
+        return ids
+
+    def _want_preamble(self, messages: list) -> None:
+        """Note ``messages``' system prompt's preamble for idle prefilling unless its KV is held (any thread)."""
+        ids = tuple(prompt.preamble(self.loaded.tokenizer, messages))
+        if len(ids) >= 4 and len(self.preambles) < 16 and not self.prefix.has_preamble(ids):
+            self.preambles[ids] = None
+
+    def _warm(self, ids: list[int]) -> None:
+        """Prefill a preamble alone (as every prompt that reuses it would see it) and share its KV."""
+        if self.prefix.has_preamble(ids):
+            return
+        job = PrefillJob([ids], self.dims)
+        job.step(self.forward, len(ids))
+        self.prefix.share(ids, *job.kv.row(0, copy=True))
 
     def new_slot(self, gen: Generation, ids: list) -> Slot:
         """A request starts: its slot, and ``Started`` to its consumer."""

@@ -49,3 +49,22 @@ def fit(tokenizer, messages: list, budget: int) -> tuple[list[int], int]:
         if len(ids) <= budget:
             return ids, start
     raise PromptTooLong(f"the message does not fit in the model's context of {budget} tokens")
+
+
+_PREAMBLES: dict = {}  # (tokenizer id, system prompt) -> its preamble ids; a few system prompts in a process
+
+
+def preamble(tokenizer, messages: list) -> list[int]:
+    """The ids every prompt of ``messages``' system prompt starts with, whatever the conversation: the system
+    turn and the template up to the first user message's text (the common start of two probes' ids)."""
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    key = (id(tokenizer), system[0]["content"] if system else None)
+    found = _PREAMBLES.get(key)
+    if found is None:
+        a = render(tokenizer, system + [{"role": "user", "content": "a"}])
+        b = render(tokenizer, system + [{"role": "user", "content": "0"}])
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        found = _PREAMBLES[key] = a[:n]
+        if len(_PREAMBLES) > 64:  # system prompts set per conversation: keep the map small
+            _PREAMBLES.pop(next(iter(_PREAMBLES)))
+    return found

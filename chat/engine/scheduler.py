@@ -125,8 +125,11 @@ class Scheduler:
                 continue
             room -= 1
             slot = engine.new_slot(gen, ids)
-            reused = engine.prefix.take(gen.key, ids)
-            if reused is None and (gen.params.seed is None or gen.params.temperature == 0):
+            seeded = gen.params.seed is not None and gen.params.temperature > 0
+            # A seeded, sampled prompt skips the shared preambles: whether one is held when it arrives must
+            # not change its answer (a preamble's KV, prefilled alone, rounds apart from the prompt's own).
+            reused = engine.prefix.take(gen.key, ids, shared=not seeded)
+            if reused is None and not seeded:
                 fresh.append(slot)
                 continue
             # A seeded, sampled prompt is prefilled on its own, as it would be alone: a prompt padded
@@ -185,8 +188,10 @@ class Scheduler:
                 budget -= columns * job.rows
                 seconds -= spent
                 job.measured(columns, spent, engine.step_s, target)
-            # (alone, a forward's fixed cost counts as its tokens': an estimate on the safe side)
-            self.token_s = max(spent - (engine.step_s if decoding else 0), 1e-4) / (columns * job.rows)
+            # (alone, a forward's fixed cost counts as its tokens': an estimate on the safe side; a prompt's
+            # last few tokens cost about a decode step's fixed part alone, which says nothing of a token's cost)
+            if columns * job.rows >= MIN_CHUNK or not self.token_s:
+                self.token_s = max(spent - (engine.step_s if decoding else 0), 1e-4) / (columns * job.rows)
             if logits is not None:
                 self.jobs.popleft()
                 self.joining.append((job, logits))
