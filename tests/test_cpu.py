@@ -67,10 +67,19 @@ while not engine.ready or engine.chores is not None:
     assert engine.error is None and time.monotonic() < deadline, engine.error
     time.sleep(0.05)
 import os, torch
-gen = engine.submit([{"role": "user", "content": "hello"}], GenParams(temperature=0, max_new_tokens=12))
-text = "".join(e.text for e in gen if isinstance(e, Delta))
+def text(gen):
+    return "".join(e.text for e in gen if isinstance(e, Delta))
+greedy = text(engine.submit([{"role": "user", "content": "hello"}], GenParams(temperature=0, max_new_tokens=12)))
+seeded = GenParams(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=24)
+alone = text(engine.submit([{"role": "user", "content": "tell me"}], seeded))
+others = [engine.submit([{"role": "user", "content": f"other {i}"}], GenParams(temperature=1.0, max_new_tokens=40))
+          for i in range(3)]
+batched = text(engine.submit([{"role": "user", "content": "tell me"}], seeded))
+for gen in others:
+    text(gen)
 print(json.dumps({"weights": engine.weights, "cpu": engine.cpu, "decode": engine.stats()["decode"],
-                  "capability": torch.backends.cpu.get_cpu_capability(), "text": text,
+                  "capability": torch.backends.cpu.get_cpu_capability(), "text": greedy,
+                  "seeded": [alone, batched],
                   "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA")}), flush=True)
 engine.shutdown()
 os._exit(0)  # not through the interpreter's exit while the engine's thread winds down
@@ -80,7 +89,8 @@ os._exit(0)  # not through the interpreter's exit while the engine's thread wind
 @pytest.mark.slow
 @pytest.mark.skipif(cpu.CLASSES.index(cpu.detect().machine) < cpu.CLASSES.index("avx2"), reason="no AVX2 here")
 def test_the_engine_runs_the_avx2_class_on_a_better_cpu(tmp_path):
-    """int4 weights, bf16 activations and the C++ step built with AVX2 flags, torch's kernels at AVX2."""
+    """int4 weights, bf16 activations and the C++ step built with AVX2 flags, torch's kernels at AVX2; a seeded
+    answer the same alone and in a batch."""
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
     out = subprocess.run([sys.executable, "-c", ENGINE_ON_AVX2, str(tiny_gguf(hidden=256, qtype="mix", arch="qwen2")),
                           str(tmp_path)], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
@@ -90,4 +100,6 @@ def test_the_engine_runs_the_avx2_class_on_a_better_cpu(tmp_path):
     assert facts["weights"] == "int4" and facts["cpu"] == "avx2" and facts["decode"] == "native", facts
     assert facts["capability"] == "AVX2" and facts["onednn"] == "AVX2"
     assert facts["text"]
+    alone, batched = facts["seeded"]
+    assert alone and alone == batched  # a seeded answer does not depend on the batch on this class either
     assert list((tmp_path / "model-cache" / "native").glob("decode-*.so"))
