@@ -65,6 +65,11 @@ class TurnService:
             raise RuntimeError("this process keeps no conversations (CHAT_ENGINE_ONLY)")
         return self._store
 
+    @property
+    def resume_grace_s(self) -> float:
+        """How long an ended run stays resumable, and an abandoned one waits for a socket (``RunOwner``)."""
+        return self.settings.resume_grace_s
+
     # ---- building a turn
 
     def params(self, given: dict, model: str | None = None) -> GenParams:
