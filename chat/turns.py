@@ -145,7 +145,7 @@ class TurnService:
         asked = {"role": "user", "content": files.with_attachments(req.content, edited["attachments"])}
 
         def write() -> None:
-            self.store.add_user_message(client, req.conversation_id, req.content, edited["attachments"],
+            self.store.add_user_message(client, conv_id, req.content, edited["attachments"],
                                         replaces=req.message_id)
         return self._start(client, address, req, conv_id, self.prompt(history + [asked]), write, subscriber)
 

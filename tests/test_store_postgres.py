@@ -30,7 +30,7 @@ def _streaming(store, owner: str) -> str:
     store.add_user_message(ALICE, c["id"], "q")
     mid = store.start_assistant(c["id"])
     with store._conn() as db:
-        db.execute("UPDATE messages SET owner = ? WHERE id = ?", (owner, mid))
+        db.execute("UPDATE messages SET owner = %s WHERE id = %s", (owner, mid))
     return c["id"]
 
 
