@@ -74,8 +74,8 @@ def targets(res: dict) -> list[dict]:
         row("cancel → done p95 (ms)", cancel.get("p95_ms"),
             f"≤ one step + 50 = {step_ms + 50:.0f}" if step_ms else "≤ one step + 50",
             lambda v: step_ms is not None and v <= step_ms + 50),
-        row(f"RSS growth idle → {mem.get('peak_streams', 16)} streams (MiB)", delta / MiB if delta is not None else None, "≤ 1024",
-            lambda v: v <= 1024),
+        row(f"RSS growth idle → {mem.get('peak_streams', 16)} streams (MiB)",
+            delta / MiB if delta is not None else None, "≤ 1024", lambda v: v <= 1024),
         row("a 1000-token message's prefill: in the server ÷ a plain process (median of pairs)",
             prefill.get("ratio_p50"), "≤ 1.15", lambda v: v <= 1.15),
         row("start-up to /readyz, empty data folder (s)", start.get("ready_s"), "≤ 10", lambda v: v <= 10),
@@ -171,4 +171,5 @@ def _three(value) -> str | None:
 def _quality(q: dict) -> tuple:
     if not q.get("summary"):
         return (None,)
-    return (q["auto"]["right"], q["off"]["right"], q["summary"]["identical"], round(q["summary"]["mean_shared_prefix"], 2))
+    return (q["auto"]["right"], q["off"]["right"], q["summary"]["identical"],
+            round(q["summary"]["mean_shared_prefix"], 2))

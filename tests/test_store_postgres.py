@@ -44,7 +44,7 @@ def test_processes_starting_together_migrate_once(url):
     def start():
         try:
             stores.append(Store(url))
-        except Exception as exc:  # noqa: BLE001 - reported below
+        except Exception as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=start) for _ in range(6)]
