@@ -94,7 +94,7 @@ class TurnService:
         model the engine no longer serves gives way to its default."""
         stored = self.store.options(conv_id)
         model = stored["model"] if stored["model"] in self.engine.models() else None
-        if getattr(req, "model", None) is not None:
+        if req.model is not None:
             model = self.model(req.model, req.id)
         return {**stored["params"], **req.params}, model
 
