@@ -24,7 +24,7 @@ test-fast: $(DEV)
 test-slow: system-deps $(DEV)
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
-# ruff and mypy on chat/, configured in pyproject.toml.
+# ruff on chat/, bench/, tests/ and harness/, mypy on chat/; configured in pyproject.toml.
 lint: $(DEV)
 	$(BIN)/ruff check
 	$(BIN)/mypy

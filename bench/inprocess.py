@@ -145,7 +145,8 @@ def measure(prompt_text: str, tokens: int, reps: int, batches=(1, 8)) -> dict:
     torch, loaded, ids, once = setup(prompt_text)
     runs = [once(tokens) for _ in range(reps)]
     raw = [raw_loop(torch, loaded, ids, b, tokens) for b in batches]
-    return {"raw": {str(r["batch"]): r for r in raw}, "model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
+    return {"raw": {str(r["batch"]): r for r in raw}, "model": loaded.name,
+            "dtype": str(loaded.dtype).removeprefix("torch."),
             "weights": loaded.weights,
             "device": str(loaded.device), "torch_threads": torch.get_num_threads(),
             "load_s": loaded.load_s, "prompt_tokens": len(ids), "runs": runs,

@@ -1,4 +1,4 @@
-"""llama.cpp's own server beside this one (issue 24): the same GGUF, the same workloads, through its
+"""llama.cpp's own server beside this one: the same GGUF, the same workloads, through its
 OpenAI-compatible streaming ``/v1/chat/completions``.
 
 It runs when ``LLAMA_SERVER`` names a ``llama-server`` binary (build one with
@@ -212,7 +212,7 @@ def comparison(res: dict) -> list[tuple]:
 
 
 def targets(res: dict, row) -> list[dict]:
-    """Issue 24's goals against llama.cpp's server, measured in the same run (none when it was skipped)."""
+    """The goals against llama.cpp's server, measured in the same run (none when it was skipped)."""
     rows = {name: value for name, _, _, value, _ in comparison(res)}
     if not rows:
         return []

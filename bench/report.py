@@ -4,9 +4,9 @@ from __future__ import annotations
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+import matplotlib.pyplot as plt  # after choosing the backend
 
-from . import peer, webtier  # noqa: E402
+from . import peer, webtier
 
 
 def _fmt(value) -> str:

@@ -1,18 +1,13 @@
-"""The server under test (the test harness's live gunicorn server) and a timing chat.v1 client."""
+"""The server under test (harness.LiveServer, the one the tests start too) and a timing chat.v1 client."""
 from __future__ import annotations
 
 import http.client
-import sys
 import threading
 import time
 from pathlib import Path
 
 from chat.client import Session, collect
-
-ROOT = Path(__file__).resolve().parent.parent
-# One live-server helper for the tests and the benchmark: tests/helpers.py (it imports no pytest).
-sys.path.insert(0, str(ROOT / "tests"))
-from helpers import LiveServer, free_port  # noqa: E402
+from harness import ROOT, LiveServer, free_port
 
 __all__ = ["ROOT", "BenchServer", "Client", "Sampler", "free_port", "http_get", "http_post_json", "metric"]
 

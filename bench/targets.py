@@ -1,17 +1,11 @@
-"""The report's judgements: the goals (issue 10's and 24's for the engine, issue 14's for the web tier, issue
-24's against llama.cpp's server) each with its measured value, and the raw figures behind them."""
+"""The report's judgements: the goals (the engine's, the web tier's, and against llama.cpp's server when it ran
+beside this one) each with its measured value, and the raw figures behind them."""
 from __future__ import annotations
 
 import statistics
 
 from . import peer, webtier
 from .phases import MiB, RAW
-
-LLAMA_CPP = [  # measured in issue 10 on a 2-core AMD EPYC with native bf16, same model as GGUF
-    ("llama.cpp server, one stream tok/s", 153), ("llama.cpp server, 8 slots aggregate tok/s", 243),
-    ("llama.cpp server, first token with 8 users ms", 49),
-    ("raw transformers forward loop there, batch 8 tok/s", 240)]
-
 
 def reference(res: dict) -> dict:
     """The in-process limit: the mean of its run before the server started and its run right after the
@@ -37,7 +31,7 @@ def ratio(a, b):
 
 
 def targets(res: dict) -> list[dict]:
-    """The goals of issues 10 and 24, each with its measured value."""
+    """Every goal, each with its measured value."""
     def row(metric, value, goal, ok):
         return {"metric": metric, "value": value, "goal": goal, "ok": None if value is None else ok(value)}
 
@@ -74,8 +68,8 @@ def targets(res: dict) -> list[dict]:
         row("cancel → done p95 (ms)", cancel.get("p95_ms"),
             f"≤ one step + 50 = {step_ms + 50:.0f}" if step_ms else "≤ one step + 50",
             lambda v: step_ms is not None and v <= step_ms + 50),
-        row(f"RSS growth idle → {mem.get('peak_streams', 16)} streams (MiB)", delta / MiB if delta is not None else None, "≤ 1024",
-            lambda v: v <= 1024),
+        row(f"RSS growth idle → {mem.get('peak_streams', 16)} streams (MiB)",
+            delta / MiB if delta is not None else None, "≤ 1024", lambda v: v <= 1024),
         row("a 1000-token message's prefill: in the server ÷ a plain process (median of pairs)",
             prefill.get("ratio_p50"), "≤ 1.15", lambda v: v <= 1.15),
         row("start-up to /readyz, empty data folder (s)", start.get("ready_s"), "≤ 10", lambda v: v <= 10),
@@ -84,7 +78,7 @@ def targets(res: dict) -> list[dict]:
 
 
 def quality_targets(q: dict, row) -> list[dict]:
-    """Issue 24's quality goals: the quantized path against CHAT_QUANT=off on the same questions and text."""
+    """The quality goals: the quantized path against CHAT_QUANT=off on the same questions and text."""
     if not q.get("auto") or not q.get("off"):
         return []
     auto, off = q["auto"], q["off"]
@@ -154,8 +148,7 @@ def figures(res: dict) -> list[tuple[str, object]]:
          _pair(mib(mem.get("idle_rss")), mib(mem.get("warm_idle_rss")), mib(mem.get("peak_rss")),
                mib(mem.get("end_rss")))),
         ("load average before the run (1 min)", res["machine"].get("loadavg_before")),
-    ] + ([] if res.get("peer") else [(f"reference (issue 10, another machine): {name}", value)
-                                     for name, value in LLAMA_CPP])
+    ]
 
 
 def _pair(*values) -> str | None:
@@ -171,4 +164,5 @@ def _three(value) -> str | None:
 def _quality(q: dict) -> tuple:
     if not q.get("summary"):
         return (None,)
-    return (q["auto"]["right"], q["off"]["right"], q["summary"]["identical"], round(q["summary"]["mean_shared_prefix"], 2))
+    return (q["auto"]["right"], q["off"]["right"], q["summary"]["identical"],
+            round(q["summary"]["mean_shared_prefix"], 2))

@@ -152,10 +152,10 @@ def summary(res: dict) -> dict:
 
 
 def targets(res: dict, row) -> list[dict]:
-    """Issue 14's goals for the remote path."""
+    """The web tier's goals for the remote path."""
     s = summary(res)
-    # Issue 14's ≤ 0.1 ms of CPU per relayed delta at 8 streams was retired by issue 24 (bounded by a bare gevent
-    # relay's own cost here); the figure stays in the report.
+    # A goal of ≤ 0.1 ms of CPU per relayed delta at 8 streams was retired (a bare gevent relay's own cost here
+    # bounds it; HISTORY.md); the figure stays in the report.
     return [row("8 streams through /ws ÷ direct to the upstream, deltas/s", s.get("ratio_8"), "≥ 0.95",
                 lambda v: v >= 0.95),
             row("first delta p50 at 8 streams, through − direct (ms)", s.get("ttfd_extra_8_ms"), "≤ 50",

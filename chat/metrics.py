@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for api.py)
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for web/health.py's /metrics)
 
 from .concurrency import spawn
 

@@ -11,16 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 from .concurrency import cooperate, spawn
 from .engine import Generation
 from .engine.events import Delta, Done, Event, Queued, Refused, Started
 from .errors import StorageFull
-
-if TYPE_CHECKING:
-    from .store import Store
-    from .turns import TurnService
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +96,42 @@ class RunRegistry(Protocol):
         """This worker's runs still answering."""
 
 
-class Run:
-    """One answer: the replay buffer, store checkpoints, metrics and the log line (via the service)."""
+class RunStore(Protocol):
+    """The two store writes a run makes (``chat.store.Store`` has them)."""
 
-    def __init__(self, service: TurnService, client: str, rid: str, conversation_id: str, message_id: str,
+    def save_partial(self, message_id: str, content: str) -> None:
+        """Checkpoint a streaming answer's text so far."""
+
+    def finish_assistant(self, message_id: str, content: str, reason: str,
+                         usage: dict | None = None, timings: dict | None = None) -> None:
+        """Store the answer's final text and how it ended."""
+
+
+class RunOwner(Protocol):
+    """What a run needs from whoever started it (``chat.turns.TurnService``): where the answer is
+    stored, the registry that frees its conversation, the end of a generation counted and logged,
+    and how long an ended or abandoned run waits for a resume."""
+
+    @property
+    def store(self) -> RunStore: ...
+
+    @property
+    def runs(self) -> RunRegistry: ...
+
+    @property
+    def resume_grace_s(self) -> float: ...
+
+    def record(self, end: Done | Refused, transport: str, id: str, conversation: str | None = None,
+               prompt: str | None = None, text: str | None = None) -> None:
+        """Count the outcome in the metrics and write the generation's log line."""
+
+
+class Run:
+    """One answer: the replay buffer, store checkpoints, metrics and the log line (via its owner)."""
+
+    def __init__(self, owner: RunOwner, client: str, rid: str, conversation_id: str, message_id: str,
                  gen: Generation, subscriber: Subscriber | None, prefix: str = "") -> None:
-        self.service, self.client, self.id = service, client, rid
+        self.owner, self.client, self.id = owner, client, rid
         self.prefix = prefix  # continue: the answer's text so far, which the deltas extend
         self.conversation_id, self.message_id, self.gen = conversation_id, message_id, gen
         self.deltas: list[str] = []
@@ -119,8 +145,8 @@ class Run:
         self.last_checkpoint = time.monotonic()
 
     @property
-    def store(self) -> Store:
-        return self.service.store
+    def store(self) -> RunStore:
+        return self.owner.store
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Ask the engine to end the answer with ``done`` ``reason`` (a no-op once it finished)."""
@@ -184,7 +210,7 @@ class Run:
     def on_refused(self, event: Refused) -> None:
         """The engine refused the answer: stored as an error, sent as an error frame."""
         self.write(self.store.finish_assistant, self.message_id, self.prefix, "error", {}, {})
-        self.service.record(event, "ws", self.id, self.conversation_id)
+        self.owner.record(event, "ws", self.id, self.conversation_id)
         self.forward({"type": "error", "id": self.id, "code": event.code, "message": event.message})
 
     def on_done(self, event: Done) -> None:
@@ -192,7 +218,7 @@ class Run:
         self.send_start()  # a request cancelled while queued still gets start, then done
         text = self.prefix + "".join(self.deltas)
         self.write(self.store.finish_assistant, self.message_id, text, event.reason, event.usage, event.timings)
-        self.service.record(event, "ws", self.id, self.conversation_id,
+        self.owner.record(event, "ws", self.id, self.conversation_id,
                             prompt=self.gen.messages[-1]["content"], text=text)
         frame = {"type": "done", "id": self.id, "reason": event.reason, "usage": event.usage,
                  "timings": event.timings}
@@ -203,15 +229,15 @@ class Run:
     def finish(self) -> None:
         """The pump ended: free the conversation; the run stays resumable for the grace."""
         self.finished = True
-        self.service.runs.release(self)
+        self.owner.runs.release(self)
         self.finished_event.set()
         if self.subscriber is not None:
             self.subscriber.forget(self)
         spawn(self._expire)
 
     def _expire(self) -> None:
-        time.sleep(self.service.settings.resume_grace_s)
-        self.service.runs.forget(self)
+        time.sleep(self.owner.resume_grace_s)
+        self.owner.runs.forget(self)
 
     def forward(self, frame: dict) -> None:
         """One frame to the run's stream (in Redis) and to the attached connection."""
@@ -258,9 +284,9 @@ class Run:
             spawn(self._cancel_unless_resumed)
 
     def _cancel_unless_resumed(self) -> None:
-        runs = self.service.runs
-        time.sleep(self.service.settings.resume_grace_s)
+        runs = self.owner.runs
+        time.sleep(self.owner.resume_grace_s)
         while self.subscriber is None and not self.finished and runs.followed(self):
-            time.sleep(self.service.settings.resume_grace_s or 1)
+            time.sleep(self.owner.resume_grace_s or 1)
         if self.subscriber is None and not self.finished:
             self.cancel("cancelled")

@@ -16,8 +16,7 @@ def warnings(settings: Settings) -> list[str]:
             f"({workers} copies in memory, no batching across workers). Run one engine process per host "
             "(CHAT_ENGINE_ONLY=1, one worker) and point the web workers at it with CHAT_BACKEND=openai "
             "CHAT_BACKEND_URL=http://engine-host:8001/v1 (docs/scaling.md)")
-    # getattr: the shared-state setting may be absent from older Settings.
-    if not settings.engine_only and not getattr(settings, "state_url", ""):
+    if not settings.engine_only and not settings.state_url:
         advice.append(
             f"CHAT_WORKERS={workers} without CHAT_STATE_URL: resume, Stop from another tab, the "
             "one-answer-per-conversation check and every rate and concurrency limit are per worker. "

@@ -65,6 +65,11 @@ class TurnService:
             raise RuntimeError("this process keeps no conversations (CHAT_ENGINE_ONLY)")
         return self._store
 
+    @property
+    def resume_grace_s(self) -> float:
+        """How long an ended run stays resumable, and an abandoned one waits for a socket (``RunOwner``)."""
+        return self.settings.resume_grace_s
+
     # ---- building a turn
 
     def params(self, given: dict, model: str | None = None) -> GenParams:
@@ -89,7 +94,7 @@ class TurnService:
         model the engine no longer serves gives way to its default."""
         stored = self.store.options(conv_id)
         model = stored["model"] if stored["model"] in self.engine.models() else None
-        if getattr(req, "model", None) is not None:
+        if req.model is not None:
             model = self.model(req.model, req.id)
         return {**stored["params"], **req.params}, model
 
@@ -140,7 +145,7 @@ class TurnService:
         asked = {"role": "user", "content": files.with_attachments(req.content, edited["attachments"])}
 
         def write() -> None:
-            self.store.add_user_message(client, req.conversation_id, req.content, edited["attachments"],
+            self.store.add_user_message(client, conv_id, req.content, edited["attachments"],
                                         replaces=req.message_id)
         return self._start(client, address, req, conv_id, self.prompt(history + [asked]), write, subscriber)
 

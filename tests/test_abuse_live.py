@@ -407,7 +407,8 @@ def test_abusers_beside_four_users(server_factory, capsys):
         status = import_(srv, owner, heavy.encode(), "198.51.100.75")[0]
         count(f"heavy import {status}")
         for _ in range(5):
-            count(f"search {request(srv, 'GET', '/api/search?q=alpha', headers={'Cookie': owner, 'X-Forwarded-For': '198.51.100.75'})[0]}")
+            headers = {"Cookie": owner, "X-Forwarded-For": "198.51.100.75"}
+            count(f"search {request(srv, 'GET', '/api/search?q=alpha', headers=headers)[0]}")
 
     abusers = [guard(f) for f in (bursts, flood, control_pings, stalled, resumes, search_spam)]
     for thread in abusers:

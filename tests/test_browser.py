@@ -38,7 +38,8 @@ def test_answer_streams_and_grows(chat):
         new MutationObserver(() => {
           const m = [...document.querySelectorAll('[data-testid=message-assistant]')].pop();
           if (m && m.dataset.state === 'waiting' && m.querySelector('[data-testid=thinking]')) window.__thinking = true;
-          if (m && m.dataset.state !== 'done' && !document.querySelector('[data-testid=stop]').hidden) window.__stopShown = true;
+          if (m && m.dataset.state !== 'done' && !document.querySelector('[data-testid=stop]').hidden)
+            window.__stopShown = true;
           if (m && m.dataset.state !== 'done') window.__lengths.push(m.view.text.length);
         }).observe(document.getElementById('thread'), {subtree: true, childList: true, characterData: true}); }""")
     c.send("Tell me a story")
@@ -46,7 +47,7 @@ def test_answer_streams_and_grows(chat):
     assert c.wait_done() == "length"
     assert c.js("window.__stopShown"), "Send did not turn into Stop while streaming"
     lengths = c.js("window.__lengths")
-    growth = sorted(set(n for n in lengths if n > 0))
+    growth = sorted({n for n in lengths if n > 0})
     assert len(growth) >= 3, f"answer did not grow over several frames: {lengths}"
     assert lengths == sorted(lengths), "the streamed text shrank"
     assert c.js("window.__thinking"), "no thinking indicator before the first delta"
@@ -91,9 +92,11 @@ def test_auto_scroll_follows_and_yields_to_the_reader(chat):
             c.page.wait_for_timeout(15)
         c.page.wait_for_timeout(150)
 
-    distance = "(() => { const m = document.getElementById('messages'); return m.scrollHeight - m.scrollTop - m.clientHeight; })()"
+    distance = ("(() => { const m = document.getElementById('messages');"
+                " return m.scrollHeight - m.scrollTop - m.clientHeight; })()")
     stream(40)
-    assert c.js("document.getElementById('messages').scrollHeight > 2 * document.getElementById('messages').clientHeight")
+    assert c.js("document.getElementById('messages').scrollHeight"
+                " > 2 * document.getElementById('messages').clientHeight")
     assert c.js(distance) < 40, "the view did not follow the stream"
     c.page.mouse.move(350, 200)
     c.page.mouse.wheel(0, -250)
@@ -107,7 +110,8 @@ def test_auto_scroll_follows_and_yields_to_the_reader(chat):
     c.page.wait_for_timeout(800)
     stream(20)
     assert c.js(distance) < 40, "following did not resume"
-    sock["ws"].send(json.dumps({"type": "done", "id": rid, "reason": "stop", "usage": {"prompt_tokens": 5, "completion_tokens": index},
+    sock["ws"].send(json.dumps({"type": "done", "id": rid, "reason": "stop",
+                                "usage": {"prompt_tokens": 5, "completion_tokens": index},
                                 "timings": {"ttft_ms": 12.5, "total_ms": 900, "tokens_per_s": 88.8}}))
     assert c.wait_done(timeout=10) == "stop"
     assert c.page.text_content("[data-testid=stats]") == "13 ms to first token · 88.8 tokens/s · 80 tokens"
@@ -126,7 +130,8 @@ def test_stop_ends_the_stream(chat):
     c.shot("stopped")
 
     c.send("And again, stop with Esc")
-    c.wait_until("() => [...document.querySelectorAll('[data-testid=message-assistant]')].pop()?.dataset.state === 'streaming'")
+    c.wait_until("() => [...document.querySelectorAll('[data-testid=message-assistant]')].pop()?.dataset.state"
+                 " === 'streaming'")
     # The second answer's frames follow anything still sent for the first on the same socket.
     first = "() => document.querySelector('[data-testid=message-assistant]').view.text"
     assert c.js(first) == final, "text kept arriving after Stop"
@@ -188,7 +193,8 @@ def test_markdown_rendering_highlighting_and_sanitizing(chat):
         const md = await import(new URL('markdown.js', base).href);
         const article = document.createElement('article');
         article.className = 'msg msg-assistant';
-        article.innerHTML = '<div class="msg-avatar"></div><div class="msg-main"><div class="msg-body markdown"></div></div>';
+        article.innerHTML = '<div class="msg-avatar"></div>'
+          + '<div class="msg-main"><div class="msg-body markdown"></div></div>';
         article.querySelector('.msg-body').append(md.renderMarkdown(src));
         document.getElementById('empty').hidden = true;
         document.getElementById('thread').append(article);
@@ -226,9 +232,11 @@ def test_enter_during_ime_composition_does_not_send(chat):
     c.js("""() => {
         const box = document.querySelector('[data-testid=prompt]');
         box.dispatchEvent(new CompositionEvent('compositionstart', {bubbles: true, data: ''}));
-        box.dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter', code: 'Enter', bubbles: true, cancelable: true, isComposing: true}));
+        box.dispatchEvent(new KeyboardEvent('keydown',
+          {key: 'Enter', code: 'Enter', bubbles: true, cancelable: true, isComposing: true}));
         // Some browsers report the confirming Enter as keyCode 229 without isComposing.
-        box.dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter', code: 'Enter', bubbles: true, cancelable: true, keyCode: 229}));
+        box.dispatchEvent(new KeyboardEvent('keydown',
+          {key: 'Enter', code: 'Enter', bubbles: true, cancelable: true, keyCode: 229}));
         // Still composing (no compositionend yet): a plain Enter must not send either.
         box.dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter', code: 'Enter', bubbles: true, cancelable: true}));
     }""")
@@ -418,7 +426,8 @@ def test_settings_are_saved_and_sent(chat):
     c.page.reload()
     c.page.wait_for_selector("[data-testid=connection-status][data-state=open]")
     c.page.click("[data-testid=open-settings]")
-    assert c.page.text_content("[data-testid=settings-model]").strip() == c.page.text_content("[data-testid=model-name]").strip()
+    model_name = c.page.text_content("[data-testid=model-name]").strip()
+    assert c.page.text_content("[data-testid=settings-model]").strip() == model_name
     c.page.fill("#set-system", "You are terse.")
     c.page.fill("#set-temperature", "0.3")
     c.page.fill("#set-max-tokens", "12")

@@ -14,7 +14,8 @@ import pytest
 from helpers import UPSTREAM_MODELS, Chat, Upstream
 
 LAST_ASSISTANT = "[...document.querySelectorAll('[data-testid=message-assistant]')].pop()"
-DISTANCE = "(() => { const m = document.getElementById('messages'); return m.scrollHeight - m.scrollTop - m.clientHeight; })()"
+DISTANCE = ("(() => { const m = document.getElementById('messages');"
+            " return m.scrollHeight - m.scrollTop - m.clientHeight; })()")
 # How far the last message's bottom row (stats, actions) lies below the visible part of the thread.
 HIDDEN_BELOW = """(() => { const box = document.getElementById('messages').getBoundingClientRect();
     const last = [...document.querySelectorAll('.msg')].pop();
@@ -155,7 +156,8 @@ def test_export_carries_every_version_and_import_restores_it(chat, tmp_path):
     labels = c.js("[...document.querySelectorAll('[data-testid=versions] .versions-label')].map(e => e.textContent)")
     assert labels == ["2/2", "2/2"]
     assert user_texts(c) == ["Question to branch, edited"]
-    titles = c.js("[...document.querySelectorAll('[data-testid=conversation-item] .conversation-title')].map(e => e.textContent)")
+    titles = c.js("[...document.querySelectorAll('[data-testid=conversation-item] .conversation-title')]"
+                  ".map(e => e.textContent)")
     assert sorted(titles) == ["Question to branch, edited", "Question to branch, edited (imported)"]
     assert c.page.text_content("#chat-title") == "Question to branch, edited (imported)"
     c.page.click("[data-testid=versions] [data-action=version-prev]")
@@ -272,7 +274,8 @@ def test_a_conversation_keeps_and_shows_its_own_settings(chat):
     c.wait_done()
     conv = conversation_id(c)
     record = stored(c, conv)
-    assert (record["system"], record["params"]) == ("You are terse.", {"temperature": 0.4, "max_new_tokens": 6, "seed": 11})
+    assert (record["system"], record["params"]) == ("You are terse.",
+                                                    {"temperature": 0.4, "max_new_tokens": 6, "seed": 11})
     c.wait_until("() => !document.querySelector('[data-testid=chat-info]').hidden")
     info = c.page.text_content("[data-testid=chat-info]")
     assert "You are terse." in info and "seed 11" in info and "temperature 0.4" in info
@@ -292,13 +295,14 @@ def test_a_conversation_keeps_and_shows_its_own_settings(chat):
     c.wait_until("() => document.querySelector('[data-testid=settings-status]').textContent.includes('Saved')", 5)
     c.page.click("[data-testid=settings-done]")
     record = stored(c, conv)
-    assert (record["system"], record["params"]) == ("You are verbose.", {"temperature": 0.4, "max_new_tokens": 5, "seed": 11})
+    assert (record["system"], record["params"]) == ("You are verbose.",
+                                                    {"temperature": 0.4, "max_new_tokens": 5, "seed": 11})
     assert "You are verbose." in c.page.text_content("[data-testid=chat-info]")
     c.send("And again")
     c.wait_done()
     follow_up = [f for f in frames if f["type"] == "chat"][-1]
     assert "params" not in follow_up and "system" not in follow_up, "the server keeps this conversation's settings"
-    assert c.page.text_content(f"[data-testid=message-assistant] >> nth=-1 >> [data-testid=stats]").endswith("5 tokens")
+    assert c.page.text_content("[data-testid=message-assistant] >> nth=-1 >> [data-testid=stats]").endswith("5 tokens")
     # Regenerate with the seed: each new version is the same.
     versions = []
     for _ in range(2):
@@ -322,7 +326,8 @@ def test_sidebar_groups_by_date_pins_and_keeps_order_on_rename(chat):
         c.send(text)
         c.wait_done()
     c.wait_until("() => document.querySelectorAll('[data-testid=conversation-item]').length === 3")
-    order = "[...document.querySelectorAll('[data-testid=conversation-item] .conversation-title')].map(e => e.textContent)"
+    order = ("[...document.querySelectorAll('[data-testid=conversation-item] .conversation-title')]"
+             ".map(e => e.textContent)")
     assert c.js(order) == ["Newest topic", "Middle topic", "Oldest topic"]
     groups = "[...document.querySelectorAll('[data-testid=conversation-group] .group-title')].map(e => e.textContent)"
     assert c.js(groups) == ["Today"]
@@ -341,7 +346,8 @@ def test_sidebar_groups_by_date_pins_and_keeps_order_on_rename(chat):
     c.wait_until("() => document.querySelectorAll('[data-testid=conversation-item]').length === 3")
     assert c.js(order) == ["Oldest, renamed", "Newest topic", "Middle topic"]
     assert c.js(groups) == ["Pinned", "Today"]
-    assert c.page.get_attribute("[data-testid=conversation-item] >> nth=0 >> [data-action=pin]", "aria-pressed") == "true"
+    first_pin = "[data-testid=conversation-item] >> nth=0 >> [data-action=pin]"
+    assert c.page.get_attribute(first_pin, "aria-pressed") == "true"
     c.shot("sidebar-pinned")
 
 
@@ -360,7 +366,8 @@ def test_date_groups(chat, width, height):
     c.page.reload()
     c.wait_until("() => document.querySelectorAll('[data-testid=conversation-item]').length === 5")
     groups = c.js("""[...document.querySelectorAll('[data-testid=conversation-group]')].map(g =>
-        [g.querySelector('.group-title').textContent, [...g.querySelectorAll('.conversation-title')].map(t => t.textContent)])""")
+        [g.querySelector('.group-title').textContent,
+         [...g.querySelectorAll('.conversation-title')].map(t => t.textContent)])""")
     assert groups == [["Pinned", ["Pinned long ago"]], ["Today", ["Just now"]], ["Yesterday", ["Yesterday's"]],
                       ["Previous 7 days", ["Three days ago"]], ["Older", ["Last month"]]]
     if width < 800:
@@ -386,23 +393,29 @@ def test_addresses_open_switch_and_go_back(chat):
     c.wait_until(f"() => location.pathname === '/c/{second}'")
     c.page.click(f"[data-testid=conversation-item][data-id='{first}'] .conversation-open")
     c.wait_until(f"() => location.pathname === '/c/{first}' && "
-                 "document.querySelector('[data-testid=message-user] .msg-body')?.textContent === 'First conversation'")
+                 "document.querySelector('[data-testid=message-user] .msg-body')?.textContent"
+                 " === 'First conversation'")
     c.page.go_back()
     c.wait_until(f"() => location.pathname === '/c/{second}' && "
-                 "document.querySelector('[data-testid=message-user] .msg-body')?.textContent === 'Second conversation'")
+                 "document.querySelector('[data-testid=message-user] .msg-body')?.textContent"
+                 " === 'Second conversation'")
     c.page.go_back()  # the new chat the second conversation started from became its address
     c.wait_until(f"() => location.pathname === '/c/{first}' && "
-                 "document.querySelector('[data-testid=message-user] .msg-body')?.textContent === 'First conversation'")
+                 "document.querySelector('[data-testid=message-user] .msg-body')?.textContent"
+                 " === 'First conversation'")
     c.page.go_forward()
     c.wait_until(f"() => location.pathname === '/c/{second}' && "
-                 "document.querySelector('[data-testid=message-user] .msg-body')?.textContent === 'Second conversation'")
+                 "document.querySelector('[data-testid=message-user] .msg-body')?.textContent"
+                 " === 'Second conversation'")
     # A bookmark: a fresh page at the address opens that conversation, whatever was open last.
     page = c.context.new_page()
     page.goto(f"{c.url}/c/{first}")
-    page.wait_for_function("() => document.querySelector('[data-testid=message-user] .msg-body')?.textContent === 'First conversation'")
+    page.wait_for_function("() => document.querySelector('[data-testid=message-user] .msg-body')?.textContent"
+                           " === 'First conversation'")
     assert page.text_content("#chat-title") == "First conversation"
     page.reload()
-    page.wait_for_function("() => document.querySelector('[data-testid=message-user] .msg-body')?.textContent === 'First conversation'")
+    page.wait_for_function("() => document.querySelector('[data-testid=message-user] .msg-body')?.textContent"
+                           " === 'First conversation'")
     page.close()
 
 
@@ -507,7 +520,8 @@ def test_question_answer_gap_and_version_arrows(chat, width, height):
     assert box["width"] >= 32 and box["height"] >= 32
     contrast = c.js("""() => {
         const lum = (rgb) => { const [r, g, b] = rgb.match(/\\d+/g).slice(0, 3).map((v) => { v /= 255;
-            return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; }); return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
+            return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
+          return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
         const fg = lum(getComputedStyle(document.querySelector('[data-testid=versions] .versions-label')).color);
         const bg = lum(getComputedStyle(document.body).backgroundColor);
         return (Math.max(fg, bg) + 0.05) / (Math.min(fg, bg) + 0.05); }""")
@@ -548,7 +562,8 @@ def test_regenerate_keeps_the_old_answer_until_the_new_one_writes(chat):
     ws = sock["ws"]
     ws.send(json.dumps({"type": "start", "id": frame["id"], "conversation_id": conv, "message_id": mid}))
     ws.send(json.dumps({"type": "delta", "id": frame["id"], "index": 0, "text": "The first answer."}))
-    ws.send(json.dumps({"type": "done", "id": frame["id"], "reason": "stop", "usage": {"prompt_tokens": 1, "completion_tokens": 3},
+    ws.send(json.dumps({"type": "done", "id": frame["id"], "reason": "stop",
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 3},
                         "timings": {"ttft_ms": 1, "total_ms": 2, "tokens_per_s": 3}}))
     c.wait_done()
     c.wait_until(f"() => {LAST_ASSISTANT}.dataset.id === '{mid}'")

@@ -149,11 +149,13 @@ def test_attach_files_by_button_and_drop_and_refuse_binary(chat):
     c.wait_until("() => document.querySelectorAll('[data-testid=pending-attachment]').length === 1")
     c.js("""() => { const dt = new DataTransfer();
         dt.items.add(new File(['col1,col2\\n1,2\\n'], 'table.csv', {type: 'text/csv'}));
-        document.getElementById('prompt').dispatchEvent(new DragEvent('drop', {dataTransfer: dt, bubbles: true, cancelable: true})); }""")
+        document.getElementById('prompt').dispatchEvent(
+          new DragEvent('drop', {dataTransfer: dt, bubbles: true, cancelable: true})); }""")
     c.wait_until("() => document.querySelectorAll('[data-testid=pending-attachment]').length === 2")
     c.js("""() => { const dt = new DataTransfer();
         dt.items.add(new File(['pasted text'], 'clip.txt', {type: 'text/plain'}));
-        document.getElementById('prompt').dispatchEvent(new ClipboardEvent('paste', {clipboardData: dt, bubbles: true, cancelable: true})); }""")
+        document.getElementById('prompt').dispatchEvent(
+          new ClipboardEvent('paste', {clipboardData: dt, bubbles: true, cancelable: true})); }""")
     c.wait_until("() => document.querySelectorAll('[data-testid=pending-attachment]').length === 3")
     c.page.click("[data-testid=pending-attachment] >> nth=2 >> .chip-remove")
     c.wait_until("() => document.querySelectorAll('[data-testid=pending-attachment]').length === 2")
@@ -197,21 +199,25 @@ def test_streaming_into_a_long_answer_in_a_300_message_conversation(chat):
     c.js("() => { window.__importAt = performance.now(); }")
     import_json(c, _long_conversation(), "long.json")
     c.wait_until("() => document.querySelectorAll('.msg').length === 300", 60)
-    opened_ms = c.js("() => new Promise((done) => requestAnimationFrame(() => done(performance.now() - window.__importAt)))")
+    opened_ms = c.js("() => new Promise((done) =>"
+                     " requestAnimationFrame(() => done(performance.now() - window.__importAt)))")
     # scrolling the whole thread up, a step per frame
     scroll = c.js("""() => new Promise((done) => {
         const box = document.getElementById('messages'); const frames = []; let last = performance.now();
         const step = (now) => { frames.push(now - last); last = now; box.scrollTop -= 600;
-          if (box.scrollTop > 0) requestAnimationFrame(step); else { box.scrollTop = box.scrollHeight; done(frames); } };
+          if (box.scrollTop > 0) requestAnimationFrame(step);
+          else { box.scrollTop = box.scrollHeight; done(frames); } };
         requestAnimationFrame(step); })""")
-    c.wait_until("() => document.querySelector('[data-testid=continue]') && !document.querySelector('[data-testid=continue]').hidden")
+    c.wait_until("() => document.querySelector('[data-testid=continue]')"
+                 " && !document.querySelector('[data-testid=continue]').hidden")
     c.js("""() => {
-        window.__frames = []; window.__renders = []; window.__blocksBefore = [...document.querySelectorAll('.msg')].pop()
-            .querySelectorAll('.md-block');
+        window.__frames = []; window.__renders = [];
+        window.__blocksBefore = [...document.querySelectorAll('.msg')].pop().querySelectorAll('.md-block');
         new PerformanceObserver((list) => { for (const e of list.getEntries()) window.__renders.push(e.duration); })
             .observe({ entryTypes: ['measure'] });
         let last = performance.now();
-        const tick = (now) => { window.__frames.push(now - last); last = now; if (!window.__stopFrames) requestAnimationFrame(tick); };
+        const tick = (now) => { window.__frames.push(now - last); last = now;
+          if (!window.__stopFrames) requestAnimationFrame(tick); };
         requestAnimationFrame(tick); }""")
     c.page.click("[data-testid=continue]")
     c.wait_done(120)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from chat import create_app
 from chat.config import Settings
 from chat.engine import GenParams, Generation
 from chat.engine.events import Started

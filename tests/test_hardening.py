@@ -196,7 +196,7 @@ def test_key_never_in_the_url_or_the_logs(keyed):
 
 def test_origin_must_match_the_scheme(keyed):
     host = f"127.0.0.1:{keyed.port}"
-    https = [f"X-Forwarded-Proto: https", f"Authorization: Bearer {KEY}"]
+    https = ["X-Forwarded-Proto: https", f"Authorization: Bearer {KEY}"]
     assert handshake_status(keyed.ws_url, header=https, origin=f"http://{host}") == 403
     assert handshake_status(keyed.ws_url, header=https, origin=f"https://{host}") == 101
     plain = [f"Authorization: Bearer {KEY}"]

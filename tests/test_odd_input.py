@@ -238,7 +238,7 @@ def test_resumes_are_throttled_per_connection(srv):
         frames = client.chat("a finished answer", rid="fin", params={"max_new_tokens": 8})
         assert frames[-1]["type"] == "done" and conv_of(frames)
         codes = []
-        for i in range(40):
+        for _ in range(40):
             client.send({"type": "resume", "id": "fin", "from": 0})
             last = client.until(lambda f: f.get("id") == "fin" and f["type"] in ("done", "error"))[-1]
             codes.append(last.get("code", last["type"]))

@@ -122,7 +122,7 @@ def test_logs_leave_out_message_text_unless_asked(server_factory):
         client = WS(srv.ws_url)
         frames = client.chat("PINEAPPLE-SECRET", params={"temperature": 0, "max_new_tokens": 10})
         client.close()
-        lines = until(lambda: [line for line in srv.log().splitlines() if "generation {" in line])
+        lines = until(lambda srv=srv: [line for line in srv.log().splitlines() if "generation {" in line])
         record = json.loads(lines[-1].split("generation ", 1)[1])
         assert record["reason"] == "length" and record["completion_tokens"] == 10
         assert record["ttft_ms"] is not None and "tokens_per_s" in record

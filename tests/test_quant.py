@@ -275,8 +275,9 @@ def test_idle_chores_measure_and_keep_the_crossovers(quant_engine, tiny_file, tm
     (found,) = kept.values()
     assert found == {"x".join(map(str, lin.dense.shape)): lin.crossover for lin in linears}
     # A later start takes them from the file instead of measuring (a made-up value proves it).
-    made_up = {key: 3 for key in found}
-    (Path(quant_engine.settings.model_cache_dir) / "crossovers.json").write_text(json.dumps({next(iter(kept)): made_up}))
+    made_up = dict.fromkeys(found, 3)
+    crossovers = Path(quant_engine.settings.model_cache_dir) / "crossovers.json"
+    crossovers.write_text(json.dumps({next(iter(kept)): made_up}))
     loaded = on_thread(lambda: loader.load(quant_engine.settings))
     on_thread(lambda: list(loader.finish(loaded, quant_engine.settings)))
     assert {lin.crossover for lin in loaded.decoder.linears()} == {3}
@@ -289,8 +290,8 @@ def test_seeded_answers_repeat_on_the_quantized_path_alone_and_in_a_batch(quant_
     params = GenParams(temperature=0.9, top_p=0.95, seed=1234, max_new_tokens=40)
     first = _text(quant_engine.submit(ask, params))
     assert first and _text(quant_engine.submit(ask, params)) == first
-    others = [quant_engine.submit([{"role": "user", "content": f"other {i}"}], GenParams(temperature=1.0, max_new_tokens=60))
-              for i in range(3)]
+    others = [quant_engine.submit([{"role": "user", "content": f"other {i}"}],
+                                  GenParams(temperature=1.0, max_new_tokens=60)) for i in range(3)]
     mine = quant_engine.submit(ask, params)
     assert _text(mine) == first
     for gen in others:

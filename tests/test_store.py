@@ -349,7 +349,7 @@ def _hammer(store, client, rounds, errors, barrier):
                 store.save_partial(mid, "a" * n)
             store.finish_assistant(mid, f"a{i}", "stop", {"completion_tokens": i}, {})
             store.list_conversations(client)
-    except Exception as exc:  # noqa: BLE001 - any failure in a thread fails the test below
+    except Exception as exc:  # any failure in a thread fails the test below
         errors.append(exc)
 
 

@@ -146,7 +146,8 @@ def test_forget_and_expire_clients(db_path):
     store.create_conversation("anon:live-connection-012")
     store.create_conversation("anonymous-looking-cookie")  # a cookie id, not the anon: namespace
     with store._conn() as db:
-        db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (time.time() - 7200, old["id"]))
+        db.execute(f"UPDATE conversations SET updated_at = {db.mark} WHERE id = {db.mark}",
+                   (time.time() - 7200, old["id"]))
     assert store.expire_clients("anon:", 3600) == 1
     assert store.forget_client("anon:live-connection-012") == 1
     with store._conn() as db:
@@ -158,7 +159,7 @@ def test_forget_and_expire_clients(db_path):
 def test_other_database_errors_are_not_disguised(db_path):
     store = Store(db_path)
     with store._conn() as db:
-        db.execute("DROP TABLE messages CASCADE" if store.kind == "postgresql" else "DROP TABLE messages")
+        db.execute("ALTER TABLE messages RENAME TO gone")
     conv = store.create_conversation(ALICE)
     with pytest.raises(Exception) as failed:
         store.add_user_message(ALICE, conv["id"], "hi")

@@ -30,7 +30,7 @@ def _streaming(store, owner: str) -> str:
     store.add_user_message(ALICE, c["id"], "q")
     mid = store.start_assistant(c["id"])
     with store._conn() as db:
-        db.execute("UPDATE messages SET owner = ? WHERE id = ?", (owner, mid))
+        db.execute("UPDATE messages SET owner = %s WHERE id = %s", (owner, mid))
     return c["id"]
 
 
@@ -44,7 +44,7 @@ def test_processes_starting_together_migrate_once(url):
     def start():
         try:
             stores.append(Store(url))
-        except Exception as exc:  # noqa: BLE001 - reported below
+        except Exception as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=start) for _ in range(6)]

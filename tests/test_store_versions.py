@@ -165,7 +165,8 @@ def test_attachments_are_stored_and_fenced_for_the_model(store):
     files = [{"name": "notes.txt", "text": "line one\n```code```"}, {"name": "b.md", "text": "# B", "x": 1}]
     msg = store.add_user_message(ALICE, c["id"], "Summarize these.", files)
     got = store.get_conversation(ALICE, c["id"])["messages"][0]
-    assert got["attachments"] == [{"name": "notes.txt", "text": "line one\n```code```"}, {"name": "b.md", "text": "# B"}]
+    assert got["attachments"] == [{"name": "notes.txt", "text": "line one\n```code```"},
+                                  {"name": "b.md", "text": "# B"}]
     assert msg["attachments"] == got["attachments"]
     assert store.history(c["id"]) == [{"role": "user", "content":
                                        "Summarize these.\n\nnotes.txt:\n````\nline one\n```code```\n````"

@@ -1,11 +1,18 @@
 """Conversations in one SQLite file or a PostgreSQL database; this package is the only code
 that touches sqlite3 or psycopg."""
+from __future__ import annotations
+
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .conversations import PLACEHOLDER_TITLE, Store, new_id
 from .postgres import is_url
 from .schema import MIGRATIONS
+
+if TYPE_CHECKING:
+    from ..config import Settings
 
 AUTO = -1  # CHAT_DB_MAX_MB=auto
 AUTO_SHARE = 0.8
@@ -13,7 +20,7 @@ AUTO_SHARE = 0.8
 __all__ = ["MIGRATIONS", "PLACEHOLDER_TITLE", "Store", "new_id", "open_store"]
 
 
-def open_store(settings, alive=None) -> Store:
+def open_store(settings: Settings, alive: Callable[[str | None], bool] | None = None) -> Store:
     """The Store CHAT_DB names (an SQLite file, or a postgresql:// URL), with the settings' quotas.
     ``alive(owner)``: who may still be writing a streaming answer (see Store.recover)."""
     return Store(settings.db_path, settings.max_conversations, settings.max_messages,

@@ -6,13 +6,17 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 from .. import attachments as files
 from ..errors import ProtocolError
 from . import cjk, liveness, transfer, tree
+from .backend import Connection, StoreBackend, marks
 from .disk_full import guarded as _guarded
 from .options import CONVERSATION_COLUMNS as _CONV, Options, conversation as _conversation
-from .tree import valid as _valid
+from .tree import message as _message, owned as _owned, valid as _valid
 from .versions import Versions
 
 PLACEHOLDER_TITLE = "New chat"
@@ -41,8 +45,9 @@ def _size(message: dict) -> int:
     return len(message.get("content") or "") + files.chars(message.get("attachments") or [])
 
 
-def backend_for(target: str, max_mb: int = 0):
-    """The backend CHAT_DB names: a postgresql:// (or postgres://) URL, else an SQLite file."""
+def backend_for(target: str, max_mb: int = 0) -> StoreBackend:
+    """The backend CHAT_DB names: a postgresql:// (or postgres://) URL, else an SQLite file (``max_mb``:
+    its cap in MiB, 0 for none)."""
     from .postgres import PostgreSQL, is_url
     if is_url(target):
         return PostgreSQL(target)
@@ -54,7 +59,8 @@ class Store(Versions, Options):
     """Conversations of many clients; safe to share between greenlets and OS threads."""
 
     def __init__(self, path: str | os.PathLike, max_conversations: int = 0, max_messages: int = 0,
-                 max_mb: int = 0, alive=None, max_mb_per_address: int = 0):
+                 max_mb: int = 0, alive: Callable[[str | None], bool] | None = None,
+                 max_mb_per_address: int = 0) -> None:
         """``path``: an SQLite file (``:memory:`` too) or a postgresql:// URL; ``max_mb`` is
         SQLite's only; ``max_mb_per_address``: what conversations started from one address may
         hold (new ones past it are refused), 0 for no limit. ``alive(owner)`` says whether the
@@ -62,8 +68,7 @@ class Store(Versions, Options):
         self.max_conversations, self.max_messages = max_conversations, max_messages
         self.max_chars_per_address = max_mb_per_address * 2**20
         self._backend = backend_for(str(path), max_mb)
-        self._alive = alive or functools.partial(liveness.local_alive,
-                                                 other_hosts=self._backend.kind == "postgresql")
+        self._alive = alive or functools.partial(liveness.local_alive, other_hosts=self._backend.other_hosts)
         self._token = new_id()
         self._backend.migrate()
         self.recover()
@@ -79,7 +84,7 @@ class Store(Versions, Options):
         """The backend's list of migrations (schema_version reaches its length)."""
         return self._backend.migrations
 
-    def _conn(self):
+    def _conn(self) -> AbstractContextManager[Connection]:
         """A connection for one operation: SQLite's one, under its lock, or one of the pool."""
         return self._backend.connection()
 
@@ -93,21 +98,6 @@ class Store(Versions, Options):
         """The schema version stored in the database."""
         return self._backend.schema_version
 
-    def _owned(self, db, client_id, conv_id) -> bool:
-        """``owns`` on a connection the caller holds."""
-        return (_valid(conv_id) and isinstance(client_id, str) and client_id != "" and
-                db.execute("SELECT 1 FROM conversations WHERE id = ? AND client_id = ?",
-                           (conv_id, client_id)).fetchone() is not None)
-
-    @staticmethod
-    def _message(row) -> dict:
-        """A message row as a dict, with its JSON columns decoded."""
-        out = dict(row)
-        for key in ("usage", "timings"):
-            out[key] = json.loads(out[key]) if out[key] else None
-        out["attachments"] = json.loads(out["attachments"]) if out.get("attachments") else []
-        return out
-
     def recover(self) -> int:
         """Mark answers left 'streaming' by a writer that ``alive`` says is gone as
         'interrupted'; return how many. Cheap enough to call periodically: one indexed read,
@@ -119,8 +109,8 @@ class Store(Versions, Options):
             stale = [(r["id"], r["owner"]) for r in rows if not verdicts[r["owner"]]]
             if stale:
                 with db.transaction():
-                    db.executemany("UPDATE messages SET status = 'interrupted', reason = 'error'"
-                                   " WHERE id = ? AND status = 'streaming' AND coalesce(owner, '') = ?",
+                    db.executemany(f"UPDATE messages SET status = 'interrupted', reason = 'error' WHERE id = {db.mark}"
+                                   f" AND status = 'streaming' AND coalesce(owner, '') = {db.mark}",
                                    [(i, owner or "") for i, owner in stale])
                     for message_id, _ in stale:
                         db.reindex(message_id)
@@ -141,44 +131,46 @@ class Store(Versions, Options):
             self._check_room(db, client_id, address, len(system or ""))
             db.execute(
                 "INSERT INTO conversations (id, client_id, title, title_set, renamed, system, params, model,"
-                " created_at, updated_at, address, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f" created_at, updated_at, address, size) VALUES ({marks(db, 12)})",
                 (conv["id"], client_id, conv["title"], int(bool(title)), int(bool(title)), conv["system"],
                  json.dumps(params) if params else None, conv["model"], now, now, address, len(system or "")))
         return conv
 
-    def _check_room(self, db, client_id: str, address: str | None = None, adding: int = 0) -> None:
+    def _check_room(self, db: Connection, client_id: str, address: str | None = None, adding: int = 0) -> None:
         """too_large when ``client_id`` already has as many conversations as the server keeps, or
         the conversations started from ``address`` (whatever their client) hold its share of the
         storage, ``adding`` characters included; the caller's transaction keeps it true until its
         insert (on PostgreSQL: a lock per client and per address)."""
         db.lock(client_id)
-        count = db.execute("SELECT count(*) FROM conversations WHERE client_id = ?", (client_id,)).fetchone()[0]
+        count = db.execute(f"SELECT count(*) FROM conversations WHERE client_id = {db.mark}",
+                           (client_id,)).fetchone()[0]
         if self.max_conversations and count >= self.max_conversations:
             raise ProtocolError("too_large", f"you have {count} conversations, the most this server keeps "
                                              "for one client; delete some to start a new one")
         if address is None or not self.max_chars_per_address:
             return
         db.lock("@" + address)
-        held = db.execute("SELECT coalesce(sum(size), 0) FROM conversations WHERE address = ?",
+        held = db.execute(f"SELECT coalesce(sum(size), 0) FROM conversations WHERE address = {db.mark}",
                           (address,)).fetchone()[0]
         if held + adding > self.max_chars_per_address:
             raise ProtocolError("too_large", f"conversations from your address hold {held / 2**20:.1f} MiB of "
                                              "text, the most this server keeps for one address; delete some "
                                              "to start a new one")
 
-    def owns(self, client_id: str | None, conv_id) -> bool:
+    def owns(self, client_id: str | None, conv_id: str | None) -> bool:
         """Whether the conversation exists and belongs to ``client_id``."""
         with self._conn() as db:
-            return self._owned(db, client_id, conv_id)
+            return _owned(db, client_id, conv_id)
 
-    def get_conversation(self, client_id: str | None, conv_id) -> dict | None:
+    def get_conversation(self, client_id: str | None, conv_id: str) -> dict | None:
         """The conversation with its active path (oldest first, each message with its
         ``versions``), or None if not this client's."""
         with self._conn() as db:
-            if not self._owned(db, client_id, conv_id):
+            if not _owned(db, client_id, conv_id):
                 return None
-            conv = _conversation(db.execute(f"SELECT {_CONV} FROM conversations WHERE id = ?", (conv_id,)).fetchone())
-            conv["messages"] = [self._message(r) for r in tree.path(db, conv_id)]
+            conv = _conversation(db.execute(f"SELECT {_CONV} FROM conversations WHERE id = {db.mark}",
+                                            (conv_id,)).fetchone())
+            conv["messages"] = [_message(r) for r in tree.path(db, conv_id)]
             tree.versions(db, conv_id, conv["messages"])
         return conv
 
@@ -189,30 +181,30 @@ class Store(Versions, Options):
             return []
         with self._conn() as db:
             rows = db.execute(
-                f"SELECT {_CONV} FROM conversations WHERE client_id = ?"
+                f"SELECT {_CONV} FROM conversations WHERE client_id = {db.mark}"
                 " ORDER BY pinned DESC, updated_at DESC, rowid DESC", (client_id,)).fetchall()
         return [_conversation(r) for r in rows]
 
-    def rename(self, client_id: str | None, conv_id, title: str) -> bool:
+    def rename(self, client_id: str | None, conv_id: str, title: str) -> bool:
         """Set the title, keeping the conversation's place; False if it is not this client's."""
         return self.update(client_id, conv_id, {"title": title}) is not None
 
     @_guarded
-    def delete(self, client_id: str | None, conv_id) -> bool:
+    def delete(self, client_id: str | None, conv_id: str) -> bool:
         """Delete the conversation and its messages; False if it is not this client's."""
         if not client_id or not _valid(conv_id):
             return False
         with self._conn() as db:
-            cur = db.execute("DELETE FROM conversations WHERE id = ? AND client_id = ?",
-                                   (conv_id, client_id))
+            cur = db.execute(f"DELETE FROM conversations WHERE id = {db.mark} AND client_id = {db.mark}",
+                             (conv_id, client_id))
         return cur.rowcount > 0
 
-    def _insert(self, db, conv_id: str, parent_id: str | None, fields: dict) -> str:
+    def _insert(self, db: Connection, conv_id: str, parent_id: str | None, fields: dict) -> str:
         """Insert one message under ``parent_id`` and make it the active leaf; return its id."""
         message_id = new_id()
         db.execute(
             "INSERT INTO messages (id, conversation_id, parent_id, role, content, attachments, status, reason,"
-            " usage, timings, owner, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f" usage, timings, owner, created_at) VALUES ({marks(db, 12)})",
             (message_id, conv_id, parent_id, fields["role"], fields.get("content", ""),
              json.dumps(fields["attachments"], ensure_ascii=False) if fields.get("attachments") else None,
              fields["status"], fields.get("reason"),
@@ -221,13 +213,13 @@ class Store(Versions, Options):
              fields.get("owner"), fields.get("created_at") or time.time()))
         if fields["status"] != "streaming" and cjk.has_cjk(fields.get("content", "")):
             db.reindex(message_id)
-        db.execute("UPDATE conversations SET active_id = ?, size = size + ? WHERE id = ?",
+        db.execute(f"UPDATE conversations SET active_id = {db.mark}, size = size + {db.mark} WHERE id = {db.mark}",
                    (message_id, _size(fields), conv_id))
         return message_id
 
     @_guarded
-    def add_user_message(self, client_id: str | None, conv_id, content: str, attachments=None,
-                         replaces: str | None = None) -> dict | None:
+    def add_user_message(self, client_id: str | None, conv_id: str, content: str,
+                         attachments: list | None = None, replaces: str | None = None) -> dict | None:
         """Append a user message to the active path, or with ``replaces`` add it as a new version
         of that user message (bad_message unless it is one on the active path). The first
         message also titles a conversation not yet named."""
@@ -236,22 +228,23 @@ class Store(Versions, Options):
                "reason": None, "usage": None, "timings": None, "created_at": now,
                "attachments": files.clean(attachments)}
         with self._conn() as db:
-            if not self._owned(db, client_id, conv_id):
+            if not _owned(db, client_id, conv_id):
                 return None
             with db.transaction():
                 leaf = tree.active_leaf(db, conv_id)  # first: it locks the conversation on PostgreSQL
-                count = db.execute("SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,)).fetchone()[0]
+                count = db.execute(f"SELECT count(*) FROM messages WHERE conversation_id = {db.mark}",
+                                   (conv_id,)).fetchone()[0]
                 if self.max_messages and count + 2 > self.max_messages:  # room for the question and its answer
                     raise ProtocolError("too_large", f"this conversation has reached {count} messages, the most "
                                                      "this server keeps in one; start a new conversation")
-                parent = self._on_path(db, conv_id, replaces, "user")["parent_id"] if replaces is not None else leaf
+                parent = tree.on_path(db, conv_id, replaces, "user")["parent_id"] if replaces is not None else leaf
                 msg["id"], msg["parent_id"] = self._insert(db, conv_id, parent, msg), parent
-                db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conv_id))
+                db.execute(f"UPDATE conversations SET updated_at = {db.mark} WHERE id = {db.mark}", (now, conv_id))
                 # The first message names the conversation, and a new version of it renames it,
                 # unless the user chose the title.
                 first = "title_set = 0" if parent is not None else "renamed = 0"
-                db.execute(f"UPDATE conversations SET title = ?, title_set = 1 WHERE id = ? AND {first}",
-                           (_title_from(content), conv_id))
+                db.execute(f"UPDATE conversations SET title = {db.mark}, title_set = 1"
+                           f" WHERE id = {db.mark} AND {first}", (_title_from(content), conv_id))
         return msg
 
     @_guarded
@@ -271,7 +264,7 @@ class Store(Versions, Options):
     def save_partial(self, message_id: str, content: str) -> None:
         """Checkpoint the text streamed so far, so a crash loses little of it."""
         with self._conn() as db:
-            db.execute("UPDATE messages SET content = ? WHERE id = ? AND status = 'streaming'",
+            db.execute(f"UPDATE messages SET content = {db.mark} WHERE id = {db.mark} AND status = 'streaming'",
                        (content, message_id))
 
     @_guarded
@@ -281,34 +274,35 @@ class Store(Versions, Options):
         now = time.time()
         with self._conn() as db, db.transaction():
             db.execute(
-                "UPDATE messages SET content = ?, status = ?, reason = ?, usage = ?, timings = ?, owner = NULL"
-                " WHERE id = ?",
+                f"UPDATE messages SET content = {db.mark}, status = {db.mark}, reason = {db.mark}, usage = {db.mark},"
+                f" timings = {db.mark}, owner = NULL WHERE id = {db.mark}",
                 (content, "complete" if reason in FINISHED else "partial", reason,
                  json.dumps(usage) if usage is not None else None,
                  json.dumps(timings) if timings is not None else None, message_id))
             db.reindex(message_id)
             db.execute(
-                "UPDATE conversations SET updated_at = ?, size = size + ?"
-                " WHERE id = (SELECT conversation_id FROM messages WHERE id = ?)", (now, len(content), message_id))
+                f"UPDATE conversations SET updated_at = {db.mark}, size = size + {db.mark}"
+                f" WHERE id = (SELECT conversation_id FROM messages WHERE id = {db.mark})",
+                (now, len(content), message_id))
 
     @_guarded
     def forget_client(self, client_id: str) -> int:
         """Delete every conversation of ``client_id``; return how many."""
         with self._conn() as db:
-            return db.execute("DELETE FROM conversations WHERE client_id = ?", (client_id,)).rowcount
+            return db.execute(f"DELETE FROM conversations WHERE client_id = {db.mark}", (client_id,)).rowcount
 
     def expire_clients(self, prefix: str, idle_s: float) -> int:
         """Delete conversations of clients named ``prefix...`` idle for ``idle_s``; return how many."""
         with self._conn() as db:
-            return db.execute("DELETE FROM conversations WHERE substr(client_id, 1, ?) = ?"
-                                    " AND updated_at < ?", (len(prefix), prefix, time.time() - idle_s)).rowcount
+            return db.execute(f"DELETE FROM conversations WHERE substr(client_id, 1, {db.mark}) = {db.mark}"
+                              f" AND updated_at < {db.mark}", (len(prefix), prefix, time.time() - idle_s)).rowcount
 
     def history(self, conv_id: str, upto: str | None = None, limit: int | None = None) -> list[dict]:
         """The prompt messages: the system prompt (if any), then the non-empty turns of the active
         path (or of the path ending at ``upto``; none for ``""``), attachments as fenced blocks; at
         most the newest ``limit`` turns when given."""
         with self._conn() as db:
-            conv = db.execute("SELECT system FROM conversations WHERE id = ?", (conv_id,)).fetchone()
+            conv = db.execute(f"SELECT system FROM conversations WHERE id = {db.mark}", (conv_id,)).fetchone()
             rows = tree.path(db, conv_id, upto, limit)
         out = [{"role": "system", "content": conv["system"]}] if conv is not None and conv["system"] else []
         for row in rows:
@@ -326,7 +320,7 @@ class Store(Versions, Options):
         return self._backend.search(client_id or "", text, deadline)
 
     @_guarded
-    def import_conversation(self, client_id: str, body, max_content_chars: int, address: str | None = None) -> str:
+    def import_conversation(self, client_id: str, body: Any, max_content_chars: int, address: str | None = None) -> str:
         """Create a conversation of ``client_id`` from an export (every version of its tree) or a
         ``messages`` list; its id. The copy's title says it was imported; ``address`` is charged
         for it."""
@@ -340,7 +334,7 @@ class Store(Versions, Options):
             self._check_room(db, client_id, address, size)
             db.execute(
                 "INSERT INTO conversations (id, client_id, title, title_set, renamed, system, params, model,"
-                " created_at, updated_at, address, size) VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f" created_at, updated_at, address, size) VALUES ({marks(db, 3)}, 1, {marks(db, 8)})",
                 (conv_id, client_id, transfer.imported_title(title), int(data["title"] is not None),
                  data["system"], json.dumps(data["params"]) if data["params"] else None, data["model"],
                  created, now, address, len(data["system"] or "")))
@@ -349,10 +343,11 @@ class Store(Versions, Options):
                 parent = ids[msg["parent"]] if msg["parent"] is not None else None
                 ids.append(self._insert(db, conv_id, parent, {**msg, "created_at": msg["created_at"] or now}))
             if ids:
-                db.execute("UPDATE conversations SET active_id = ? WHERE id = ?", (ids[data["active"]], conv_id))
+                db.execute(f"UPDATE conversations SET active_id = {db.mark} WHERE id = {db.mark}",
+                           (ids[data["active"]], conv_id))
         return conv_id
 
-    def export(self, client_id: str | None, conv_id, fmt: str) -> tuple[str, str, str] | None:
+    def export(self, client_id: str | None, conv_id: str, fmt: str) -> tuple[str, str, str] | None:
         """(body, mimetype, filename) of the conversation as Markdown (the active path) or JSON (the
         conversation as get_conversation has it, plus its whole ``tree`` and ``active_id``), or None."""
         if fmt not in ("md", "json"):
@@ -363,7 +358,7 @@ class Store(Versions, Options):
         filename = transfer.filename(conv, fmt)
         if fmt == "json":
             with self._conn() as db:
-                conv["tree"] = [self._message(r) for r in tree.every(db, conv_id)]
+                conv["tree"] = [_message(r) for r in tree.every(db, conv_id)]
             for msg in conv["tree"]:
                 del msg["conversation_id"]
             conv["active_id"] = conv["messages"][-1]["id"] if conv["messages"] else None

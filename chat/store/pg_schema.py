@@ -1,6 +1,7 @@
 """The PostgreSQL schema as its own append-only list of migrations, applied under an advisory lock."""
 from __future__ import annotations
 
+from .backend import Connection
 from .cjk import RUN
 from .search import INDEXED_CHARS
 
@@ -13,7 +14,7 @@ MIGRATION_LOCK = 0x63686174  # "chat"
 
 # The logical schema of schema.py (SQLite) in one step: there were no PostgreSQL stores before
 # it. Each entry moves the schema from version N to N + 1; append, never edit.
-MIGRATIONS = [
+MIGRATIONS: list[tuple[str, ...]] = [
     (
         # rowid: creation order, the tie-break of the listing (SQLite's implicit rowid).
         """CREATE TABLE conversations (
@@ -87,11 +88,11 @@ MIGRATIONS = [
 ]
 
 
-def migrate(db) -> None:
+def migrate(db: Connection) -> None:
     """Apply the migrations the database has not seen, in one transaction. The advisory lock
     makes processes starting together take turns: the first migrates, the others find it done."""
     with db.transaction():
-        db.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK,))
+        db.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
         db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
         row = db.execute("SELECT version FROM schema_version").fetchone()
         if row is None:
@@ -100,10 +101,10 @@ def migrate(db) -> None:
         for number, statements in enumerate(MIGRATIONS[version:], start=version + 1):
             for statement in statements:
                 db.execute(statement)
-            db.execute("UPDATE schema_version SET version = ?", (number,))
+            db.execute("UPDATE schema_version SET version = %s", (number,))
 
 
-def version(db) -> int:
+def version(db: Connection) -> int:
     """The schema version stored in the database."""
     row = db.execute("SELECT version FROM schema_version").fetchone()
     return row["version"] if row is not None else 0

@@ -1,5 +1,5 @@
-"""The PostgreSQL backend (psycopg 3): a small pool of autocommit connections, the SQL of
-conversations.py translated from SQLite's ``?`` placeholders.
+"""The PostgreSQL backend (psycopg 3): a small pool of autocommit connections; the store's SQL
+with psycopg's ``%s`` parameter marks.
 
 Under gevent, psycopg waits on its socket with the patched ``select`` when it is imported after
 monkey-patching (gunicorn's gevent worker imports the app after patching): a query suspends
@@ -9,9 +9,10 @@ thread pool) wait on their own.
 """
 from __future__ import annotations
 
-import functools
 import time
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 from ..concurrency import gevent_active, real_lock
 from ..errors import SearchTimeout
@@ -23,7 +24,7 @@ DISK_FULL = "53100"
 QUERY_CANCELED = "57014"  # statement_timeout
 
 
-def _green(psycopg) -> None:
+def _green(psycopg: Any) -> None:
     """Make psycopg wait through the patched ``select.poll`` when it chose its C wait before
     gevent patched the process (psycopg looks up ``waiting.wait`` on each query)."""
     waiting = psycopg.waiting
@@ -39,46 +40,43 @@ def is_url(target: str) -> bool:
 class Row(dict):
     """A row by column name, by position, and as a dict, like sqlite3.Row."""
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: str | int) -> Any:
         if isinstance(key, int):
             return list(self.values())[key]
         return super().__getitem__(key)
 
 
-def _rows(cursor):
+def _rows(cursor: Any) -> Callable[[Sequence[Any]], Row]:
+    """psycopg's row factory for Row."""
     names = [c.name for c in cursor.description or ()]
     return lambda values: Row(zip(names, values))
 
 
-@functools.lru_cache(maxsize=256)
-def _sql(statement: str) -> str:
-    """SQLite's ``?`` placeholders as psycopg's ``%s`` (the store's SQL has no other ``?``)."""
-    return statement.replace("%", "%%").replace("?", "%s")
-
-
-def _args(args) -> tuple:
+def _args(args: Sequence[Any]) -> tuple:
     """PostgreSQL text cannot hold NUL: stored as U+FFFD (SQLite would keep it)."""
     return tuple(a.replace("\x00", "\ufffd") if isinstance(a, str) and "\x00" in a else a for a in args)
 
 
 class Connection:
-    """One pooled connection with the calls the store makes: execute, executemany, transaction."""
+    """One pooled connection as a ``backend.Connection``."""
 
+    mark = "%s"
     # Read-then-write in a transaction (the active leaf a new message hangs under) locks the
     # row it read: READ COMMITTED would let two processes append under the same leaf.
     lock_rows = " FOR UPDATE"
 
-    def __init__(self, raw):
+    def __init__(self, raw: Any) -> None:
         self.raw = raw
 
-    def execute(self, statement: str, args=()):
-        return self.raw.execute(_sql(statement), _args(args))
+    def execute(self, statement: str, args: Sequence[Any] = (), /) -> Any:
+        """Run one statement; without arguments psycopg reads no marks in it (a ``%`` stays itself)."""
+        return self.raw.execute(statement, _args(args) if args else None)
 
-    def executemany(self, statement: str, rows) -> None:
+    def executemany(self, statement: str, rows: Iterable[Sequence[Any]], /) -> None:
         with self.raw.cursor() as cur:
-            cur.executemany(_sql(statement), [_args(r) for r in rows])
+            cur.executemany(statement, [_args(r) for r in rows])
 
-    def transaction(self):
+    def transaction(self) -> AbstractContextManager[object]:
         return self.raw.transaction()
 
     def reindex(self, message_id: str) -> None:
@@ -87,7 +85,7 @@ class Connection:
     def lock(self, key: str) -> None:
         """Hold a lock named ``key`` until the transaction ends: a check-then-insert (a quota)
         stays true for one writer at a time, across processes and hosts."""
-        self.execute("SELECT pg_advisory_xact_lock(hashtextextended(?, 0))", (key,))
+        self.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
 
 
 class PostgreSQL:
@@ -95,21 +93,22 @@ class PostgreSQL:
 
     kind = "postgresql"
     migrations = pg_schema.MIGRATIONS
+    other_hosts = True  # web hosts share it: a streaming answer's owner elsewhere may be alive
 
-    def __init__(self, url: str, pool_size: int = POOL_SIZE):
+    def __init__(self, url: str, pool_size: int = POOL_SIZE) -> None:
         import psycopg  # here, not at module level: imported only when configured, after patching
         _green(psycopg)
         self._psycopg = psycopg
         self.url, self.pool_size = url, pool_size
         self._lock = real_lock()  # guards the lists only, never held across a query
-        self._idle: list = []
+        self._idle: list[Any] = []
         self._open = 0
         self._closed = False
 
-    def _connect(self):
+    def _connect(self) -> Any:
         return self._psycopg.connect(self.url, autocommit=True, row_factory=_rows)
 
-    def _take(self):
+    def _take(self) -> Any:
         while True:
             with self._lock:
                 if self._closed:
@@ -127,7 +126,7 @@ class PostgreSQL:
                 self._open -= 1
             raise
 
-    def _give(self, raw) -> None:
+    def _give(self, raw: Any) -> None:
         idle = self._psycopg.pq.TransactionStatus.IDLE
         keep = not raw.closed and raw.info.transaction_status == idle
         with self._lock:
@@ -138,7 +137,7 @@ class PostgreSQL:
         raw.close()  # broken, or left mid-transaction: the next caller gets a fresh one
 
     @contextmanager
-    def connection(self):
+    def connection(self) -> Iterator[Connection]:
         """A connection of the pool for the caller alone while the block runs."""
         raw = self._take()
         try:
@@ -172,7 +171,7 @@ class PostgreSQL:
                     left_ms = int((deadline - time.monotonic()) * 1000)
                     if left_ms <= 0:
                         raise SearchTimeout()
-                    db.execute("SELECT set_config('statement_timeout', ?, true)", (str(left_ms),))
+                    db.execute("SELECT set_config('statement_timeout', %s, true)", (str(left_ms),))
                     return fts.search(db, fts.pg_ranked(query), query, client_id)
             except self._psycopg.Error as exc:
                 if getattr(exc, "sqlstate", None) == QUERY_CANCELED:

@@ -1,11 +1,15 @@
 """The schema as an append-only list of migrations, and the code that applies them."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Union
+
 from . import cjk
+from .backend import Executor
 from .search import INDEXED_CHARS
 
 
-def index_cjk(db, seq: int, status: str, text: str) -> None:
+def index_cjk(db: Executor, seq: int, status: str, text: str) -> None:
     """Put message ``seq`` into the CJK bigram index as it is now (finished text only)."""
     db.execute("DELETE FROM messages_cjk WHERE rowid = ?", (seq,))
     grams = cjk.grams(text[:INDEXED_CHARS]) if status != "streaming" else ""
@@ -13,7 +17,7 @@ def index_cjk(db, seq: int, status: str, text: str) -> None:
         db.execute("INSERT INTO messages_cjk (rowid, grams) VALUES (?, ?)", (seq, grams))
 
 
-def _index_cjk_of_every_message(db) -> None:
+def _index_cjk_of_every_message(db: Executor) -> None:
     """The CJK index of what is already stored (a message without CJK text costs one regex scan)."""
     rows = db.execute(f"SELECT seq, status, substr(content, 1, {INDEXED_CHARS}) AS text FROM messages"
                       " WHERE status != 'streaming'")
@@ -22,8 +26,11 @@ def _index_cjk_of_every_message(db) -> None:
             index_cjk(db, seq, status, text)
 
 
+# A step of a migration: SQL, or a function of the connection for what SQL cannot do.
+Step = Union[str, Callable[[Executor], None]]
+
 # Each entry moves the schema from version N to N + 1; append, never edit.
-MIGRATIONS = [
+MIGRATIONS: list[tuple[Step, ...]] = [
     (
         """CREATE TABLE conversations (
             id TEXT PRIMARY KEY,
@@ -120,7 +127,7 @@ MIGRATIONS = [
 ]
 
 
-def migrate(db) -> None:
+def migrate(db: Executor) -> None:
     """Apply the migrations the file has not seen; the caller holds a write transaction. A step is
     SQL, or a function of the connection for what SQL cannot do."""
     version = db.execute("PRAGMA user_version").fetchone()[0]

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from . import cjk, snippets
+from .backend import Executor
 
 MAX_RESULTS = 50
 MAX_WORDS = 16
@@ -77,11 +78,12 @@ def parse(text: str) -> Query | None:
 @dataclass
 class Ranked:
     """A backend's query for the best matches: its SQL, the arguments before ``client_id`` and those
-    between it and the limit."""
+    between it and the limit, and its dialect's parameter mark."""
 
     sql: str
     before: list
     after: list = field(default_factory=list)
+    mark: str = field(kw_only=True)
 
 
 # ---- SQLite: the FTS5 tables' rowid is the message's seq; bm25 is lower for better matches.
@@ -103,7 +105,7 @@ def sqlite_ranked(query: Query) -> Ranked:
         args = [hits[0][1], hits[1][1]]
     return Ranked(f"""SELECT m.seq, m.conversation_id, c.title, m.id AS message_id, m.role
         FROM ({source}) h JOIN messages m ON m.seq = h.seq JOIN conversations c ON c.id = m.conversation_id
-        WHERE c.client_id = ? ORDER BY h.score, m.seq DESC LIMIT ?""", args)
+        WHERE c.client_id = ? ORDER BY h.score, m.seq DESC LIMIT ?""", args, mark="?")
 
 
 # ---- PostgreSQL: the expressions are those of the GIN indexes in pg_schema.py (the planner uses
@@ -117,24 +119,24 @@ def pg_ranked(query: Query) -> Ranked:
     """The best matches, as sqlite_ranked, on PostgreSQL."""
     where, ranks, args = [], [], []
     if query.ts_words():
-        where.append(f"{TSV_WORDS} @@ to_tsquery('simple', ?)")
-        ranks.append(f"ts_rank({TSV_WORDS}, to_tsquery('simple', ?))")
+        where.append(f"{TSV_WORDS} @@ to_tsquery('simple', %s)")
+        ranks.append(f"ts_rank({TSV_WORDS}, to_tsquery('simple', %s))")
         args.append(query.ts_words())
     if query.ts_cjk():
         # The bigram index finds candidates; the runs themselves must occur (bigrams have no order).
-        where.append(f"{TSV_CJK} @@ ?::tsquery")
-        ranks.append(f"ts_rank({TSV_CJK}, ?::tsquery)")
+        where.append(f"{TSV_CJK} @@ %s::tsquery")
+        ranks.append(f"ts_rank({TSV_CJK}, %s::tsquery)")
         args.append(query.ts_cjk())
-        where += [f"strpos(substr(m.content, 1, {INDEXED_CHARS}), ?) > 0"] * len(query.runs)
+        where += [f"strpos(substr(m.content, 1, {INDEXED_CHARS}), %s) > 0"] * len(query.runs)
     where_args = args + (list(query.runs) if query.ts_cjk() else [])
     sql = f"""SELECT m.seq, m.conversation_id, c.title, m.id AS message_id, m.role
         FROM messages m JOIN conversations c ON c.id = m.conversation_id
-        WHERE {' AND '.join(where)} AND m.status <> 'streaming' AND c.client_id = ?
-        ORDER BY {' + '.join(ranks)} DESC, m.seq DESC LIMIT ?"""
-    return Ranked(sql, where_args, args)
+        WHERE {' AND '.join(where)} AND m.status <> 'streaming' AND c.client_id = %s
+        ORDER BY {' + '.join(ranks)} DESC, m.seq DESC LIMIT %s"""
+    return Ranked(sql, where_args, args, mark="%s")
 
 
-def search(db, ranked: Ranked, query: Query, client_id: str, limit: int = MAX_RESULTS) -> list[dict]:
+def search(db: Executor, ranked: Ranked, query: Query, client_id: str, limit: int = MAX_RESULTS) -> list[dict]:
     """The best ``limit`` of this client's messages for ``query`` (``ranked``: the backend's SQL),
     best first, each with a snippet of its indexed text and the offsets of its matches."""
     rows = db.execute(ranked.sql, (*ranked.before, client_id, *ranked.after, limit)).fetchall()
@@ -142,7 +144,8 @@ def search(db, ranked: Ranked, query: Query, client_id: str, limit: int = MAX_RE
         return []
     seqs = [row["seq"] for row in rows]
     texts = {r["seq"]: r["text"] for r in db.execute(
-        f"SELECT seq, substr(content, 1, ?) AS text FROM messages WHERE seq IN ({', '.join('?' * len(seqs))})",
+        f"SELECT seq, substr(content, 1, {ranked.mark}) AS text FROM messages"
+        f" WHERE seq IN ({', '.join([ranked.mark] * len(seqs))})",
         (INDEXED_CHARS, *seqs)).fetchall()}
     marks = query.marks()
     results = []

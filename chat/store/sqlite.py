@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,14 +17,16 @@ PROGRESS_STEPS = 2000  # virtual machine steps between two looks at a search's d
 
 
 class SQLite:
-    """One connection to one file; ``connection()`` lends it (itself: execute, executemany,
-    transaction) to one caller at a time."""
+    """One connection to one file; ``connection()`` lends it (itself: a ``backend.Connection``)
+    to one caller at a time."""
 
     kind = "sqlite"
     migrations = MIGRATIONS
+    other_hosts = False  # a file: a streaming answer's owner on another host is an old name of this one
+    mark = "?"
     lock_rows = ""  # BEGIN IMMEDIATE already serializes writers
 
-    def __init__(self, path: str, max_mb: int = 0):
+    def __init__(self, path: str, max_mb: int = 0) -> None:
         self.path = path
         if path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -42,7 +45,7 @@ class SQLite:
         self.execute, self.executemany = self.raw.execute, self.raw.executemany
 
     @contextmanager
-    def connection(self):
+    def connection(self) -> Iterator[SQLite]:
         """The connection, for the caller alone while the block runs."""
         with self._lock:
             yield self
@@ -52,7 +55,7 @@ class SQLite:
         """Nothing: BEGIN IMMEDIATE already made the transaction the only writer."""
 
     @contextmanager
-    def transaction(self):
+    def transaction(self) -> Iterator[None]:
         """BEGIN IMMEDIATE: take the write lock up front, so another process's writer makes
         us wait on busy_timeout instead of failing to upgrade a read lock."""
         self.raw.execute("BEGIN IMMEDIATE")

@@ -1,12 +1,12 @@
 """Export formats out, and imports in: a JSON export or an OpenAI-style ``messages`` list."""
 from __future__ import annotations
 
-from typing import NoReturn
-
 import math
 import re
 import unicodedata
+from collections.abc import Callable
 from datetime import datetime, timezone
+from typing import Any, NoReturn
 
 from .. import attachments as files
 from .. import params as sampling
@@ -51,7 +51,7 @@ def _bad(message: str) -> NoReturn:
     raise ProtocolError("bad_message", message)
 
 
-def _text(value, where: str) -> str:
+def _text(value: object, where: str) -> str:
     """A message's content: a string, or OpenAI's list of text parts."""
     if isinstance(value, str):
         return value
@@ -61,7 +61,7 @@ def _text(value, where: str) -> str:
     _bad(f"{where}.content must be a string or a list of text parts")
 
 
-def _optional(msg: dict, name: str, ok, where: str):
+def _optional(msg: dict, name: str, ok: Callable[[Any], bool], where: str) -> Any:
     """``msg[name]`` when absent/None or ``ok(value)``, else bad_message."""
     value = msg.get(name)
     if value is not None and not ok(value):
@@ -69,24 +69,24 @@ def _optional(msg: dict, name: str, ok, where: str):
     return value
 
 
-def _number(v) -> bool:
+def _number(v: object) -> bool:
     """An int or a finite float, never a bool (an int of any size: callers compare it exactly)."""
     return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and math.isfinite(v))
 
 
-def _time(v) -> bool:
+def _time(v: Any) -> bool:
     """A UNIX time from 1970 to the end of year 9999 (what a date can show)."""
     return _number(v) and 0 <= v <= MAX_TIME
 
 
-def _figures(v) -> bool:
+def _figures(v: object) -> bool:
     """usage or timings: a few named numbers (or nulls) of a sane size."""
     return (isinstance(v, dict) and len(v) <= MAX_FIGURES and all(
         isinstance(k, str) and len(k) <= 64 and (x is None or (_number(x) and abs(x) <= MAX_FIGURE))
         for k, x in v.items()))
 
 
-def _message(msg, i: int, max_content_chars: int, where: str | None = None) -> dict:
+def _message(msg: Any, i: int, max_content_chars: int, where: str | None = None) -> dict:
     """One imported message, checked and reduced to the stored fields."""
     where = where or f"messages[{i}]"
     if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
@@ -119,7 +119,7 @@ def imported_title(title: str) -> str:
     return base[:MAX_TITLE_CHARS - len(IMPORTED)].rstrip() + IMPORTED
 
 
-def _tree(nodes, max_content_chars: int, limit: int) -> tuple[list, dict]:
+def _tree(nodes: Any, max_content_chars: int, limit: int) -> tuple[list, dict]:
     """(messages, index of the active leaf) from an export's ``tree``: every version, each
     message after its parent (``parent_id`` null or an earlier ``id``)."""
     if not isinstance(nodes, list):
@@ -142,7 +142,7 @@ def _tree(nodes, max_content_chars: int, limit: int) -> tuple[list, dict]:
     return out, index
 
 
-def parse_import(body, max_content_chars: int, max_messages: int = 0) -> dict:
+def parse_import(body: Any, max_content_chars: int, max_messages: int = 0) -> dict:
     """{title, system, created_at, params, model, messages, active} from an import body (an export
     with its ``tree``, an older export's or an OpenAI-style ``messages`` list); each message names
     its ``parent`` by index, ``active`` is the index of the active leaf. ProtocolError when it is

@@ -2,11 +2,14 @@
 versions, export, import, search."""
 from __future__ import annotations
 
+from typing import TypeVar
+
 from flask import Blueprint, Response, jsonify, request
 
 from ..app_state import app_state
 from ..errors import ProtocolError
 from ..limits import cost_of
+from ..store import Store
 from . import conversation_patch, guard, json_input
 from .identity import current_client
 
@@ -16,13 +19,17 @@ EXPORT_FORMATS = ("md", "json")
 MAX_IMPORT_BYTES = 2 * 2**20  # the same cap as nginx's client_max_body_size
 MAX_QUERY_CHARS = 500
 
-
-def _store():
-    """The app's conversation store."""
-    return app_state().store
+T = TypeVar("T")
 
 
-def _found(value):
+def _store() -> Store:
+    """The app's conversation store (the blueprint is registered only where there is one)."""
+    store = app_state().store
+    assert store is not None
+    return store
+
+
+def _found(value: T | None) -> T:
     """``value`` unless it is None/False, which means "not this client's" (never which)."""
     if value is None or value is False:
         raise ProtocolError("not_found", "conversation not found")
@@ -30,32 +37,32 @@ def _found(value):
 
 
 @bp.before_request
-def _same_origin_json():
+def _same_origin_json() -> None:
     """Writes come from the page (or a program), never from another site's form."""
     guard.check_write(app_state().settings)
 
 
 @bp.after_request
-def _private(response):
+def _private(response: Response) -> Response:
     """Keep conversations out of shared caches."""
     response.headers["Cache-Control"] = "no-store"
     return response
 
 
 @bp.get("/conversations")
-def index():
+def index() -> Response:
     """This client's conversations, newest first."""
     return jsonify(_store().list_conversations(current_client()))
 
 
 @bp.get("/conversations/<conv_id>")
-def show(conv_id):
+def show(conv_id: str) -> Response:
     """One conversation with its messages."""
     return jsonify(_found(_store().get_conversation(current_client(), conv_id)))
 
 
 @bp.patch("/conversations/<conv_id>")
-def update(conv_id):
+def update(conv_id: str) -> Response:
     """Rename, pin, or change the settings its turns use; the conversation without its messages."""
     state = app_state()
     changes = conversation_patch.parse(request.get_json(silent=True), state.settings, state.engine)
@@ -63,14 +70,14 @@ def update(conv_id):
 
 
 @bp.delete("/conversations/<conv_id>")
-def delete(conv_id):
+def delete(conv_id: str) -> Response:
     """Delete a conversation and its messages."""
     _found(_store().delete(current_client(), conv_id))
     return jsonify(id=conv_id, deleted=True)
 
 
 @bp.get("/conversations/<conv_id>/export")
-def export(conv_id):
+def export(conv_id: str) -> Response:
     """Download a conversation as Markdown or JSON."""
     fmt = request.args.get("format", "md")
     if fmt not in EXPORT_FORMATS:
@@ -81,7 +88,7 @@ def export(conv_id):
 
 
 @bp.post("/conversations/<conv_id>/active")
-def activate(conv_id):
+def activate(conv_id: str) -> Response:
     """Switch versions: make the path through a message active; the conversation as GET returns it."""
     body = request.get_json(silent=True)
     message_id = body.get("message_id") if isinstance(body, dict) else None
@@ -91,7 +98,7 @@ def activate(conv_id):
 
 
 @bp.post("/conversations/import")
-def import_():
+def import_() -> tuple[Response, int]:
     """Create a conversation of this client from an export or an OpenAI-style messages list."""
     client = current_client()
     if not client:
@@ -115,7 +122,7 @@ def import_():
 
 
 @bp.get("/search")
-def search():
+def search() -> Response:
     """Full-text search over this client's own messages."""
     q = request.args.get("q", "")
     if len(q) > MAX_QUERY_CHARS:
