@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     for kind in args.types.split(","):
         path = quantize(str(tools / "llama-quantize"), kind, args.models)
         mine: dict = {}
-        worker = threading.Thread(target=lambda: mine.update(ours(path, args.ctx)))  # torch off the main thread
+        worker = threading.Thread(target=lambda out=mine, file=path: out.update(ours(file, args.ctx)))  # not main
         worker.start()
         worker.join()
         reference = theirs(str(tools / "llama-perplexity"), path, args.ctx)

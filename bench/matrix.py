@@ -76,9 +76,11 @@ def summary(res: dict) -> dict:
     ready = (res.get("startup") or {}).get("readyz") or {}
     return {"ours_1": single.get("tok_s_p50"), "peer_1": (peer.get("single") or {}).get("tok_s_p50"),
             "ours_8": eight.get("aggregate_tok_s"), "peer_8": (peer.get("streams") or {}).get("aggregate_tok_s"),
-            "ours_ttfd_ms": _ms(single.get("ttfd_p50_s")), "peer_ttfd_ms": _ms((peer.get("single") or {}).get("ttfd_p50_s")),
+            "ours_ttfd_ms": _ms(single.get("ttfd_p50_s")),
+            "peer_ttfd_ms": _ms((peer.get("single") or {}).get("ttfd_p50_s")),
             "raw_1": (raw.get("1") or {}).get("tok_s"), "raw_8": (raw.get("8") or {}).get("tok_s"),
-            "ready_s": (res.get("startup") or {}).get("ready_s"), "idle_rss_mib": _mib((res.get("memory") or {}).get("idle_rss")),
+            "ready_s": (res.get("startup") or {}).get("ready_s"),
+            "idle_rss_mib": _mib((res.get("memory") or {}).get("idle_rss")),
             "weights": ready.get("weights"), "formats": ready.get("formats"), "decode": ready.get("decode"),
             "cpu": ready.get("cpu"), "peer_error": peer.get("error") or peer.get("skipped")}
 

@@ -23,8 +23,9 @@ def test_bundled_model_knows_the_capital_of_france(server_factory):
     weights = "int4" if quant.quantized(isa) else "float32"
     ready = json.loads(http_get(srv.url + "/readyz")[2])
     assert ready["weights"] == weights and ready["cpu"] == isa
-    assert ready["formats"] == ({"qkv": "int4", "o": "int4", "gate_up": "int4", "down": "int4", "output": "int4x2"}
-                                if weights == "int4" else {k: "float32" for k in ("qkv", "o", "gate_up", "down", "output")})
+    products = ("qkv", "o", "gate_up", "down", "output")
+    assert ready["formats"] == ({**dict.fromkeys(products, "int4"), "output": "int4x2"} if weights == "int4"
+                                else dict.fromkeys(products, "float32"))
     assert f'chat_model_weights{{weights="{weights}"}} 1.0' in http_get(srv.url + "/metrics")[2].decode()
     # While idle it measures where int4 and dense products each pay and builds its C++ decode step
     # (on bf16 activations: with the int4 weights; the tests install g++), then says so.
