@@ -250,3 +250,19 @@ def test_a_long_prompt_joining_running_rows_changes_no_answer(native_engine):
     kv = engine.kv  # both rows are in it now
     assert kv is not None and not kv.reads_padding
     assert [head + collect(first)[0], late_head + collect(second)[0]] == expected
+
+
+def test_an_architecture_needing_what_the_step_does_not_compute_stays_on_torch(library):
+    from dataclasses import replace
+
+    from chat.engine.architecture import FEATURES
+
+    def run():
+        decoder = weights.from_gguf(gguf.read(tiny_gguf()), "off")
+        assert decoder.architecture.name == "llama" and decoder.architecture.features <= native.COVERS
+        assert set(FEATURES) == set(native.COVERS)  # every feature a description may name, the step computes
+        decoder.architecture = replace(decoder.architecture, features=frozenset({"qkv_bias", "sliding_window"}))
+        with pytest.raises(RuntimeError, match="sliding_window"):
+            native.Step(decoder)
+        return True
+    assert on_thread(run)

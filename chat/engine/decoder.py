@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import quant
+from .architecture import ARCHITECTURES, Architecture
 from .kv import KVBuffer
 from .quant import Linear
 
@@ -72,8 +73,9 @@ class Decoder:
     """A Llama-shaped decoder the engine calls as ``forward(ids, kv, positions, spans)``."""
 
     def __init__(self, shape: Shape, embed: Embedding, layers: list[Layer], norm: torch.Tensor, head: Linear,
-                 weights: str, dtype: torch.dtype = torch.bfloat16):
+                 weights: str, dtype: torch.dtype = torch.bfloat16, architecture: Architecture | None = None):
         self.shape, self.embed, self.layers, self.norm, self.head = shape, embed, layers, norm, head
+        self.architecture = architecture or ARCHITECTURES["llama"]  # the description its weights were read by
         self.weights = weights  # what the decode path multiplies by: "int4", "bfloat16", ...
         self.native = None  # the decode step in one C++ call (native.Step), once built and checked
         self.dtype = dtype  # of activations and dense weights

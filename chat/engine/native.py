@@ -122,11 +122,18 @@ def load(path: Path) -> None:
         _loaded.add(str(path))
 
 
+# What the C++ step computes beyond the Llama core (architecture.FEATURES): a bias on any product.
+COVERS = frozenset({"qkv_bias", "o_bias"})
+
+
 class Step:
     """Every layer of ``decoder`` for a decode step, in one call: (rows, hidden) embeddings ->
     hidden states before the final norm. The weights are shared with the decoder, not copied."""
 
     def __init__(self, decoder):
+        missing = decoder.architecture.features - COVERS
+        if missing:
+            raise RuntimeError(f"{decoder.architecture.name} needs {', '.join(sorted(missing))}")
         norms, tensors, layout, biases, crossovers = [], [], [], [], []
         for layer in decoder.layers:
             norms += [layer.attn_norm, layer.mlp_norm]

@@ -21,13 +21,12 @@ import logging
 import torch
 
 from . import gguf, quant
+from .architecture import Architecture, for_gguf, for_hf
 from .decoder import Decoder, Embedding, Layer, Shape
 from .quant import Linear
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama", "qwen2")  # GGUF names whose tensors this builder knows
-HF_TYPES = ("llama", "qwen2", "mistral")
 
 
 class Unsupported(Exception):
@@ -37,9 +36,15 @@ class Unsupported(Exception):
 # ---- from a GGUF file
 
 
-def gguf_shape(f: gguf.GGUFFile) -> Shape:
-    if f.architecture not in ARCHITECTURES:
+def gguf_architecture(f: gguf.GGUFFile) -> Architecture:
+    arch = for_gguf(f.architecture)
+    if arch is None:
         raise Unsupported(f"architecture {f.architecture!r}")
+    return arch
+
+
+def gguf_shape(f: gguf.GGUFFile) -> Shape:
+    gguf_architecture(f)
     if f.meta("rope.scaling.type", "none") not in ("none", "linear") or "rope_freqs.weight" in f.tensors \
             or f.meta("rope.scaling.factor", 1.0) != 1.0:
         raise Unsupported("rope scaling")
@@ -68,7 +73,7 @@ class _Reader:
     def __init__(self, f: gguf.GGUFFile, shape: Shape, dtype: torch.dtype):
         self.f, self.dtype = f, dtype
         self.rows = {}
-        if f.architecture == "llama":
+        if gguf_architecture(f).interleaved_qk:
             self.rows = {"attn_q": _llama_rows(shape.heads, shape.head_dim),
                          "attn_k": _llama_rows(shape.kv_heads, shape.head_dim)}
 
@@ -94,13 +99,6 @@ class _Reader:
         if name not in self.f.tensors:
             return None
         return self.dense(name).reshape(-1)
-
-
-def _layer_names(i: int) -> list[list[str]]:
-    """The GGUF names behind each of layer ``i``'s products: q/k/v, output, gate/up, down."""
-    p = f"blk.{i}."
-    return [[p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], [p + "attn_output.weight"],
-            [p + "ffn_gate.weight", p + "ffn_up.weight"], [p + "ffn_down.weight"]]
 
 
 def _quantized(r: _Reader, names: list[str]):
@@ -135,22 +133,16 @@ def _linear(r: _Reader, names: list[str], mode: str, dense_copies: bool, biases:
 def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, dense_copies: bool = True) -> Decoder:
     """The decoder of a GGUF file's weights (see the module's docstring for ``mode``). ``dense_copies``:
     whether ``auto`` keeps dense copies of the int4 products for long prefills (``quant.POLICY``)."""
-    shape = gguf_shape(f)
+    shape, arch = gguf_shape(f), gguf_architecture(f)
     if dtype != torch.bfloat16:
         mode = "off"  # the int4 kernel takes bf16 activations only
     r = _Reader(f, shape, dtype)
     layers = []
     for i in range(shape.layers):
-        p = f"blk.{i}."
-        qkv, o, gate_up, down = _layer_names(i)
-        biases = [r.vector(p + n) for n in ("attn_q.bias", "attn_k.bias", "attn_v.bias")]
-        layers.append(Layer(
-            attn_norm=r.vector(p + "attn_norm.weight"),
-            qkv=_linear(r, qkv, mode, dense_copies, biases),
-            o=_linear(r, o, mode, dense_copies, [r.vector(p + "attn_output.bias")]),
-            mlp_norm=r.vector(p + "ffn_norm.weight"),
-            gate_up=_linear(r, gate_up, mode, dense_copies),
-            down=_linear(r, down, mode, dense_copies)))
+        qkv, o, gate_up, down = (_linear(r, names, mode, dense_copies, [r.vector(b) for b in biases])
+                                 for names, biases in zip(arch.products(i), arch.biases(i)))
+        attn_norm, mlp_norm = (r.vector(n) for n in arch.norms(i))
+        layers.append(Layer(attn_norm=attn_norm, qkv=qkv, o=o, mlp_norm=mlp_norm, gate_up=gate_up, down=down))
     table = "token_embd.weight"
     head_name = "output.weight" if "output.weight" in f.tensors else table
     if mode != "off" and r.form(table) is not None:
@@ -166,7 +158,7 @@ def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, 
         head = Linear(r.dense(head_name))
     quantized = mode != "off" and any(lin.quant is not None for lin in (layers[0].qkv, layers[0].gate_up))
     weights = "int4" if quantized else str(dtype).removeprefix("torch.")
-    return Decoder(shape, embed, layers, r.vector("output_norm.weight"), head, weights, dtype)
+    return Decoder(shape, embed, layers, r.vector("output_norm.weight"), head, weights, dtype, arch)
 
 
 def _dense(r: _Reader, names: list[str]) -> torch.Tensor:
@@ -184,7 +176,7 @@ def verify(f: gguf.GGUFFile, decoder: Decoder, tolerance: float = 0.02) -> bool:
     checks = [(decoder.head, [head])]
     for i in (0, shape.layers - 1):
         layer = decoder.layers[i]
-        checks += list(zip((layer.qkv, layer.o, layer.gate_up, layer.down), _layer_names(i)))
+        checks += list(zip((layer.qkv, layer.o, layer.gate_up, layer.down), gguf_architecture(f).products(i)))
     return _agree([(linear, lambda names=names: _dense(r, names), names[0]) for linear, names in checks], tolerance)
 
 
@@ -254,7 +246,8 @@ def from_hf(model) -> Decoder:
     matrices take the model's place: its modules then hold views of them, so no weight is kept twice."""
     cfg = model.config.get_text_config(decoder=True)
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if cfg.model_type not in HF_TYPES:
+    arch = for_hf(cfg.model_type)
+    if arch is None:
         raise Unsupported(f"model type {cfg.model_type!r}")
     if rope.get("rope_type", rope.get("type", "default")) != "default" or getattr(cfg, "hidden_act", "silu") != "silu" \
             or getattr(cfg, "mlp_bias", False) or getattr(cfg, "sliding_window", None) and getattr(
@@ -277,7 +270,7 @@ def from_hf(model) -> Decoder:
     dtype = inner.embed_tokens.weight.dtype
     head = model.get_output_embeddings().weight.data
     return Decoder(shape, Embedding(dense=inner.embed_tokens.weight.data, dtype=dtype), layers,
-                   inner.norm.weight.data, Linear(head), str(dtype).removeprefix("torch."), dtype)
+                   inner.norm.weight.data, Linear(head), str(dtype).removeprefix("torch."), dtype, arch)
 
 
 def _fuse(modules: list) -> Linear:

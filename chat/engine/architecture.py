@@ -1,0 +1,60 @@
+"""One description per model architecture the engine's own decoder runs, read by the weight loader
+(``weights.py``: names, row order, shape), the torch decoder and the C++ step (``native.COVERS``: the
+block features it computes, checked once before it is used).
+
+Every architecture here is Llama-shaped: RMSNorm, rotary positions over the whole head, grouped-query
+attention, SwiGLU. What differs is named, not branched on: GGUF's tensor names, whether llama.cpp's
+converter interleaved the q/k rows, which transformers ``model_type`` values map here, and ``features``
+beyond that core. Adding an architecture is one more ``Architecture`` in ``ARCHITECTURES`` plus tests
+(docs/development.md); one whose block computes something else runs on transformers' forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Block features beyond the Llama core, and what each means for the weights (read where the file has them).
+FEATURES = {
+    "qkv_bias": "the q, k and v products may have biases (attn_q/attn_k/attn_v.bias: Qwen2's have)",
+    "o_bias": "the attention output product may have a bias (attn_output.bias)",
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # GGUF's general.architecture
+    hf_types: tuple[str, ...]  # transformers' config.model_type values read with this description
+    features: frozenset[str] = frozenset()
+    interleaved_qk: bool = False  # llama.cpp's converter interleaved each q/k head's rotary halves
+
+    def products(self, layer: int) -> list[list[str]]:
+        """The GGUF names behind each of a layer's four products: q/k/v, output, gate/up, down."""
+        p = f"blk.{layer}."
+        return [[p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], [p + "attn_output.weight"],
+                [p + "ffn_gate.weight", p + "ffn_up.weight"], [p + "ffn_down.weight"]]
+
+    def biases(self, layer: int) -> list[list[str]]:
+        """Each product's bias names (a product without any: an empty list), as its features say."""
+        p = f"blk.{layer}."
+        qkv = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"] if "qkv_bias" in self.features else []
+        o = [p + "attn_output.bias"] if "o_bias" in self.features else []
+        return [qkv, o, [], []]
+
+    @staticmethod
+    def norms(layer: int) -> tuple[str, str]:
+        return f"blk.{layer}.attn_norm.weight", f"blk.{layer}.ffn_norm.weight"
+
+
+ARCHITECTURES = {
+    a.name: a for a in (
+        Architecture("llama", ("llama", "mistral"), frozenset({"qkv_bias", "o_bias"}), interleaved_qk=True),
+        Architecture("qwen2", ("qwen2",), frozenset({"qkv_bias", "o_bias"})),
+    )
+}
+
+
+def for_gguf(name: str) -> Architecture | None:
+    return ARCHITECTURES.get(name)
+
+
+def for_hf(model_type: str) -> Architecture | None:
+    return next((a for a in ARCHITECTURES.values() if model_type in a.hf_types), None)
