@@ -23,7 +23,8 @@ NAME = "chat_spans"
 CALL_COLUMNS = 512  # what one more SDPA call per layer costs, in row-columns of attention (measured: ~1 ms/step)
 
 
-def spans_attention(module, query, key, value, attention_mask, spans=None, **kwargs):
+def spans_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, spans: list | None = None, **kwargs) -> tuple:
     """transformers' SDPA attention; for a decode step with ``spans``, one call per run of rows."""
     if spans is None or query.shape[2] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -36,7 +37,7 @@ def spans_attention(module, query, key, value, attention_mask, spans=None, **kwa
     return torch.cat(outputs), None
 
 
-def use(model) -> None:
+def use(model: torch.nn.Module) -> None:
     """Make ``model`` attend through :func:`spans_attention` (its masks are SDPA's); a model that
     cannot keeps its own attention, which ignores ``spans``."""
     AttentionInterface.register(NAME, spans_attention)

@@ -14,7 +14,9 @@ the same layers in one call.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -53,19 +55,21 @@ class Embedding:
     """Token ids -> activation rows: from a dense table, or from a quantized table's ``rows`` (q, s, z:
     ``gguf.affine``), each looked-up row w = s * q + z in float32, then rounded to the activations' type."""
 
-    def __init__(self, dense: torch.Tensor | None = None, rows: tuple | None = None, dtype=torch.bfloat16):
+    def __init__(self, dense: torch.Tensor | None = None, rows: tuple | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
         self.dense, self.rows, self.dtype = dense, rows, dtype
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
             return F.embedding(ids, self.dense)
+        assert self.rows is not None
         q, s, z = self.rows  # (vocab, hidden) uint8, (vocab, hidden / 32) float32 twice
         rows = q[ids].float().unflatten(-1, (s.shape[1], -1)) * s[ids][..., None] + z[ids][..., None]
         return rows.flatten(-2).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
-        parts = [self.dense] if self.dense is not None else list(self.rows)
+        parts = [self.dense] if self.dense is not None else list(self.rows or ())
         return sum(t.numel() * t.element_size() for t in parts)
 
 
@@ -73,11 +77,11 @@ class Decoder:
     """A Llama-shaped decoder the engine calls as ``forward(ids, kv, positions, spans)``."""
 
     def __init__(self, shape: Shape, embed: Embedding, layers: list[Layer], norm: torch.Tensor, head: Linear,
-                 weights: str, dtype: torch.dtype = torch.bfloat16, architecture: Architecture | None = None):
+                 weights: str, dtype: torch.dtype = torch.bfloat16, architecture: Architecture | None = None) -> None:
         self.shape, self.embed, self.layers, self.norm, self.head = shape, embed, layers, norm, head
         self.architecture = architecture or ARCHITECTURES["llama"]  # the description its weights were read by
         self.weights = weights  # what the decode path multiplies by: "int4", "bfloat16", ...
-        self.native = None  # the decode step in one C++ call (native.Step), once built and checked
+        self.native: Callable[..., torch.Tensor] | None = None  # the C++ step (native.Step), once built and checked
         self.dtype = dtype  # of activations and dense weights
         self._cos = self._sin = torch.empty(0)
         self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float)
@@ -110,7 +114,7 @@ class Decoder:
     def nbytes(self) -> int:
         norms = sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.attn_norm, layer.mlp_norm))
         shared = (self.head.quant is None and self.embed.dense is not None
-                  and self.head.dense.data_ptr() == self.embed.dense.data_ptr())  # tied
+                  and self.head.dense is not None and self.head.dense.data_ptr() == self.embed.dense.data_ptr())
         return (sum(lin.nbytes for lin in self.linears()) + norms + self.embed.nbytes
                 + (0 if shared else self.head.nbytes))
 
@@ -128,8 +132,8 @@ class Decoder:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.eps).to(self.dtype)
 
-    def forward(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans=None,
-                native=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans: list | None = None,
+                native: Callable[..., torch.Tensor] | Literal[False] | None = None) -> torch.Tensor:
         """Float logits of each row's last column after feeding ``input_ids`` (rows, columns). A decode
         step runs in C++ once ``native`` is set (``native=False``: on torch ops all the same)."""
         s = self.shape
@@ -158,7 +162,7 @@ class Decoder:
     __call__ = forward
 
 
-def _form(part) -> str:
+def _form(part: Any) -> str:
     if isinstance(part, quant.Int4):
         return "int4"
     if isinstance(part, quant.Sum):
@@ -191,7 +195,8 @@ def _mask(kv: KVBuffer, cols: int) -> torch.Tensor | None:
     return (real & (key <= query)) | (key == query)
 
 
-def _attend(q, keys, values, mask, spans) -> torch.Tensor:
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+            spans: list | None) -> torch.Tensor:
     """Attention with grouped-query heads: SDPA for a prefill chunk; for a decode step plain
     products (torch's CPU flash kernel costs ~0.2 ms a call for one query, more than the
     arithmetic), one call per run of rows in ``spans`` over the columns that run uses."""
@@ -200,11 +205,13 @@ def _attend(q, keys, values, mask, spans) -> torch.Tensor:
                                               enable_gqa=True)
     if spans is None:
         return _decode_attention(q, keys, values, mask)
+    assert mask is not None  # a decode step of several rows has one
     return torch.cat([_decode_attention(q[b:e], keys[b:e, :, c:], values[b:e, :, c:], mask[b:e, ..., c:])
                       for b, e, c in spans])
 
 
-def _decode_attention(q, keys, values, mask) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor | None) -> torch.Tensor:
     """One query per row: the query heads that share a key/value head attend together, in float32.
 
     The scores are computed as keys x queries (not queries x keys): then a row's scores, like its

@@ -1,6 +1,8 @@
 """Token ids → text, incrementally, plus stop-sequence matching (no torch here)."""
 from __future__ import annotations
 
+from typing import Any
+
 
 class IncrementalDecoder:
     """Turns a stream of token ids into text deltas that a later token never rewrites.
@@ -9,13 +11,13 @@ class IncrementalDecoder:
     O(1); holds text back while it ends in an incomplete multi-byte character.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix = 0
         self.read = 0
 
-    def _decode(self, ids) -> str:
+    def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def push(self, token_id: int) -> str:
@@ -40,7 +42,7 @@ class IncrementalDecoder:
 class StopMatcher:
     """Holds back text that may be the start of a stop sequence; cuts at the first match."""
 
-    def __init__(self, stops=()):
+    def __init__(self, stops: tuple[str, ...] | list[str] = ()) -> None:
         self.stops = [s for s in stops if s]
         self.buf = ""
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,7 +79,7 @@ class GGUFFile:
     def architecture(self) -> str:
         return self.metadata.get("general.architecture", "")
 
-    def meta(self, key: str, default=None):
+    def meta(self, key: str, default: Any = None) -> Any:
         """``<architecture>.<key>`` from the metadata."""
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
@@ -86,7 +87,8 @@ class GGUFFile:
 def read(path: str | Path) -> GGUFFile:
     """The file's metadata (string arrays as their length) and its tensors, mapped, not read."""
     path = Path(path)
-    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    mapped = np.memmap(path, mode="r", dtype=np.uint8)
+    blob = mapped.data  # the header, read through struct (a memoryview of the map)
     if bytes(blob[:4]) != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
     version, n_tensors, n_meta = struct.unpack_from("<IQQ", blob, 4)
@@ -110,7 +112,7 @@ def read(path: str | Path) -> GGUFFile:
     tensors = {}
     for name, shape, kind, offset in infos:
         start = data + offset
-        tensors[name] = Tensor(name, shape, kind, blob[start:start + _nbytes(kind, shape, path)])
+        tensors[name] = Tensor(name, shape, kind, mapped[start:start + _nbytes(kind, shape, path)])
     return GGUFFile(path, metadata, tensors)
 
 
@@ -128,12 +130,12 @@ def _nbytes(kind: int, shape: tuple, path: Path) -> int:
     raise ValueError(f"{path}: tensor type {kind} is not supported")
 
 
-def _string(blob, pos: int) -> tuple[str, int]:
+def _string(blob: memoryview, pos: int) -> tuple[str, int]:
     (length,) = struct.unpack_from("<Q", blob, pos)
     return bytes(blob[pos + 8:pos + 8 + length]).decode("utf-8", "replace"), pos + 8 + length
 
 
-def _value(blob, pos: int, kind: int):
+def _value(blob: memoryview, pos: int, kind: int) -> tuple[Any, int]:
     if kind in _SCALAR:
         fmt = _SCALAR[kind]
         return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)

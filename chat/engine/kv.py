@@ -18,13 +18,13 @@ from transformers.cache_utils import DynamicLayer
 class _BufferLayer(DynamicLayer):
     """A cache layer that writes into a preallocated buffer owned by a ``KVBuffer``."""
 
-    def __init__(self, owner: "KVBuffer", index: int):
+    def __init__(self, owner: "KVBuffer", index: int) -> None:
         super().__init__()
         # A weak link: a cycle would keep every replaced buffer alive until a full GC.
         self.owner, self.index = weakref.proxy(owner), index
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple:
         return self.owner.write(self.index, key_states, value_states)
 
     def get_seq_length(self) -> int:
@@ -42,7 +42,8 @@ class KVBuffer:
     Both capacities grow by doubling, so growth is amortized O(1) per token.
     """
 
-    def __init__(self, layers, heads, dim, dtype, device, rows=1, capacity=64):
+    def __init__(self, layers: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device, rows: int = 1,
+                 capacity: int = 64) -> None:
         self.layers, self.heads, self.dim, self.dtype, self.device = layers, heads, dim, dtype, device
         self.n = self.start = self.length = 0
         # Whether a decode step reads padding columns (masked, so they must be finite: zeroed). The
@@ -82,14 +83,14 @@ class KVBuffer:
             live = self.length - self.start
             self._move(self.mask.shape[0], max(64, 2 * (live + extra)), 0)
 
-    def write(self, index, key_states, value_states):
+    def write(self, index: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
         """Called by each attention layer during a forward pass."""
         end = self.length + key_states.shape[2]
         self.keys[index][:self.n, :, self.length:end] = key_states
         self.values[index][:self.n, :, self.length:end] = value_states
         return self.keys[index][:self.n, :, self.start:end], self.values[index][:self.n, :, self.start:end]
 
-    def attention_mask(self, query_length: int):
+    def attention_mask(self, query_length: int) -> torch.Tensor:
         """The mask for a forward pass of ``query_length`` new columns (set them first)."""
         return self.mask[:self.n, self.start:self.length + query_length]
 
@@ -103,7 +104,7 @@ class KVBuffer:
         """The first column row ``r`` uses (its tokens are contiguous up to ``length``)."""
         return self.start + self.row_starts(0)[r]
 
-    def row(self, r: int, copy: bool = True):
+    def row(self, r: int, copy: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(keys, values) of row ``r`` without its left padding (compact copies unless ``copy=False``)."""
         begin = self.row_start(r)
         keys = [k[r:r + 1, :, begin:self.length] for k in self.keys]
@@ -112,7 +113,7 @@ class KVBuffer:
             keys, values = [k.clone() for k in keys], [v.clone() for v in values]
         return keys, values
 
-    def add_row(self, keys, values) -> int:
+    def add_row(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
         """Append a row from per-layer (1, heads, count, dim) tensors, right-aligned; returns its index."""
         count = keys[0].shape[2]
         rows = self.mask.shape[0]
@@ -161,14 +162,14 @@ class PrefixCache:
 
     PREAMBLES = 8  # shared preambles kept (a few KB to a MB each)
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
         self.entries: collections.OrderedDict = collections.OrderedDict()
         self.preambles: collections.OrderedDict = collections.OrderedDict()  # ids tuple -> (keys, values)
         self.used = 0
         self.hits = self.misses = self.shared_hits = 0
 
-    def put(self, key, ids, keys, values) -> None:
+    def put(self, key: str | None, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         size = sum(t.numel() * t.element_size() for t in keys + values)
         self.pop(key)
         if not key or size > self.budget:
@@ -179,23 +180,23 @@ class PrefixCache:
             _, (_, _, _, s) = self.entries.popitem(last=False)
             self.used -= s
 
-    def pop(self, key):
+    def pop(self, key: str | None) -> tuple | None:
         entry = self.entries.pop(key, None)
         if entry:
             self.used -= entry[3]
         return entry
 
-    def share(self, ids, keys, values) -> None:
+    def share(self, ids: list[int] | tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Keep a preamble's KV (computed for ``ids`` alone) for every conversation that starts with it."""
         self.preambles[tuple(ids)] = (keys, values)
         self.preambles.move_to_end(tuple(ids))
         while len(self.preambles) > self.PREAMBLES:
             self.preambles.popitem(last=False)
 
-    def has_preamble(self, ids) -> bool:
+    def has_preamble(self, ids: list[int] | tuple[int, ...]) -> bool:
         return tuple(ids) in self.preambles
 
-    def take(self, key, ids, shared: bool = True):
+    def take(self, key: str | None, ids: list[int], shared: bool = True) -> tuple | None:
         """(keys, values, reused length) for the longest prefix of ``ids`` held: the conversation's own
         entry (taken out: the conversation goes on from it) or, with ``shared``, a shared preamble (views:
         copied by the caller); None when neither holds one."""
@@ -220,7 +221,7 @@ class PrefixCache:
             self.hits += 1
         return [k[:, :, :n] for k in keys], [v[:, :, :n] for v in values], n
 
-    def _preamble(self, ids, limit: int):
+    def _preamble(self, ids: list[int], limit: int) -> tuple | None:
         """The longest shared preamble that ``ids`` starts with (and goes past), or None."""
         best = None
         for found, kv in self.preambles.items():

@@ -17,10 +17,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..config import Settings
 from ..errors import ConfigError
 from . import cpu, gguf, native, quant, weights
 from .decoder import Decoder
@@ -142,13 +144,13 @@ def resolve_source(model: str, cache_root: str) -> tuple[str, str]:
     return str(target), name
 
 
-def gguf_tokenizer(file: Path):
+def gguf_tokenizer(file: Path) -> Any:
     """The tokenizer a GGUF file describes (vocabulary, merges, special tokens, chat template)."""
     from transformers import PreTrainedTokenizerFast
     return PreTrainedTokenizerFast.from_pretrained(str(file.parent), gguf_file=file.name)
 
 
-def eos_ids(tokenizer, model=None) -> frozenset:
+def eos_ids(tokenizer: Any, model: Any = None) -> frozenset:
     """Every token id that ends an answer (tokenizer, generation config, chat end marker)."""
     ids = set()
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -164,7 +166,7 @@ def eos_ids(tokenizer, model=None) -> frozenset:
     return frozenset(ids)
 
 
-def load(settings) -> LoadedModel:
+def load(settings: Settings) -> LoadedModel:
     """Load the model named by the settings on the calling thread (the engine's)."""
     started = time.monotonic()
     # With an attention mask (always, in the engine's batches), transformers copies every key/value
@@ -192,7 +194,7 @@ def load(settings) -> LoadedModel:
     return loaded
 
 
-def _load_direct(settings, device: torch.device, dtype: torch.dtype):
+def _load_direct(settings: Settings, device: torch.device, dtype: torch.dtype) -> tuple | None:
     """(tokenizer, None, decoder, name, file) for a GGUF the own decoder runs, read without conversion;
     else None."""
     found = gguf_source(settings.model)
@@ -222,7 +224,7 @@ def _load_direct(settings, device: torch.device, dtype: torch.dtype):
     return gguf_tokenizer(file), None, decoder, name, file
 
 
-def finish(loaded: LoadedModel, settings) -> Iterator[None]:
+def finish(loaded: LoadedModel, settings: Settings) -> Iterator[None]:
     """What is left to do once the model serves, a step at a time (the engine runs it while idle):
     with both int4 and dense weights (``CHAT_QUANT=auto``), each product shape's int4/dense crossover,
     measured once and kept under the model cache for later starts (a second or so a shape); then the
@@ -236,7 +238,7 @@ def finish(loaded: LoadedModel, settings) -> Iterator[None]:
         yield from native.attach(decoder, settings.model_cache_dir, cpu.detect(settings.cpu_isa))
 
 
-def _crossovers(decoder: Decoder, source: Path, settings) -> Iterator[None]:
+def _crossovers(decoder: Decoder, source: Path, settings: Settings) -> Iterator[None]:
     store = Path(settings.model_cache_dir) / "crossovers.json"
     key = f"{source.name}:{source.stat().st_size}:{torch.__version__}:{torch.get_num_threads()}"
     try:
@@ -256,7 +258,7 @@ def _crossovers(decoder: Decoder, source: Path, settings) -> Iterator[None]:
             log.warning("could not keep the measured crossovers in %s: %s", store, exc)
 
 
-def _load_transformers(settings, device: torch.device, dtype: torch.dtype):
+def _load_transformers(settings: Settings, device: torch.device, dtype: torch.dtype) -> tuple:
     """A hub id, a folder, or a GGUF the own decoder does not read. On the CPU a Llama-shaped model runs on the
     own decoder, its weights quantized on load to Q8_0 on the int4 kernel (``weights.quantize``) where the CPU
     class runs it and ``CHAT_QUANT`` is not ``off``; then the transformers model itself is let go."""
@@ -285,5 +287,5 @@ def _load_transformers(settings, device: torch.device, dtype: torch.dtype):
 class _Config:
     """What the engine reads of a transformers model it no longer runs (its weights live in the decoder)."""
 
-    def __init__(self, model):
+    def __init__(self, model: Any) -> None:
         self.config, self.generation_config = model.config, model.generation_config

@@ -29,7 +29,8 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Generator
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch
@@ -38,6 +39,9 @@ from ..concurrency import real_reap, real_sleep, real_spawn
 from . import quant
 from .cpu import Cpu, detect
 from .kv import KVBuffer
+
+if TYPE_CHECKING:
+    from .decoder import Decoder
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,7 @@ def library_path(cache_dir: str | Path, cxx: str, version: str, cpu: Cpu) -> Pat
     return Path(cache_dir) / "native" / f"decode-{key}.so"
 
 
-def _run(args: list[str], scratch: Path, poll_s: float) -> Iterator[None]:
+def _run(args: list[str], scratch: Path, poll_s: float) -> Generator[None, None, tuple[int, str]]:
     """Run ``args`` in the background, yielding while it runs; returns (exit status, its output). A
     shell writes the status to a file: under gevent the worker's event loop may reap the child
     before anyone can wait for it."""
@@ -85,7 +89,7 @@ def command(cxx: str, target: Path, cpu: Cpu) -> list[str]:
             str(SOURCE), "-o", str(target), f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
 
 
-def build(cache_dir: str | Path, cpu: Cpu | None = None, poll_s: float = 0.05) -> Iterator[None]:
+def build(cache_dir: str | Path, cpu: Cpu | None = None, poll_s: float = 0.05) -> Generator[None, None, Path | None]:
     """Compile the library unless it is already kept; a generator that yields while the compiler
     runs (so the engine can serve between polls) and returns its path, or None (logged why)."""
     cpu = cpu or detect()
@@ -130,7 +134,7 @@ class Step:
     """Every layer of ``decoder`` for a decode step, in one call: (rows, hidden) embeddings ->
     hidden states before the final norm. The weights are shared with the decoder, not copied."""
 
-    def __init__(self, decoder):
+    def __init__(self, decoder: Decoder) -> None:
         missing = decoder.architecture.features - COVERS
         if missing:
             raise RuntimeError(f"{decoder.architecture.name} needs {', '.join(sorted(missing))}")
@@ -176,7 +180,7 @@ def sample(logits: torch.Tensor, params: list, u: torch.Tensor) -> list[int]:
         torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p or 0.0 for p in params]), u).tolist()
 
 
-def agrees(decoder, step: Step) -> bool:
+def agrees(decoder: Decoder, step: Step) -> bool:
     """The C++ step's next-token logits match the eager step's on a fixed input (two rows, one
     left-padded): same top token per row, cosine above 0.999."""
     ids = torch.arange(3, 3 + 2 * 9).remainder(decoder.shape.vocab).view(2, 9)
@@ -200,7 +204,7 @@ def agrees(decoder, step: Step) -> bool:
     return ok
 
 
-def attach(decoder, cache_dir: str | Path, cpu: Cpu | None = None) -> Iterator[None]:
+def attach(decoder: Decoder, cache_dir: str | Path, cpu: Cpu | None = None) -> Generator[None, None, None]:
     """Build (or find) the library, check it, and give ``decoder`` the C++ step; yields while building."""
     try:
         path = yield from build(cache_dir, cpu)

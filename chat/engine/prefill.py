@@ -1,6 +1,8 @@
 """Prompts being prefilled, a chunk at a time, in their own buffer until they join the batch."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .kv import KVBuffer
@@ -15,7 +17,7 @@ class PrefillJob:
     from the prefix cache for a single prompt whose first ``n`` tokens are already done.
     """
 
-    def __init__(self, prompts: list, dims, reused=None):
+    def __init__(self, prompts: list, dims: tuple, reused: tuple | None = None) -> None:
         layers, heads, dim, dtype, device = dims
         self.slots: list = []  # the engine's rows-to-be, in prompt order
         self.shared = reused is None  # later fresh prompts may join it before its first chunk
@@ -62,7 +64,7 @@ class PrefillJob:
         over = max(spent - step_s, 1e-3)
         self.columns = max(MIN_CHUNK, int(columns * (target - step_s) / over))
 
-    def step(self, forward, columns: int):
+    def step(self, forward: Callable[..., torch.Tensor], columns: int) -> torch.Tensor | None:
         """Prefill the next ``columns`` prompt positions; the last position's logits once finished, else None."""
         kv, begin = self.kv, self.done
         end = min(begin + columns, self.tokens.shape[1])

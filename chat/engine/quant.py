@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from typing import Union
 
 from . import gguf
 
@@ -66,7 +67,7 @@ class Int4:
     """A packed 4-bit matrix (out, in): the kernel's weight and its (groups, out, 2) scales and zeros,
     w = (q - 8) * scale + zero."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         self.out_features, self.in_features = q.shape
         self.packed = _pack(q.to(torch.int32).contiguous(), 1)
         self.scales = torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()
@@ -89,7 +90,7 @@ class Sum:
     low product's zero the smaller; a symmetric type's zero (z = -2^(bits-1) s: Q5_0, Q8_0) follows the
     scale's rounding, so a weight's error stays (s - bf16(s)) times its distance from the centre."""
 
-    def __init__(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int = 8):
+    def __init__(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int = 8) -> None:
         centre = float(1 << (bits - 1))
         rounded = s.to(torch.bfloat16).float()
         z = torch.where(z == -centre * s, -centre * rounded, z)
@@ -119,7 +120,7 @@ def from_affine(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) ->
 class Dense:
     """A dense part of a product whose other parts are int4 (a type the int4 kernel cannot take)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
         self.out_features, self.in_features = weight.shape
 
@@ -134,7 +135,7 @@ class Dense:
 class Concat:
     """A fused product (q/k/v, gate/up) whose parts are stored in different forms: their outputs side by side."""
 
-    def __init__(self, parts: list):
+    def __init__(self, parts: list) -> None:
         self.parts = parts
         self.out_features = sum(p.out_features for p in parts)
         self.in_features = parts[0].in_features
@@ -147,7 +148,10 @@ class Concat:
         return sum(p.nbytes for p in self.parts)
 
 
-def parts(product) -> list:
+Product = Union["Int4", "Sum", "Dense", "Concat"]  # what a Linear's quantized side may be
+
+
+def parts(product: Product) -> list:
     """A product's parts side by side (one, unless it is a ``Concat``)."""
     return product.parts if isinstance(product, Concat) else [product]
 
@@ -163,7 +167,8 @@ class Linear:
 
     ALWAYS = 1 << 30
 
-    def __init__(self, dense: torch.Tensor | None = None, quant=None, bias: torch.Tensor | None = None):
+    def __init__(self, dense: torch.Tensor | None = None, quant: Product | None = None,
+                 bias: torch.Tensor | None = None) -> None:
         if dense is None and quant is None:
             raise ValueError("a Linear needs weights")
         self.dense, self.quant, self.bias = dense, quant, bias
@@ -171,7 +176,10 @@ class Linear:
 
     @property
     def out_features(self) -> int:
-        return self.dense.shape[0] if self.dense is not None else self.quant.out_features
+        if self.dense is not None:
+            return self.dense.shape[0]
+        assert self.quant is not None
+        return self.quant.out_features
 
     def __call__(self, x: torch.Tensor, decode: bool = True) -> torch.Tensor:
         """``decode``: a decode step's product (one row per answer). Prefill products take the
@@ -188,7 +196,7 @@ class Linear:
         return dense + (self.quant.nbytes if self.quant is not None else 0)
 
 
-def _seconds(fn, linears: list, x: torch.Tensor, reps: int) -> float:
+def _seconds(fn: Callable[[Linear, torch.Tensor], torch.Tensor], linears: list, x: torch.Tensor, reps: int) -> float:
     """Best of ``reps`` passes of ``fn`` over every Linear, each pass one product per Linear: the
     weights come from memory, as they do in a forward (one Linear alone stays in the cache)."""
     best = float("inf")
@@ -200,15 +208,28 @@ def _seconds(fn, linears: list, x: torch.Tensor, reps: int) -> float:
     return best
 
 
-def crossover(linears: list[Linear], rows=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64), reps: int = 2) -> int:
+def _dense_product(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    assert linear.dense is not None
+    return F.linear(x, linear.dense)
+
+
+def _quant_product(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    assert linear.quant is not None
+    return linear.quant(x)
+
+
+def crossover(linears: list[Linear], rows: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64),
+              reps: int = 2) -> int:
     """The most rows at which the int4 products of ``linears`` (all of one shape, each with both
     weights) are still faster than the dense ones, measured; 0 when int4 never wins."""
     best = 0
+    shape = linears[0].dense
+    assert shape is not None
     with torch.inference_mode():
         for m in rows:
-            x = torch.randn(m, linears[0].dense.shape[1], dtype=linears[0].dense.dtype)
-            dense = _seconds(lambda lin, t: F.linear(t, lin.dense), linears, x, reps)
-            int4 = _seconds(lambda lin, t: lin.quant(t), linears, x, reps)
+            x = torch.randn(m, shape.shape[1], dtype=shape.dtype)
+            dense = _seconds(_dense_product, linears, x, reps)
+            int4 = _seconds(_quant_product, linears, x, reps)
             if int4 < dense:
                 best = m
             elif m > 2 * max(best, 4):

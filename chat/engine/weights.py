@@ -70,7 +70,7 @@ def _llama_rows(heads: int, head_dim: int) -> torch.Tensor:
 class _Reader:
     """The tensors of one GGUF file as the builder wants them (rows permuted where needed)."""
 
-    def __init__(self, f: gguf.GGUFFile, shape: Shape, dtype: torch.dtype):
+    def __init__(self, f: gguf.GGUFFile, shape: Shape, dtype: torch.dtype) -> None:
         self.f, self.dtype = f, dtype
         self.rows = {}
         if gguf_architecture(f).interleaved_qk:
@@ -113,7 +113,7 @@ def _quantized(r: _Reader, names: list[str]):
             runs.append((form, [name]))
     if all(form is None for form, _ in runs):
         return None
-    built = []
+    built: list = []
     for form, group in runs:
         if form is None:
             built.append(quant.Dense(_dense(r, group)))
@@ -241,7 +241,7 @@ def quantize(decoder: Decoder, dense_copies: bool, tolerance: float = 0.02) -> b
 # ---- from a transformers model
 
 
-def from_hf(model) -> Decoder:
+def from_hf(model: torch.nn.Module) -> Decoder:
     """The decoder of a transformers Llama/Qwen2/Mistral model's (dense) weights. The fused
     matrices take the model's place: its modules then hold views of them, so no weight is kept twice."""
     cfg = model.config.get_text_config(decoder=True)
