@@ -3,8 +3,9 @@
 For each CPU class (``native``: this machine's; ``avx2``: ``CHAT_CPU_ISA=avx2``, torch's kernels told so, and
 llama.cpp built for AVX2 only) and each file (the bundled SmolLM2 Q4_1, and a Qwen2.5-0.5B-shaped file in
 Q4_K_M, Q8_0 and Q4_0, made by ``bench.qwen_shape`` with llama.cpp's ``llama-quantize``), one ``bench.run``
-of the comparison's phases: one stream, 8 streams, the first delta, llama.cpp's server on the same file,
-and the raw forward loop (this path's ceiling). Writes ``matrix.json`` and ``matrix.md`` to ``--out``.
+of the comparison's phases (one stream, 8 streams, the first delta, llama.cpp's server on the same file),
+after the raw forward loop at batch 1 and 8 (this path's ceiling, ``bench.inprocess``). Writes
+``matrix.json`` and ``matrix.md`` to ``--out``.
 
     LLAMA_SERVER=/path/native/llama-server LLAMA_SERVER_AVX2=/path/avx2/llama-server python -m bench.matrix
 
@@ -57,28 +58,39 @@ def model_file(name: str, folder: Path) -> Path:
 def one(file: str, klass: str, args) -> dict:
     env = {**class_env(klass), "CHAT_MODEL": str(model_file(file, args.models)), "CHAT_MODEL_NAME": file}
     stem = f"matrix-{file}-{klass}"
-    cmd = [sys.executable, "-m", "bench.run", "--only", "single,concurrency,peer,inprocess", "--reps", str(args.reps),
-           "--tokens", str(args.tokens), "--inprocess-reps", "1", "--name", stem, "--out", str(args.runs)]
     started = time.monotonic()
     print(f"[matrix] {file} on {klass} ...", file=sys.stderr, flush=True)
+    raw = _raw_loop(env, args)
+    cmd = [sys.executable, "-m", "bench.run", "--only", "single,concurrency,peer", "--reps", str(args.reps),
+           "--tokens", str(args.tokens), "--name", stem, "--out", str(args.runs)]
     run = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.timeout)
     try:
         res = json.loads((args.runs / f"{stem}.json").read_text())
     except (OSError, ValueError) as exc:
         return {"file": file, "class": klass, "error": f"bench.run exited {run.returncode}: {exc}"}
-    return {"file": file, "class": klass, **summary(res), "seconds": round(time.monotonic() - started)}
+    return {"file": file, "class": klass, **summary(res), **raw, "seconds": round(time.monotonic() - started)}
+
+
+def _raw_loop(env: dict, args) -> dict:
+    """The path's ceiling: the engine's own decoder in a plain greedy loop at batch 1 and 8 (bench.inprocess)."""
+    cmd = [sys.executable, "-m", "bench.inprocess", "--prompt", "Write a long essay about the history of printing.",
+           "--tokens", str(args.raw_tokens), "--reps", "1", "--batches", "1,8"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        raw = json.loads(out.stdout.strip().splitlines()[-1])["raw"]
+    except (IndexError, KeyError, ValueError):
+        return {"raw_error": out.stderr[-500:]}
+    return {"raw_1": (raw.get("1") or {}).get("tok_s"), "raw_8": (raw.get("8") or {}).get("tok_s")}
 
 
 def summary(res: dict) -> dict:
     single, peer = res.get("single") or {}, res.get("peer") or {}
     eight = next((r for r in res.get("concurrency") or [] if r.get("streams") == 8 and "error" not in r), {})
-    raw = (res.get("inprocess") or {}).get("raw") or {}
     ready = (res.get("startup") or {}).get("readyz") or {}
     return {"ours_1": single.get("tok_s_p50"), "peer_1": (peer.get("single") or {}).get("tok_s_p50"),
             "ours_8": eight.get("aggregate_tok_s"), "peer_8": (peer.get("streams") or {}).get("aggregate_tok_s"),
             "ours_ttfd_ms": _ms(single.get("ttfd_p50_s")),
             "peer_ttfd_ms": _ms((peer.get("single") or {}).get("ttfd_p50_s")),
-            "raw_1": (raw.get("1") or {}).get("tok_s"), "raw_8": (raw.get("8") or {}).get("tok_s"),
             "ready_s": (res.get("startup") or {}).get("ready_s"),
             "idle_rss_mib": _mib((res.get("memory") or {}).get("idle_rss")),
             "weights": ready.get("weights"), "formats": ready.get("formats"), "decode": ready.get("decode"),
@@ -106,6 +118,8 @@ def markdown(rows: list[dict]) -> str:
              "first delta ours / llama.cpp ms | raw loop b1 / b8 tok/s | ready s | idle RSS MiB | decode |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        r.setdefault("raw_1", None)
+        r.setdefault("raw_8", None)
         if "error" in r:
             lines.append(f"| {r['file']} | {r['class']} | {r['error']} |||||||||||")
             continue
@@ -126,6 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated: {', '.join(CLASSES)}")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--raw-tokens", type=int, default=64, help="tokens of the raw loop (the ceiling)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--models", type=Path, default=ROOT / "data" / "bench-models",
                         help="where the Qwen-shaped files are made and kept")
