@@ -158,6 +158,7 @@ class Engine:
     """What the web layer needs from an engine (local model or remote backend)."""
 
     model_name: str = "model"
+    vocab_size: int | None = None  # the model's vocabulary (top_k's bound), when the engine knows it
     weights: str | None = None  # what the local model's decode step multiplies by ("int4", "bfloat16"...)
     ready: bool = False
     error: str | None = None

@@ -184,6 +184,8 @@ class LocalEngine(Engine):
             if self.settings.warmup:
                 self._warmup()
             self.weights = self.loaded.weights
+            self.vocab_size = (decoder.shape.vocab if decoder is not None
+                               else self.loaded.model.get_output_embeddings().weight.shape[0])
             self.chores = model_loader.finish(self.loaded, self.settings)
         # Everything loaded so far lives for the whole process: keep it out of the GC's
         # full collections, which otherwise stall the event loop for tenths of a second.
@@ -287,10 +289,33 @@ class LocalEngine(Engine):
         self._accept_all(list(self.rows), logits)
 
     def _accept_all(self, slots: list, logits) -> None:
-        """Sample every row's next token in one pass, then emit each row's text."""
-        tokens = sample(logits, [s.params for s in slots], [s.generator for s in slots], native=self._sampler())
+        """Sample every row's next token in one pass, then emit each row's text.
+
+        A pass that fails is redone row by row, each row's generator first put back where it was (a
+        seeded answer stays the same), and a row that fails alone ends alone with ``error``.
+        """
+        params, generators = [s.params for s in slots], [s.generator for s in slots]
+        states = [g.get_state() if p.temperature else None for p, g in zip(params, generators)]
+        try:
+            tokens: list = sample(logits, params, generators, native=self._sampler())
+        except Exception:
+            log.exception("sampling %d rows failed: sampling them one by one", len(slots))
+            tokens = [self._sample_alone(slot, logits[r:r + 1], states[r]) for r, slot in enumerate(slots)]
         for slot, token in zip(slots, tokens):
-            self._accept(slot, token)
+            if isinstance(token, str):
+                self._finish(slot, "error", token)
+            else:
+                self._accept(slot, token)
+
+    def _sample_alone(self, slot: Slot, logits, state) -> int | str:
+        """One row's next token, or what went wrong with its sampling."""
+        try:
+            if state is not None:
+                slot.generator.set_state(state)
+            return sample(logits, [slot.params], [slot.generator], native=self._sampler())[0]
+        except Exception as exc:
+            log.exception("sampling request %s failed", slot.gen.serial)
+            return f"sampling failed ({type(exc).__name__}): this answer ended; the others go on"
 
     @property
     def _native(self) -> bool:
@@ -310,7 +335,7 @@ class LocalEngine(Engine):
         if reason:
             self._finish(slot, reason)
 
-    def _finish(self, slot: Slot, reason: str) -> None:
+    def _finish(self, slot: Slot, reason: str, message: str | None = None) -> None:
         """End a row: flush its text, keep its KV for the next turn, emit ``done``."""
         if reason != "error":
             self._delta(slot, slot.flush())
@@ -321,7 +346,7 @@ class LocalEngine(Engine):
                 fed = slot.prompt_ids + slot.out_ids
                 self.prefix.put(slot.gen.key, fed[:keys[0].shape[2]], keys, values)
             self._remove_row(r)
-        self.done(slot.gen, reason, slot)
+        self.done(slot.gen, reason, slot, message)
 
     def _remove_row(self, r: int) -> None:
         """The last row takes row ``r``'s place, in the list as in the buffer."""
@@ -366,7 +391,7 @@ class LocalEngine(Engine):
             slot.first_delta_at = time.monotonic()
         slot.gen.emit(Delta(text))
 
-    def done(self, gen: Generation, reason: str, slot: Slot | None = None) -> None:
+    def done(self, gen: Generation, reason: str, slot: Slot | None = None, message: str | None = None) -> None:
         prompt_tokens, completion_tokens = (len(slot.prompt_ids), len(slot.out_ids)) if slot else (0, 0)
         gen.emit(Done.build(reason, prompt_tokens, completion_tokens, gen.submitted_at,
-                            slot.first_delta_at if slot else None, slot.reused if slot else 0))
+                            slot.first_delta_at if slot else None, slot.reused if slot else 0, message, message))

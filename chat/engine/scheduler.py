@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..concurrency import Counter, Wakeup
 from ..errors import EngineError
+from . import sampling
 from .base import Generation
 from .prefill import MIN_CHUNK, PrefillJob
 from .slot import Slot
@@ -118,6 +119,10 @@ class Scheduler:
         while self.waiting and room > 0:
             request = self.waiting.popleft()
             gen = request.gen
+            wrong = sampling.problem(gen.params)
+            if wrong is not None:  # refused alone: the batch never sees these parameters
+                engine.emit_error(gen, EngineError(wrong, "bad_message", 400))
+                continue
             try:
                 ids = request.prompt_ids or engine.fit(gen)
             except EngineError as exc:

@@ -202,7 +202,8 @@ class Session:
         """Answer one frame; False when the session should end (``stop``)."""
         req = None
         try:
-            req = parse(raw, self.settings.max_content_chars, self.settings.max_new_tokens)
+            req = parse(raw, self.settings.max_content_chars, self.settings.max_new_tokens,
+                        self.turns.engine.vocab_size)
             return getattr(self, "on_" + req.type)(req) is not False
         except Exception as exc:  # the one place errors become frames
             if not isinstance(exc, ChatError):
