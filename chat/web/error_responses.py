@@ -55,6 +55,8 @@ def response(exc: ChatError, extra: dict | None = None) -> Response:
     if v1 and exc.status == 401:
         out.headers["WWW-Authenticate"] = "Bearer"
     out.status_code = exc.status
+    if getattr(exc, "retry_after", None):
+        out.headers["Retry-After"] = str(exc.retry_after)
     return out
 
 
