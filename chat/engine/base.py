@@ -37,7 +37,7 @@ class Generation:
     """One answer being made: the engine ``emit``s events, the consumer iterates ``events()``.
 
     This is what the web side sees of a request. Set by the engine that makes it and never
-    changed afterwards: ``messages``, ``params``, ``key``, ``notify``. Whatever else an engine keeps
+    changed afterwards: ``messages``, ``params``, ``key``, ``owner``, ``notify``. Whatever else an engine keeps
     per request (prompt ids, queue position, an upstream connection) lives in the engine, keyed
     by the generation.
     """
@@ -45,6 +45,7 @@ class Generation:
     messages: list
     params: GenParams
     key: str | None = None  # conversation key for prefix-cache reuse
+    owner: str | None = None  # whose answer (the client's address): the engine shares prefill between owners
     notify: Callable[["Generation"], None] | None = field(default=None, repr=False)  # the engine's; see cancel()
     serial: int = field(default_factory=lambda: next(_ids))
     submitted_at: float = field(default_factory=time.monotonic)
@@ -163,8 +164,10 @@ class Engine:
     ready: bool = False
     error: str | None = None
 
-    def submit(self, messages: list, params: GenParams, key: str | None = None) -> Generation:
-        """Queue a generation for ``messages`` (system/user/assistant dicts); never blocks.
+    def submit(self, messages: list, params: GenParams, key: str | None = None,
+               owner: str | None = None) -> Generation:
+        """Queue a generation for ``messages`` (system/user/assistant dicts); never blocks. ``owner``:
+        whose it is (the client's address), so that one owner's prompts cannot crowd out others'.
 
         Raises an ``EngineError`` (``Overloaded``, ``PromptTooLong``...) when refused at once.
         """

@@ -66,7 +66,7 @@ class LocalEngine(Engine):
 
     # ---- called from the web layer (any greenlet or thread) ----
 
-    def submit(self, messages, params: GenParams, key=None) -> Generation:
+    def submit(self, messages, params: GenParams, key=None, owner=None) -> Generation:
         """Queue a generation; raises ``overloaded`` when the queue is full or stopping."""
         if not self.accepting or self.stopping:
             raise Overloaded("the server is shutting down")
@@ -77,7 +77,7 @@ class LocalEngine(Engine):
         full = len(self.rows) + queue.prefilling >= self.settings.max_batch
         if full and queue.queued() >= self.settings.max_queue:
             raise Overloaded("the server is at capacity; try again shortly")
-        gen = Generation(messages=messages, params=params, key=key, notify=self._notify)
+        gen = Generation(messages=messages, params=params, key=key, owner=owner, notify=self._notify)
         request = Request(gen)
         queue.arriving.add(1)
         try:

@@ -161,14 +161,15 @@ class RemoteEngine(Engine):
         """The backend's name for a model users named (the default is shown under ``model_name``)."""
         return self.backend_model if model in (None, self.model_name) else model
 
-    def submit(self, messages: list, params: GenParams, key: str | None = None) -> Generation:
+    def submit(self, messages: list, params: GenParams, key: str | None = None,
+               owner: str | None = None) -> Generation:
         """Start one upstream call; events arrive on the returned Generation."""
         if self._closed:
             raise Overloaded("the server is shutting down")
         with self._lock:
             if len(self._active) >= self.settings.max_batch + self.settings.max_queue:
                 raise Overloaded("too many requests in flight to the backend; retry shortly")
-            gen = Generation(messages=messages, params=params, key=key, notify=self._abort)
+            gen = Generation(messages=messages, params=params, key=key, owner=owner, notify=self._abort)
             call = self._active[gen.serial] = _Call(gen)
             watch, self._watching = not self._watching, True
         if watch:
