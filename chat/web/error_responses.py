@@ -55,8 +55,9 @@ def response(exc: ChatError, extra: dict | None = None) -> Response:
     if v1 and exc.status == 401:
         out.headers["WWW-Authenticate"] = "Bearer"
     out.status_code = exc.status
-    if getattr(exc, "retry_after", None):
-        out.headers["Retry-After"] = str(exc.retry_after)
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after:
+        out.headers["Retry-After"] = str(retry_after)
     return out
 
 
