@@ -136,7 +136,8 @@ class Scheduler:
         busy = {owner(s.gen) for job in self.jobs for s in job.slots} | {owner(s.gen) for s in fresh}
         request = next((r for r in self.waiting if owner(r.gen) not in busy), self.waiting[0])
         size = len(request.prompt_ids or ())
-        if (self.jobs or fresh) and self._tokens() + sum(len(s.prompt_ids) for s in fresh) + size > self.budget_tokens:
+        held = self._tokens() + sum(len(s.prompt_ids) for s in fresh)
+        if (self.jobs or fresh) and held + size > self.budget_tokens:
             return None
         self.waiting.remove(request)
         return request
@@ -235,8 +236,10 @@ class Scheduler:
             if logits is not None:
                 self.jobs.remove(job)
                 self.joining.append((job, logits))
-            if decoding and seconds < target / 2:
-                break  # another forward now would stall the running rows past the target
+            if not decoding or seconds < target / 2:
+                # Decoding: another forward now would stall the running rows past the target. Not
+                # decoding: look for newcomers (another owner's) before the next forward.
+                break
 
     def _next_job(self):
         """The job of the owner that has had the least prefill (the oldest job among equals)."""
