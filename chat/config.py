@@ -26,6 +26,15 @@ def _origins(raw: str) -> tuple[str, ...]:
     return tuple(o.strip().rstrip("/") for o in raw.split(",") if o.strip())
 
 
+def _hosts(raw: str) -> tuple[str, ...]:
+    names = tuple(h.strip().lower().rstrip(".") for h in raw.split(",") if h.strip())
+    for name in names:
+        bare = name[2:] if name.startswith("*.") else name
+        if name != "*" and (not bare or not all(c.isalnum() or c in "-._:[]" for c in bare)):
+            raise ValueError(f"{name!r} is not a host name (expected names like chat.example.com, *.example.com or *)")
+    return names
+
+
 def _choice(*allowed: str):
     def parse(raw: str) -> str:
         value = raw.strip().lower()
@@ -276,6 +285,13 @@ class Settings:
         "CHAT_ALLOWED_ORIGINS", (), _origins, section="Security",
         doc="Extra browser origins allowed to open `/ws`, comma-separated (for example "
             "`https://app.example.com`). The page's own origin is always allowed, and `*` allows any origin.")
+    allowed_hosts: tuple = _setting(
+        "CHAT_ALLOWED_HOSTS", (), _hosts,
+        doc="Host names this server answers to, comma-separated (`chat.example.com`, `*.example.com`, `*` for "
+            "any). Always allowed: IP addresses, `localhost` and `*.localhost`, `CHAT_BIND`'s host and the hosts "
+            "of `CHAT_ALLOWED_ORIGINS`. Any other `Host` (or trusted `X-Forwarded-Host`) gets 403, page, API and "
+            "WebSocket alike: a page on another site cannot reach a server on 127.0.0.1 by rebinding its own name "
+            "to that address. Behind nginx, list the `server_name` here.")
     api_key: str = _setting(
         "CHAT_API_KEY", "", str,
         doc="When set, it is required on `/v1` and on WebSocket connections that lack the page's cookie. It "

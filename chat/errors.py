@@ -53,6 +53,15 @@ class StorageFull(ProtocolError):
         super().__init__("overloaded", "the server's storage is full: nothing was saved; try again later", id)
 
 
+class StoreBusy(ProtocolError):
+    """The database stayed locked by another writer past its busy timeout: nothing was changed."""
+
+    retry_after = 2  # seconds, for HTTP's Retry-After
+
+    def __init__(self, id: str | None = None) -> None:
+        super().__init__("overloaded", "the database is busy; nothing was changed: try again in a moment", id)
+
+
 class SearchTimeout(ProtocolError):
     """A search ran past its time budget (CHAT_SEARCH_TIMEOUT_S), or waited for its turn that long."""
 

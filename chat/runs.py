@@ -222,6 +222,8 @@ class Run:
                             prompt=self.gen.messages[-1]["content"], text=text)
         frame = {"type": "done", "id": self.id, "reason": event.reason, "usage": event.usage,
                  "timings": event.timings}
+        if event.notice:
+            frame["message"] = event.notice
         with self.lock:
             self.done_frame = frame
             self.forward(frame)

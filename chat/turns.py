@@ -228,7 +228,7 @@ class TurnService:
         """
         ticket = self.limits.admit(address, client, rid)
         try:
-            gen = self.engine.submit(messages, params, key=key)
+            gen = self.engine.submit(messages, params, key=key, owner=address)
         except BaseException:
             ticket.release()
             raise

@@ -39,7 +39,7 @@ class FakeEngine(Engine):
         self._waiting: list[Generation] = []
         self._lock = threading.Lock()
 
-    def submit(self, messages, params, key=None):
+    def submit(self, messages, params, key=None, owner=None):
         """Record the request and answer it on a real thread."""
         if self.refuse is not None:
             raise self.refuse
@@ -47,7 +47,7 @@ class FakeEngine(Engine):
             raise Overloaded("the server is shutting down")
         if self.context_words is not None and len(messages[-1]["content"].split()) > self.context_words:
             raise PromptTooLong(f"the message does not fit in the model's context of {self.context_words} words")
-        gen = Generation(messages=messages, params=params, key=key)
+        gen = Generation(messages=messages, params=params, key=key, owner=owner)
         with self._lock:
             if self.slots is not None and self._active >= self.slots:
                 if len(self._waiting) >= self.max_queue:

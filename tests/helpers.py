@@ -316,9 +316,9 @@ def make_engine(tiny_model, tmp_path, **overrides):
     (the C++ step switches in while the engine is idle, which a test must wait for: test_native.py)."""
     from chat.config import Settings
     from chat.engine.local import LocalEngine
-    overrides = {"dtype": "float32", "native": False, **overrides}
-    settings = Settings.from_env({}, model=str(tiny_model), data_dir=str(tmp_path),
-                                 max_new_tokens=4096, context_tokens=8192, threads=1, **overrides)
+    overrides = {"dtype": "float32", "native": False, "max_new_tokens": 4096, "context_tokens": 8192, "threads": 1,
+                 **overrides}
+    settings = Settings.from_env({}, model=str(tiny_model), data_dir=str(tmp_path), **overrides)
     return wait_ready(LocalEngine(settings))
 
 

@@ -222,7 +222,7 @@ def test_stalled_bodies_are_closed_in_time(live):
     """The default CHAT_BODY_TIMEOUT_S (15 s): 20 stalled bodies, /healthz answered meanwhile."""
     def stall(path, results):
         sock = socket.create_connection(("127.0.0.1", live.port), timeout=60)
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      f"Content-Length: 100000\r\nCookie: {cookie(live)}\r\n\r\n{{".encode())
         t0 = time.monotonic()
         answer = b""
@@ -385,7 +385,7 @@ def test_abusers_beside_four_users(server_factory, capsys):
 
     def stalled():
         sock = socket.create_connection(("127.0.0.1", srv.port), timeout=20)
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"X-Forwarded-For: 198.51.100.73\r\nContent-Length: 100000\r\n\r\n{")
         count(f"stalled {sock.recv(100).split(b' ', 2)[1].decode() if True else ''}")
         sock.close()

@@ -37,7 +37,7 @@ class Generation:
     """One answer being made: the engine ``emit``s events, the consumer iterates ``events()``.
 
     This is what the web side sees of a request. Set by the engine that makes it and never
-    changed afterwards: ``messages``, ``params``, ``key``, ``notify``. Whatever else an engine keeps
+    changed afterwards: ``messages``, ``params``, ``key``, ``owner``, ``notify``. Whatever else an engine keeps
     per request (prompt ids, queue position, an upstream connection) lives in the engine, keyed
     by the generation.
     """
@@ -45,6 +45,7 @@ class Generation:
     messages: list
     params: GenParams
     key: str | None = None  # conversation key for prefix-cache reuse
+    owner: str | None = None  # whose answer (the client's address): the engine shares prefill between owners
     notify: Callable[["Generation"], None] | None = field(default=None, repr=False)  # the engine's; see cancel()
     serial: int = field(default_factory=lambda: next(_ids))
     submitted_at: float = field(default_factory=time.monotonic)
@@ -158,14 +159,17 @@ class Engine:
     """What the web layer needs from an engine (local model or remote backend)."""
 
     model_name: str = "model"
+    vocab_size: int | None = None  # the model's vocabulary (top_k's bound), when the engine knows it
     weights: str | None = None  # what the local model's decode step multiplies by ("int4", "bfloat16"...)
     formats: dict[str, str] | None = None  # the same per class of product (Decoder.formats)
     cpu: str | None = None  # the CPU class the local engine runs (engine/cpu.py)
     ready: bool = False
     error: str | None = None
 
-    def submit(self, messages: list, params: GenParams, key: str | None = None) -> Generation:
-        """Queue a generation for ``messages`` (system/user/assistant dicts); never blocks.
+    def submit(self, messages: list, params: GenParams, key: str | None = None,
+               owner: str | None = None) -> Generation:
+        """Queue a generation for ``messages`` (system/user/assistant dicts); never blocks. ``owner``:
+        whose it is (the client's address), so that one owner's prompts cannot crowd out others'.
 
         Raises an ``EngineError`` (``Overloaded``, ``PromptTooLong``...) when refused at once.
         """

@@ -42,11 +42,13 @@ class Done:
     usage: dict = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0})
     timings: dict = field(default_factory=lambda: {"ttft_ms": None, "total_ms": 0, "tokens_per_s": 0})
     reused_tokens: int = 0
-    message: str | None = None  # what went wrong, for reason ``error``
+    message: str | None = None  # what went wrong, for reason ``error`` (for the log: may name a backend's URL)
+    notice: str | None = None  # what the client is told of it (safe to show), when there is something
 
     @classmethod
     def build(cls, reason: str, prompt_tokens: int, completion_tokens: int, submitted_at: float,
-              first_delta_at: float | None, reused_tokens: int = 0, message: str | None = None) -> "Done":
+              first_delta_at: float | None, reused_tokens: int = 0, message: str | None = None,
+              notice: str | None = None) -> "Done":
         """The one place usage and timings are computed: decode rate counts tokens after the first."""
         now = time.monotonic()
         decode_s = now - first_delta_at if first_delta_at is not None else 0.0
@@ -56,7 +58,7 @@ class Done:
                    {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
                    {"ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
                     "total_ms": round((now - submitted_at) * 1000, 1), "tokens_per_s": round(rate, 2)},
-                   reused_tokens, message)
+                   reused_tokens, message, notice)
 
 
 Event = Queued | Started | Delta | Refused | Done

@@ -69,7 +69,7 @@ class LocalEngine(Engine):
 
     # ---- called from the web layer (any greenlet or thread) ----
 
-    def submit(self, messages, params: GenParams, key=None) -> Generation:
+    def submit(self, messages, params: GenParams, key=None, owner=None) -> Generation:
         """Queue a generation; raises ``overloaded`` when the queue is full or stopping."""
         if not self.accepting or self.stopping:
             raise Overloaded("the server is shutting down")
@@ -80,7 +80,7 @@ class LocalEngine(Engine):
         full = len(self.rows) + queue.prefilling >= self.settings.max_batch
         if full and queue.queued() >= self.settings.max_queue:
             raise Overloaded("the server is at capacity; try again shortly")
-        gen = Generation(messages=messages, params=params, key=key, notify=self._notify)
+        gen = Generation(messages=messages, params=params, key=key, owner=owner, notify=self._notify)
         request = Request(gen)
         queue.arriving.add(1)
         try:
@@ -193,6 +193,8 @@ class LocalEngine(Engine):
             self.weights = self.loaded.weights
             self.cpu = cpu.detect(self.settings.cpu_isa).isa
             self.formats = decoder.formats() if decoder is not None else None
+            self.vocab_size = (decoder.shape.vocab if decoder is not None
+                               else self.loaded.model.get_output_embeddings().weight.shape[0])
             self.chores = model_loader.finish(self.loaded, self.settings)
             # the default system prompt's preamble first, so the first user after a start reuses it too
             self._want_preamble([{"role": "system", "content": self.settings.system_prompt}]
@@ -315,10 +317,33 @@ class LocalEngine(Engine):
         self._accept_all(list(self.rows), logits)
 
     def _accept_all(self, slots: list, logits) -> None:
-        """Sample every row's next token in one pass, then emit each row's text."""
-        tokens = sample(logits, [s.params for s in slots], [s.generator for s in slots], native=self._sampler())
+        """Sample every row's next token in one pass, then emit each row's text.
+
+        A pass that fails is redone row by row, each row's generator first put back where it was (a
+        seeded answer stays the same), and a row that fails alone ends alone with ``error``.
+        """
+        params, generators = [s.params for s in slots], [s.generator for s in slots]
+        states = [g.get_state() if p.temperature else None for p, g in zip(params, generators)]
+        try:
+            tokens: list = sample(logits, params, generators, native=self._sampler())
+        except Exception:
+            log.exception("sampling %d rows failed: sampling them one by one", len(slots))
+            tokens = [self._sample_alone(slot, logits[r:r + 1], states[r]) for r, slot in enumerate(slots)]
         for slot, token in zip(slots, tokens):
-            self._accept(slot, token)
+            if isinstance(token, str):
+                self._finish(slot, "error", token)
+            else:
+                self._accept(slot, token)
+
+    def _sample_alone(self, slot: Slot, logits, state) -> int | str:
+        """One row's next token, or what went wrong with its sampling."""
+        try:
+            if state is not None:
+                slot.generator.set_state(state)
+            return sample(logits, [slot.params], [slot.generator], native=self._sampler())[0]
+        except Exception as exc:
+            log.exception("sampling request %s failed", slot.gen.serial)
+            return f"sampling failed ({type(exc).__name__}): this answer ended; the others go on"
 
     @property
     def _native(self) -> bool:
@@ -338,7 +363,7 @@ class LocalEngine(Engine):
         if reason:
             self._finish(slot, reason)
 
-    def _finish(self, slot: Slot, reason: str) -> None:
+    def _finish(self, slot: Slot, reason: str, message: str | None = None) -> None:
         """End a row: flush its text, keep its KV for the next turn, emit ``done``."""
         if reason != "error":
             self._delta(slot, slot.flush())
@@ -349,7 +374,7 @@ class LocalEngine(Engine):
                 fed = slot.prompt_ids + slot.out_ids
                 self.prefix.put(slot.gen.key, fed[:keys[0].shape[2]], keys, values)
             self._remove_row(r)
-        self.done(slot.gen, reason, slot)
+        self.done(slot.gen, reason, slot, message)
 
     def _remove_row(self, r: int) -> None:
         """The last row takes row ``r``'s place, in the list as in the buffer."""
@@ -394,7 +419,7 @@ class LocalEngine(Engine):
             slot.first_delta_at = time.monotonic()
         slot.gen.emit(Delta(text))
 
-    def done(self, gen: Generation, reason: str, slot: Slot | None = None) -> None:
+    def done(self, gen: Generation, reason: str, slot: Slot | None = None, message: str | None = None) -> None:
         prompt_tokens, completion_tokens = (len(slot.prompt_ids), len(slot.out_ids)) if slot else (0, 0)
         gen.emit(Done.build(reason, prompt_tokens, completion_tokens, gen.submitted_at,
-                            slot.first_delta_at if slot else None, slot.reused if slot else 0))
+                            slot.first_delta_at if slot else None, slot.reused if slot else 0, message, message))

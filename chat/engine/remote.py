@@ -22,6 +22,10 @@ _FINISH = {"stop": "stop", "length": "length"}
 AT_CAPACITY = (429, 503)  # the engine's queue is full: the client may retry, as with our own queue
 _decode = json.JSONDecoder().raw_decode
 WATCH_EVERY_S = 1.0  # the silence watchdog's period (at most a quarter of CHAT_BACKEND_TIMEOUT_S)
+# An answer is cut (reason length) past this many bytes per token it may have: an upstream that
+# ignores max_tokens, or sends one endless delta, cannot fill the worker's memory or the database.
+BYTES_PER_TOKEN = 64
+MIN_ANSWER_BYTES = 64 * 1024
 MODELS_FRESH_S = 60.0  # how long the backend's model list is used before it is asked again
 
 
@@ -157,14 +161,15 @@ class RemoteEngine(Engine):
         """The backend's name for a model users named (the default is shown under ``model_name``)."""
         return self.backend_model if model in (None, self.model_name) else model
 
-    def submit(self, messages: list, params: GenParams, key: str | None = None) -> Generation:
+    def submit(self, messages: list, params: GenParams, key: str | None = None,
+               owner: str | None = None) -> Generation:
         """Start one upstream call; events arrive on the returned Generation."""
         if self._closed:
             raise Overloaded("the server is shutting down")
         with self._lock:
             if len(self._active) >= self.settings.max_batch + self.settings.max_queue:
                 raise Overloaded("too many requests in flight to the backend; retry shortly")
-            gen = Generation(messages=messages, params=params, key=key, notify=self._abort)
+            gen = Generation(messages=messages, params=params, key=key, owner=owner, notify=self._abort)
             call = self._active[gen.serial] = _Call(gen)
             watch, self._watching = not self._watching, True
         if watch:
@@ -232,6 +237,10 @@ class RemoteEngine(Engine):
                 "temperature": p.temperature, "top_p": p.top_p, "max_tokens": p.max_new_tokens}
         if p.seed is not None:
             body["seed"] = p.seed
+        if p.top_k:  # sent only when set: vLLM, TGI, llama.cpp and Ollama take them; not every backend does
+            body["top_k"] = p.top_k
+        if p.min_p:
+            body["min_p"] = p.min_p
         if p.stop:
             body["stop"] = list(p.stop)
         if gen.messages and gen.messages[-1].get("prefix"):
@@ -242,7 +251,8 @@ class RemoteEngine(Engine):
     def _run(self, call: _Call) -> None:
         gen = call.gen
         t0 = gen.submitted_at
-        state = {"first": None, "deltas": 0, "usage": None, "finish": None}
+        state = {"first": None, "deltas": 0, "usage": None, "finish": None,
+                 "room": max(MIN_ANSWER_BYTES, BYTES_PER_TOKEN * gen.params.max_new_tokens)}
         reason, message = "error", None
         conn = call.conn = self._connection(self.settings.backend_timeout_s)
         try:
@@ -341,6 +351,16 @@ class RemoteEngine(Engine):
                 if state["first"] is None:
                     state["first"] = time.monotonic()
                 state["deltas"] += 1
+                size = len(text.encode("utf-8", "surrogatepass"))
+                state["room"] -= size
+                if state["room"] < 0:  # the answer's byte budget: what fits, then the end
+                    kept = text.encode("utf-8", "surrogatepass")[:size + state["room"]]
+                    text = kept.decode("utf-8", "ignore")
+                    if text:
+                        gen.emit(Delta(text))
+                    log.warning("remote generation %s passed its %d bytes: cut", gen.serial,
+                                max(MIN_ANSWER_BYTES, BYTES_PER_TOKEN * gen.params.max_new_tokens))
+                    return "length", None
                 gen.emit(Delta(text))
             if choice.get("finish_reason"):
                 state["finish"] = choice["finish_reason"]

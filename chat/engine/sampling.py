@@ -10,14 +10,45 @@ generator, so a seeded answer does not depend on who else is in the batch.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import torch
 
 NARROW = 64  # topk of 64 of 49,152 logits x 8 rows: ~1.3 ms here; of 256: ~6 ms
+# Below this a row is greedy: logits ÷ 1e-300 overflow to inf and NaN (noise, not the likeliest text);
+# vLLM takes the same floor. At 1e-5 the gap between the top two logits is already 1e5 nats.
+MIN_TEMPERATURE = 1e-5
+
+
+def problem(p) -> str | None:
+    """Why a row's parameters cannot be sampled with (None when they can): the engine's own last check,
+    for whatever slipped past the transports' rules (chat/params.py)."""
+    if not isinstance(p.temperature, (int, float)) or not 0 <= p.temperature < math.inf:
+        return "temperature must be a finite number of at least 0"
+    if not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1:
+        return "top_p must be a number greater than 0 and at most 1"
+    if p.min_p is not None and (not isinstance(p.min_p, (int, float)) or not 0 <= p.min_p <= 1):
+        return "min_p must be a number from 0 to 1"
+    if p.top_k is not None and (not isinstance(p.top_k, int) or p.top_k < 0):
+        return "top_k must be an integer of at least 0"
+    return None
+
+
+def _safe(p, vocab: int):
+    """``p`` as the filters take it: a temperature under the floor is greedy, a top_k past the
+    vocabulary is off (the same draw), so no huge or tiny number reaches a tensor."""
+    cold = p.temperature != 0 and not MIN_TEMPERATURE <= p.temperature < math.inf
+    wide = (p.top_k or 0) > vocab
+    if cold or wide:
+        return replace(p, temperature=0.0 if cold else p.temperature, top_k=0 if wide else p.top_k)
+    return p
 
 
 def sample(logits, params: list, generators: list, narrow: int = NARROW, native=None) -> list[int]:
     """Next token of every row: ``logits`` (rows, vocab), one GenParams and torch.Generator per row.
     ``native``: the same draw in one C++ call (``native.sample``), given each row's uniform number."""
+    params = [_safe(p, logits.shape[-1]) for p in params]
     hot = [i for i, p in enumerate(params) if p.temperature > 0]
     if native is not None and logits.device.type == "cpu":
         u = torch.zeros(len(params))

@@ -4,9 +4,15 @@ Requests reach the engine through an inbox (a deque producers only append to);
 everything else here is the engine thread's own. Each iteration spends one
 chunk of at most ``CHAT_PREFILL_CHUNK`` prompt tokens, and about ``STALL``
 decode steps' worth of time, on newcomers (all at once when nobody is decoding;
-more when more wait to start than decode), so a long prompt never stalls
+more when more owners wait to start than decode), so a long prompt never stalls
 running streams for long. An idle engine lets requests sent together land
 before it starts, so they share one prefill.
+
+Prefill is shared between owners (a generation's ``owner``: its client's address), not between
+requests: seven long prompts from one address count as one owner waiting, get one owner's share
+of the time between decode steps, and the owner that has had the least prefill goes next. What
+prefills at once is bounded in memory: at most PREFILL_TOKENS prompt tokens in prefill together
+(more wait in the queue) and PREFILL_FORWARD_TOKENS in one forward.
 """
 from __future__ import annotations
 
@@ -16,12 +22,20 @@ from dataclasses import dataclass
 
 from ..concurrency import Counter, Wakeup
 from ..errors import EngineError
+from . import sampling
 from .base import Generation
 from .prefill import MIN_CHUNK, PrefillJob
 from .slot import Slot
 
 STALL = 2.0  # a prefill chunk between two decode steps takes at most about this many decode steps
 GATHER_S = 0.05  # the most an idle engine waits for requests being submitted along with the first
+PREFILL_TOKENS = 4096  # prompt tokens (rows x width) in prefill at once, at least (or 2 contexts)
+PREFILL_FORWARD_TOKENS = 4096  # prompt tokens in one prefill forward, even with nobody to stall
+
+
+def owner(gen: Generation) -> str:
+    """Whose generation it is (its address); one without an owner is its own."""
+    return gen.owner or f"#{gen.serial}"
 
 
 @dataclass(eq=False)
@@ -52,6 +66,8 @@ class Scheduler:
         self.arriving = Counter()  # submits still fitting their prompt: see gather
         self.prefilling = 0  # rows in jobs and joining, kept by the engine thread for other threads to read
         self.token_s = 0.0  # seconds a prompt token costs in a chunk beside decoding rows (measured)
+        self.spent: dict[str, int] = {}  # prompt tokens prefilled per owner since prefill last went idle
+        self.budget_tokens = max(PREFILL_TOKENS, 2 * self.settings.context_tokens)
 
     # ---- any thread
 
@@ -110,14 +126,36 @@ class Scheduler:
     def count(self) -> None:
         self.prefilling = sum(len(j.slots) for j in self.jobs) + sum(len(j.slots) for j, _ in self.joining)
 
+    def _tokens(self) -> int:
+        """Prompt tokens (rows x width) of the jobs prefilling: what their buffers and forwards hold."""
+        return sum(job.rows * job.tokens.shape[1] for job in self.jobs)
+
+    def _next_waiting(self, fresh: list) -> Request | None:
+        """The next waiter to start: the oldest of an owner with nothing in prefill, else the oldest;
+        None while the prefill memory budget is spent (someone is always let in)."""
+        busy = {owner(s.gen) for job in self.jobs for s in job.slots} | {owner(s.gen) for s in fresh}
+        request = next((r for r in self.waiting if owner(r.gen) not in busy), self.waiting[0])
+        size = len(request.prompt_ids or ())
+        held = self._tokens() + sum(len(s.prompt_ids) for s in fresh)
+        if (self.jobs or fresh) and held + size > self.budget_tokens:
+            return None
+        self.waiting.remove(request)
+        return request
+
     def admit(self) -> None:
         """Start prefilling waiters while the batch has room; tell the rest their position."""
         engine = self.engine
         room = self.settings.max_batch - len(engine.rows) - self.prefilling
-        fresh = []
+        fresh: list[Slot] = []
         while self.waiting and room > 0:
-            request = self.waiting.popleft()
+            request = self._next_waiting(fresh)
+            if request is None:
+                break
             gen = request.gen
+            wrong = sampling.problem(gen.params)
+            if wrong is not None:  # refused alone: the batch never sees these parameters
+                engine.emit_error(gen, EngineError(wrong, "bad_message", 400))
+                continue
             try:
                 ids = request.prompt_ids or engine.fit(gen)
             except EngineError as exc:
@@ -159,18 +197,23 @@ class Scheduler:
         """Spend this iteration's prompt budget, oldest job first; finished jobs wait in ``joining``."""
         engine = self.engine
         decoding = len(engine.rows)
-        # A chunk per decode step bounds the running rows' stall; when more users wait for their
-        # first token than are decoding, they get proportionally more (the stall then hurts fewer).
-        share = max(1, self.prefilling // max(1, decoding))
+        if not self.jobs:
+            self.spent.clear()
+            return
+        # A chunk per decode step bounds the running rows' stall; when more owners (addresses) wait
+        # for a first token than decode, they get proportionally more (the stall then hurts fewer).
+        # Owners, not requests: one address's seven prompts are one owner's share.
+        waiting = {owner(s.gen) for job in self.jobs for s in job.slots}
+        share = max(1, len(waiting) // max(1, len({owner(s.gen) for s in engine.rows})))
         budget = self.settings.prefill_chunk * share
         # The budget is also one of time: a chunk costs more the deeper its prompt (attention), so
         # its size follows the measured cost, to stall running rows at most ~STALL decode steps.
         target = STALL * engine.step_s * share
         seconds = target
         while self.jobs and budget > 0 and seconds > 0:
-            job = self.jobs[0]
+            job = self._next_job()
             if all(s.gen.cancel_reason for s in job.slots):
-                self.jobs.popleft()
+                self.jobs.remove(job)
                 self.count()
                 for slot in job.slots:
                     engine.done(slot.gen, slot.gen.cancel_reason, slot)
@@ -179,8 +222,9 @@ class Scheduler:
                 # A job's first chunk: sized from what earlier chunks cost (at their depth, so
                 # no more than this one, which starts the prompt), not just the token budget.
                 job.columns = max(MIN_CHUNK, int((target - engine.step_s) / (self.token_s * job.rows)))
-            # Nobody decoding means nobody to stall: the whole prompt at once.
-            columns = job.chunk(budget) if decoding else job.remaining
+            # Nobody decoding means nobody to stall: the whole prompt at once (memory allowing).
+            columns = job.chunk(budget) if decoding else min(job.remaining,
+                                                             max(1, PREFILL_FORWARD_TOKENS // job.rows))
             started = time.monotonic()
             logits = job.step(engine.forward, columns)
             spent = time.monotonic() - started
@@ -192,11 +236,21 @@ class Scheduler:
             # last few tokens cost about a decode step's fixed part alone, which says nothing of a token's cost)
             if columns * job.rows >= MIN_CHUNK or not self.token_s:
                 self.token_s = max(spent - (engine.step_s if decoding else 0), 1e-4) / (columns * job.rows)
+            for slot in job.slots:
+                self.spent[owner(slot.gen)] = self.spent.get(owner(slot.gen), 0) + columns
             if logits is not None:
-                self.jobs.popleft()
+                self.jobs.remove(job)
                 self.joining.append((job, logits))
-            if decoding and seconds < target / 2:
-                break  # another forward now would stall the running rows past the target
+            if not decoding or seconds < target / 2:
+                # Decoding: another forward now would stall the running rows past the target. Not
+                # decoding: look for newcomers (another owner's) before the next forward.
+                break
+
+    def _next_job(self):
+        """The job of the owner that has had the least prefill (the oldest job among equals)."""
+        def served(job) -> int:
+            return min(self.spent.get(owner(s.gen), 0) for s in job.slots)
+        return min(self.jobs, key=served)  # min keeps the first (oldest) of equals
 
     def take_joining(self):
         """Prefilled jobs, oldest first, each with its last position's logits."""

@@ -1,17 +1,19 @@
 """The SQLite backend: one file, one connection shared under a real lock."""
 from __future__ import annotations
 
+import logging
 import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import SearchTimeout
+from ..errors import SearchTimeout, StoreBusy
 from ..concurrency import real_lock
 from . import search as fts
 from .schema import MIGRATIONS, index_cjk, migrate
 
+log = logging.getLogger("chat.store")
 BUSY_TIMEOUT_MS = 5000
 PROGRESS_STEPS = 2000  # virtual machine steps between two looks at a search's deadline
 
@@ -46,9 +48,16 @@ class SQLite:
 
     @contextmanager
     def connection(self) -> Iterator[SQLite]:
-        """The connection, for the caller alone while the block runs."""
+        """The connection, for the caller alone while the block runs. A database another process
+        kept locked past the busy timeout is StoreBusy (``overloaded``), not an internal error."""
         with self._lock:
-            yield self
+            try:
+                yield self
+            except sqlite3.OperationalError as exc:
+                if getattr(exc, "sqlite_errorcode", 0) & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                    raise
+                log.warning("the database stayed locked past %d ms: %s", BUSY_TIMEOUT_MS, exc)
+                raise StoreBusy() from None
 
     @staticmethod
     def lock(key: str) -> None:

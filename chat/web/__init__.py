@@ -9,7 +9,8 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
 
     ``engine_only``: only ``/v1`` and health, for web workers that use this process as their backend.
     """
-    from . import conversations_api, error_responses, health, openai_api, pages, request_body, ws
+    from . import conversations_api, error_responses, health, hosts, openai_api, pages, request_body, ws
+    hosts.init_app(app, app.extensions["chat"].settings)
     app.register_blueprint(health.bp)
     app.register_blueprint(openai_api.bp)
     if engine_only:  # the page's app-wide hooks (hardening headers, proxy warning), without the page

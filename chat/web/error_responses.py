@@ -55,6 +55,9 @@ def response(exc: ChatError, extra: dict | None = None) -> Response:
     if v1 and exc.status == 401:
         out.headers["WWW-Authenticate"] = "Bearer"
     out.status_code = exc.status
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after:
+        out.headers["Retry-After"] = str(retry_after)
     return out
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 import uuid
 from json.encoder import encode_basestring
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from flask import Blueprint, Response, jsonify, request
 
+from .. import params as sampling
 from ..app_state import app_state
 from ..config import Settings
 from ..engine import Generation
@@ -28,7 +28,6 @@ bp = Blueprint("openai_api", __name__, url_prefix="/v1")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 KEEPALIVE_S = 15.0  # an SSE comment while nothing else is sent: proxies stay open, gone clients are noticed
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _FINISH = {"stop": "stop", "length": "length", "timeout": "length", "cancelled": "stop"}
 _STARTED = int(time.time())
@@ -55,18 +54,6 @@ def _engine_ready():
 
 def _bad(name: str, message: str) -> RequestError:
     return RequestError("invalid_value", f"'{name}' {message}", 400, name)
-
-
-def _number(low: float, high: float, low_open: bool = False):
-    def parse(value: Any, name: str, settings: Settings) -> Any:
-        # a huge int is compared exactly below (math.isfinite would overflow converting it)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-                isinstance(value, float) and not math.isfinite(value)):
-            raise _bad(name, "must be a number")
-        if value < low or value > high or (low_open and value == low):
-            raise _bad(name, f"must be in {'(' if low_open else '['}{low}, {high}]")
-        return float(value)
-    return parse
 
 
 def _integer(low: int, high: int | None = None):
@@ -131,8 +118,14 @@ def _content(value: Any, name: str) -> str:
     raise _bad(name, "must be a string or a list of text parts")
 
 
-def _top_k(value: Any, name: str, settings: Settings) -> Any:
-    return max(0, _integer(-1)(value, name, settings))  # -1, other servers' "off", means off here too
+def _sampling(value: Any, name: str, settings: Settings) -> Any:
+    """A sampling parameter, by the rules every transport shares (chat/params.py)."""
+    if name == "top_k" and value == -1 and not isinstance(value, bool):
+        value = 0  # -1, other servers' "off", means off here too
+    what = sampling.check(name, value)
+    if what is not None:
+        raise _bad(name, f"must be {what}")
+    return float(value) if name in ("temperature", "top_p", "min_p") else value
 
 
 def _too_large(name: str, message: str) -> RequestError:
@@ -173,13 +166,13 @@ def _unsupported(message: str):
 FIELDS = {
     "messages": _messages,
     "model": _string,
-    "temperature": _number(0.0, 2.0),
-    "top_p": _number(0.0, 1.0, low_open=True),
-    "top_k": _top_k,
-    "min_p": _number(0.0, 1.0),
+    "temperature": _sampling,
+    "top_p": _sampling,
+    "top_k": _sampling,
+    "min_p": _sampling,
     "max_tokens": _integer(1),
     "max_completion_tokens": _integer(1),
-    "seed": _integer(*SEED_RANGE),
+    "seed": _sampling,
     "stop": _stop,
     "n": _n,
     "stream": _boolean,
@@ -192,8 +185,9 @@ FIELDS = {
 REQUIRED = ("messages",)
 
 
-def parse_request(body: Any, settings: Settings) -> dict:
-    """Validate a chat.completions body; null counts as absent, unknown fields are ignored."""
+def parse_request(body: Any, settings: Settings, vocab: int | None = None) -> dict:
+    """Validate a chat.completions body; null counts as absent, unknown fields are ignored.
+    ``vocab``: the model's vocabulary when known (top_k's bound)."""
     if not isinstance(body, dict):
         raise RequestError("invalid_request", "the request body must be a JSON object")
     values = {name: parse(body[name], name, settings)
@@ -201,6 +195,9 @@ def parse_request(body: Any, settings: Settings) -> dict:
     for name in REQUIRED:
         if name not in values:
             raise _bad(name, "is required")
+    what = sampling.check("top_k", values["top_k"], vocab=vocab) if "top_k" in values else None
+    if what is not None:
+        raise _bad("top_k", f"must be {what}: the model's vocabulary")
     return values
 
 
@@ -250,7 +247,7 @@ def get_model(model_id: str) -> Response:
 def chat_completions() -> Response:
     """Answer a conversation, streamed as SSE chunks or as one JSON object."""
     state = app_state()
-    values = parse_request(_read_json(), state.settings)
+    values = parse_request(_read_json(), state.settings, state.engine.vocab_size)
     engine = _engine_ready()
     # A model this server does not serve gets the default, as before there were several.
     model = values.get("model") if values.get("model") in engine.models() else engine.model_name
@@ -278,6 +275,8 @@ def _failure(end: Done | Refused, request_id: str) -> ChatError:
         return EngineError(end.message, end.code, PROTOCOL_STATUS.get(end.code, 400))
     if end.reason == "shutdown":
         return RequestError("shutdown", "the server is shutting down", 503)
+    if end.notice:
+        return ChatError(f"{end.notice} (request id {request_id})")
     return ChatError(f"the engine failed while generating (request id {request_id})")
 
 

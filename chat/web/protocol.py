@@ -97,8 +97,9 @@ MESSAGES: dict[str, dict[str, tuple[bool, Callable[[Any], str | None]]]] = {
 }
 
 
-def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int) -> Request:
-    """Turn one WebSocket frame into a Request; errors follow protocol.md's precedence."""
+def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int, vocab: int | None = None) -> Request:
+    """Turn one WebSocket frame into a Request; errors follow protocol.md's precedence.
+    ``vocab``: the model's vocabulary when known (top_k's bound)."""
     if isinstance(raw, (bytes, bytearray)):
         raise ProtocolError("bad_message", "binary frames are not accepted; send JSON text")
     try:
@@ -127,7 +128,7 @@ def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int) -> Requ
         if problem:
             raise ProtocolError("bad_message", f"field {name!r} {problem}", rid)
     params = msg.get("params") or {}
-    problem = sampling.problem(params, max_new_tokens)  # unknown extra fields are ignored
+    problem = sampling.problem(params, max_new_tokens, vocab=vocab)  # unknown extra fields are ignored
     if problem:
         raise ProtocolError("bad_message", problem, rid)
     params = sampling.clean(params)

@@ -15,7 +15,7 @@ from ..concurrency import cooperate
 from ..errors import ChatError, ProtocolError, RequestError
 from ..limits import TokenBucket
 from ..runs import RunHandle
-from . import backpressure, guard, identity
+from . import backpressure, guard, identity, internals
 from .protocol import PROTOCOL, error_frame, parse
 from .ws_server import BoundedSock
 
@@ -115,7 +115,7 @@ def _send_all(sock, data: bytes) -> None:
 def _send_now(sock, data: bytes) -> int:
     """Bytes of ``data`` the kernel takes at once, without waiting (nor a timer): gevent's socket
     wraps a non-blocking one, and a small frame nearly always fits in its buffer."""
-    raw = getattr(sock, "_sock", None)  # gevent's private wrapped socket (bounded in requirements.txt)
+    raw = internals.gevent_socket(sock)
     if raw is None or raw.gettimeout() != 0.0:
         return 0
     try:
@@ -127,9 +127,8 @@ def _send_now(sock, data: bytes) -> int:
 def plain_connection(ws):
     """The socket's wsproto connection when frames may be written directly: a server socket
     with no extension negotiated (permessage-deflate must go through wsproto); else None."""
-    # simple-websocket's wsproto connection and wsproto's private frame protocol (both bounded in requirements.txt)
-    conn = getattr(getattr(ws, "ws", None), "connection", None)
-    proto = getattr(conn, "_proto", None)
+    conn = getattr(getattr(ws, "ws", None), "connection", None)  # simple-websocket's wsproto connection
+    proto = internals.frame_protocol(conn)
     if proto is None or proto.extensions or not getattr(ws, "is_server", False):
         return None
     return conn
@@ -202,7 +201,8 @@ class Session:
         """Answer one frame; False when the session should end (``stop``)."""
         req = None
         try:
-            req = parse(raw, self.settings.max_content_chars, self.settings.max_new_tokens)
+            req = parse(raw, self.settings.max_content_chars, self.settings.max_new_tokens,
+                        self.turns.engine.vocab_size)
             return getattr(self, "on_" + req.type)(req) is not False
         except Exception as exc:  # the one place errors become frames
             if not isinstance(exc, ChatError):

@@ -12,7 +12,12 @@ the reader in a write for ever (pongs nobody reads), or flood it with pings. Her
   one at a time (``write_lock``, which the session's own frames take too), and bounded by
   ``send_timeout``: a client that does not read what it is sent is cut;
 - control pings are answered at most MAX_PINGS at once, PINGS_PER_S a second after that; more
-  close the connection with 1008 (policy violation).
+  close the connection with 1008 (policy violation);
+- one message may come in at most MAX_FRAGMENTS frames, within MESSAGE_S seconds of its first: an
+  endless run of empty continuation frames closes the connection with 1008 instead of spinning;
+- a close the server starts (a message too big, a policy violation) lingers: what the client still
+  sends is read and thrown away, up to LINGER_BYTES for LINGER_S, so the close frame reaches it
+  instead of being destroyed by the reset the kernel sends for unread data.
 
 The reader overrides simple-websocket's private loop (``_thread``, ``_handle_events``); the version is
 bounded in requirements.txt.
@@ -20,6 +25,7 @@ bounded in requirements.txt.
 from __future__ import annotations
 
 import selectors
+import socket
 import threading
 import time
 from functools import wraps
@@ -38,6 +44,10 @@ from . import backpressure
 
 MAX_PINGS = 32  # control pings answered in a burst
 PINGS_PER_S = 2.0  # and after it
+MAX_FRAGMENTS = 1024  # frames of one message (browsers send one; a client that fragments, a few)
+MESSAGE_S = 30.0  # from a message's first frame to its last
+LINGER_S = 5.0  # how long a closed connection's input is drained, at most
+LINGER_BYTES = 16 * 2**20  # and how much of it
 
 
 class BoundedServer(Server):
@@ -56,6 +66,9 @@ class BoundedServer(Server):
         self.unread = 0  # bytes of whole messages in input_buffer
         self.room = threading.Event()  # set when the session takes a message
         self.pings = TokenBucket(MAX_PINGS, PINGS_PER_S)
+        self.fragments = 0  # frames of the message being received
+        self.message_started = 0.0  # when its first frame came
+        self.close_sent = self.peer_closed = False  # which side's close frame went out (see _linger)
         super().__init__(environ, **options)
 
     # ---- the session's side
@@ -82,7 +95,8 @@ class BoundedServer(Server):
         self.connected = False
         try:
             self.write(self.ws.send(CloseConnection(reason or CloseReason.NORMAL_CLOSURE, message)))
-        except (OSError, backpressure.SendTimeout):
+            self.close_sent = True
+        except (OSError, backpressure.SendTimeout, LocalProtocolError):
             backpressure.cut(self)
 
     def write(self, data: bytes) -> None:
@@ -129,8 +143,30 @@ class BoundedServer(Server):
             self.event.set()
             if sel:
                 sel.close()
+            if self.close_sent and not self.peer_closed:
+                self._linger()
             backpressure.cut(self)  # a session still writing to it wakes now
             self.sock.close()
+
+    def _linger(self) -> None:
+        """After the server's close frame: end our side (FIN after the frame), then read and discard
+        what the client still sends until it closes too, within LINGER_S and LINGER_BYTES. Closing
+        with its data unread would make the kernel answer with a reset, which can destroy the close
+        frame (and its code) before the client reads it."""
+        deadline, left = time.monotonic() + LINGER_S, LINGER_BYTES
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            while left > 0:
+                wait = deadline - time.monotonic()
+                if wait <= 0:
+                    break
+                self.sock.settimeout(wait)
+                data = self.sock.recv(65536)
+                if not data:
+                    break
+                left -= len(data)
+        except (OSError, ValueError):
+            pass
 
     def _wait_for_room(self) -> bool:
         """Wait until the session takes a message; False (and the connection ends) when it takes
@@ -162,6 +198,7 @@ class BoundedServer(Server):
                     out += self.ws.send(AcceptConnection(subprotocol=self.subprotocol,
                                                          extensions=[PerMessageDeflate()]))
                 elif isinstance(event, CloseConnection):
+                    self.peer_closed = True
                     if self.is_server:
                         out += self.ws.send(event.response())
                     self.close_reason, self.close_message = event.code, event.reason
@@ -178,9 +215,10 @@ class BoundedServer(Server):
                 elif isinstance(event, Pong):
                     self.pong_received = True
                 elif isinstance(event, (TextMessage, BytesMessage)):
-                    if not self._take(event):
+                    problem = self._take(event)
+                    if problem is not None:
                         self.write(out)
-                        self._end(CloseReason.MESSAGE_TOO_BIG, "Message is too big")
+                        self._end(*problem)
                         return False
             except LocalProtocolError:  # pragma: no cover
                 self.event.set()
@@ -188,11 +226,19 @@ class BoundedServer(Server):
         self.write(out)
         return True
 
-    def _take(self, event: TextMessage | BytesMessage) -> bool:
-        """Add a piece of a message; a whole one goes to the session. False when it is too big."""
+    def _take(self, event: TextMessage | BytesMessage) -> tuple[int, str] | None:
+        """Add a piece of a message; a whole one goes to the session. (close code, reason) when the
+        message breaks a bound: too big, too many frames, too slow."""
         self.incoming_message_len += len(event.data)
         if self.max_message_size and self.incoming_message_len > self.max_message_size:
-            return False
+            return CloseReason.MESSAGE_TOO_BIG, "Message is too big"
+        if self.fragments == 0:
+            self.message_started = time.monotonic()
+        self.fragments += 1
+        if self.fragments > MAX_FRAGMENTS:
+            return CloseReason.POLICY_VIOLATION, "Message in too many frames"
+        if time.monotonic() - self.message_started > MESSAGE_S:
+            return CloseReason.POLICY_VIOLATION, "Message took too long"
         text = isinstance(event, TextMessage)
         piece: Any = event.data
         if self.incoming_message is None:
@@ -203,15 +249,15 @@ class BoundedServer(Server):
                 self.incoming_message = bytearray(first.encode() if isinstance(first, str) else first)
             self.incoming_message += piece.encode() if text else piece
         if not event.message_finished:
-            return True
+            return None
         message: Any = self.incoming_message
         if isinstance(message, bytearray):
             message = message.decode() if text else bytes(message)
-        self.incoming_message, self.incoming_message_len = None, 0
+        self.incoming_message, self.incoming_message_len, self.fragments = None, 0, 0
         self.input_buffer.append(message)
         self.unread += len(message)
         self.event.set()
-        return True
+        return None
 
 
 class BoundedSock(Sock):
@@ -231,6 +277,8 @@ class BoundedSock(Sock):
                     ws.close()
                 except Exception:  # already closed, or the peer is gone
                     pass
+                # The server closes the socket once this returns: the reader's lingering close first.
+                ws.thread.join(LINGER_S + 1)
 
                 class WebSocketResponse(Response):
                     def __call__(self, *args: Any, **kwargs: Any) -> Any:

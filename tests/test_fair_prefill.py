@@ -1,0 +1,94 @@
+"""Prefill shared between addresses, in bounded memory: one address's long prompts cannot take more
+than its share of the time between decode steps, nor keep another address's prompt waiting behind
+all of them (issue 33, item 7). No timing: what is counted is prompt tokens per forward."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from chat.engine import Delta, GenParams
+from chat.engine.scheduler import PREFILL_FORWARD_TOKENS
+from helpers import ask, events_of, make_engine
+
+CHUNK = 32
+
+
+@pytest.fixture
+def engine(tiny_model, tmp_path):
+    eng = make_engine(tiny_model, tmp_path, context_tokens=2048, prefill_chunk=CHUNK, max_batch=16)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture
+def forwards(engine, monkeypatch):
+    """(rows, columns, prefilling tokens, a decode step?) of every forward the engine runs from now on."""
+    seen: list[tuple[int, int, int, bool]] = []
+    forward = engine.forward
+
+    def spy(input_ids, kv, position_ids, spans=None):
+        held = sum(job.rows * job.tokens.shape[1] for job in engine.queue.jobs)
+        seen.append((input_ids.shape[0], input_ids.shape[1], held, kv is engine.kv))
+        return forward(input_ids, kv, position_ids, spans)
+    monkeypatch.setattr(engine, "forward", spy)
+    return seen
+
+
+def long_prompt(i: int, words: int = 900) -> list:
+    return ask(f"{i} " + "lighthouse " * words)
+
+
+def first_delta(gen) -> None:
+    while not isinstance(gen.next_event(120), Delta):
+        pass
+
+
+def test_one_address_gets_one_share_between_decode_steps(engine, forwards):
+    bystander = engine.submit(ask("tell me a story"), GenParams(temperature=0, max_new_tokens=100_000), owner="B")
+    first_delta(bystander)
+    flood = [engine.submit(long_prompt(i, 300), GenParams(temperature=0, max_new_tokens=2), owner="A")
+             for i in range(7)]
+    for gen in flood:
+        assert events_of(gen, 300)[-1].reason in ("length", "stop")
+    bystander.cancel()
+    events_of(bystander, 60)
+    # between two decode steps (one column per row), the prompt tokens prefilled
+    between, worst = 0, 0
+    for rows, columns, _, decode in forwards:
+        if decode:
+            worst, between = max(worst, between), 0
+        else:
+            between += rows * columns
+    assert worst <= 2 * CHUNK  # one owner's share (a chunk, each job's rounded up to whole rows), not seven
+    assert worst > 0
+
+
+def test_another_address_is_not_queued_behind_every_long_prompt(engine):
+    flood = [engine.submit(long_prompt(i), GenParams(temperature=0, max_new_tokens=1), owner="A") for i in range(7)]
+    other = engine.submit(long_prompt(99), GenParams(temperature=0, max_new_tokens=1), owner="C")
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def watch(name, gen):
+        events_of(gen, 300)
+        with lock:
+            order.append(name)
+    threads = [threading.Thread(target=watch, args=(f"A{i}", g)) for i, g in enumerate(flood)]
+    threads.append(threading.Thread(target=watch, args=("C", other)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(order) == 8
+    assert order.index("C") < 7, order  # C's answer ended before the last of A's
+
+
+def test_prefill_memory_is_bounded(engine, forwards):
+    gens = [engine.submit(long_prompt(i), GenParams(temperature=0, max_new_tokens=1), owner="A") for i in range(7)]
+    for gen in gens:
+        events_of(gen, 300)
+    prefills = [(rows, columns, held) for rows, columns, held, decode in forwards if not decode]
+    assert max(rows * columns for rows, columns, _ in prefills) <= PREFILL_FORWARD_TOKENS
+    assert max(held for _, _, held in prefills) <= engine.queue.budget_tokens
+    assert len(prefills) > 1  # 7 prompts of ~900 tokens did not go in one forward
