@@ -147,8 +147,9 @@ class Scheduler:
         engine = self.engine
         room = self.settings.max_batch - len(engine.rows) - self.prefilling
         fresh: list[Slot] = []
+        started: list[Slot] = []
         while self.waiting and room > 0:
-            request = self._next_waiting(fresh)
+            request = self._next_waiting(started)
             if request is None:
                 break
             gen = request.gen
@@ -162,11 +163,15 @@ class Scheduler:
                 engine.emit_error(gen, exc)
                 continue
             room -= 1
-            slot = engine.new_slot(gen, ids)
-            seeded = gen.params.seed is not None and gen.params.temperature > 0
-            # A seeded, sampled prompt skips the shared preambles: whether one is held when it arrives must
-            # not change its answer (a preamble's KV, prefilled alone, rounds apart from the prompt's own).
-            reused = engine.prefix.take(gen.key, ids, shared=not seeded)
+            started.append(engine.new_slot(gen, ids))
+        # Several newcomers without a conversation's KV arriving together share their chunks (one forward
+        # for all: cheaper than a forward each, even from a shared preamble); a lone one starts from its
+        # system prompt's shared preamble. A seeded, sampled prompt never takes a preamble: whether one is
+        # held when it arrives must not change its answer (its KV, prefilled alone, rounds apart).
+        burst = sum(not _seeded(s) and s.gen.key not in engine.prefix.entries for s in started) > 1
+        for slot in started:
+            gen, seeded = slot.gen, _seeded(slot)
+            reused = engine.prefix.take(gen.key, slot.prompt_ids, shared=not seeded and not burst)
             if reused is None and not seeded:
                 fresh.append(slot)
                 continue
@@ -181,7 +186,7 @@ class Scheduler:
                 request.position = position
                 engine.emit_queued(request.gen, position)
 
-    def _add_job(self, slots: list[Slot], reused, shared: bool = True) -> None:
+    def _add_job(self, slots: list[Slot], reused: tuple | None, shared: bool = True) -> None:
         last = self.jobs[-1] if self.jobs else None
         if shared and reused is None and last is not None and last.shared and last.done == 0:
             # Fresh prompts still waiting for their first chunk: fewer, wider forwards.
@@ -265,3 +270,8 @@ class Scheduler:
         self.joining.clear()
         self.count()
         return jobs
+
+
+def _seeded(slot: Slot) -> bool:
+    """A seeded, sampled answer: prefilled as it would be alone, whoever else arrives."""
+    return slot.params.seed is not None and slot.params.temperature > 0
