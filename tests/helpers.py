@@ -408,6 +408,57 @@ def cancel_and_stop_from_the_other(a, b) -> None:
     other.close()
 
 
+def two_sockets_follow_one_answer(server, other=None) -> None:
+    """A second socket of the same client (on ``other``, a worker sharing state, when given)
+    resumes a running answer: both stream it to the end, either may cancel it, each gets its
+    own ``done``; the conversation names the running request for the second to find."""
+    cookie = cookie_for(server)
+    first = WS(server.ws_url, cookie=cookie)
+    first.send({"type": "chat", "id": "both", "content": "go on", "params": LONG})
+    conv = first.until(lambda f: f["type"] == "start")[-1]["conversation_id"]
+    first.until(lambda f: f["type"] == "delta" and f["index"] >= 5)
+    status, _, body = http_get(f"{(other or server).url}/api/conversations/{conv}", headers={"Cookie": cookie})
+    answering = json.loads(body)["answering"]
+    assert status == 200 and answering["id"] == "both" and answering["prefix_chars"] == 0
+    second = WS((other or server).ws_url, cookie=cookie)
+    second.send({"type": "resume", "id": "both", "from": 0})
+    replayed = second.until(lambda f: f["type"] == "delta" and f["index"] >= 40)
+    second.send({"type": "cancel", "id": "both"})
+    seen = [first.until(lambda f: f["type"] == "done"), replayed + second.until(lambda f: f["type"] == "done")]
+    for frames in seen:
+        assert frames[-1]["reason"] == "cancelled"
+        assert sum(1 for f in frames if f["type"] == "done") == 1
+    first_deltas = [f for f in seen[0] if f["type"] == "delta"]  # the first's since index 6
+    assert [f["index"] for f in first_deltas] == list(range(6, 6 + len(first_deltas)))
+    first_text = "".join(f["text"] for f in first_deltas)
+    second_deltas = {f["index"]: f["text"] for f in seen[1] if f["type"] == "delta"}
+    assert sorted(second_deltas) == list(range(len(second_deltas)))
+    whole = "".join(second_deltas[i] for i in range(len(second_deltas)))
+    assert whole.endswith(first_text) and len(whole) > len(first_text)
+    assert wait_settled(server, cookie, conv)["messages"][-1]["content"] == whole
+    status, _, body = http_get(f"{server.url}/api/conversations/{conv}", headers={"Cookie": cookie})
+    assert json.loads(body)["answering"] is None
+    first.close()
+    second.close()
+
+
+def one_of_two_sockets_leaves(server, other=None) -> None:
+    """Of two sockets following one answer, the one that started it goes away: the other
+    follows it to its end (no cancel after the grace), which it gets as its ``done``."""
+    cookie = cookie_for(server)
+    first = WS(server.ws_url, cookie=cookie)
+    first.send({"type": "chat", "id": "stay", "content": "go on",
+                "params": {**LONG, "max_new_tokens": 1500}})
+    first.until(lambda f: f["type"] == "delta")
+    second = WS((other or server).ws_url, cookie=cookie)
+    second.send({"type": "resume", "id": "stay", "from": 0})
+    second.until(lambda f: f["type"] == "delta")
+    first.conn.sock.close()  # no close frame: like a tab killed
+    frames = second.until(lambda f: f["type"] == "done")
+    assert frames[-1]["reason"] == "length" and frames[-1]["usage"]["completion_tokens"] == 1500
+    second.close()
+
+
 # ---------------------------------------------------------------- engines and apps in this process
 
 def make_app(engine, **settings):

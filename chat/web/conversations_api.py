@@ -50,8 +50,12 @@ def index():
 
 @bp.get("/conversations/<conv_id>")
 def show(conv_id):
-    """One conversation with its messages."""
-    return jsonify(_found(_store().get_conversation(current_client(), conv_id)))
+    """One conversation with its messages, and the answer running in it (``answering``: a request
+    of this client another socket or tab may ``resume`` to follow it live), or null."""
+    client = current_client()
+    conversation = _found(_store().get_conversation(client, conv_id))
+    conversation["answering"] = app_state().turns.runs.answering(client, conv_id)
+    return jsonify(conversation)
 
 
 @bp.patch("/conversations/<conv_id>")
