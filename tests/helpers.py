@@ -581,9 +581,10 @@ def error_code(call, *args, **kwargs):
 class Chat:
     """A fresh browser context (own cookie = own identity, own localStorage) on the chat page."""
 
-    def __init__(self, browser, url: str, width: int = 1200, height: int = 800, settings=None):
+    def __init__(self, browser, url: str, width: int = 1200, height: int = 800, settings=None, context=None):
         self.url = url
-        self.context = browser.new_context(viewport={"width": width, "height": height})
+        self.own_context = context is None
+        self.context = context or browser.new_context(viewport={"width": width, "height": height})
         if settings is not None:
             self.context.add_init_script(
                 f"localStorage.setItem('chat.settings', {json.dumps(json.dumps(settings))})")
@@ -605,8 +606,14 @@ class Chat:
         if msg.type == "error" and "Content Security Policy" in msg.text:
             self.errors.append(f"csp: {msg.text}")
 
-    def open(self) -> "Chat":
-        self.page.goto(self.url + "/")
+    def tab(self) -> "Chat":
+        """Another tab of the same person (same cookie, same localStorage), not opened yet."""
+        other = Chat(None, self.url, context=self.context)
+        other.errors = self.errors
+        return other
+
+    def open(self, path: str = "/") -> "Chat":
+        self.page.goto(self.url + path)
         self.page.wait_for_selector("[data-testid=connection-status][data-state=open]", timeout=30000)
         return self
 
@@ -643,4 +650,7 @@ class Chat:
         self.page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
 
     def close(self) -> None:
-        self.context.close()
+        if self.own_context:
+            self.context.close()
+        else:
+            self.page.close()

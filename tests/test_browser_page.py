@@ -23,7 +23,7 @@ WIDTHS = pytest.mark.parametrize("width, height", [(375, 740), (1280, 800)], ids
 
 
 def conversation_id(c) -> str:
-    return c.js("JSON.parse(localStorage.getItem('chat.conversation'))")
+    return c.js("((location.pathname.match(/^\\/c\\/([^/]+)/) || [])[1] || null)")
 
 
 def stored(c, conv=None) -> dict:
@@ -150,7 +150,7 @@ def test_export_carries_every_version_and_import_restores_it(chat, tmp_path):
     assert len(exported["tree"]) == 5 and exported["active_id"] == exported["messages"][-1]["id"]
     # Import it: the copy opens with every version, under a title that says it is a copy.
     c.page.set_input_files("[data-testid=import-file]", files=[str(path)])
-    c.wait_until(f"() => JSON.parse(localStorage.getItem('chat.conversation')) !== '{original}'")
+    c.wait_until(f"() => ((location.pathname.match(/^\\/c\\/([^/]+)/) || [])[1] || null) !== '{original}'")
     c.wait_until("() => document.querySelectorAll('[data-testid=versions]').length === 2")
     labels = c.js("[...document.querySelectorAll('[data-testid=versions] .versions-label')].map(e => e.textContent)")
     assert labels == ["2/2", "2/2"]

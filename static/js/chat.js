@@ -10,12 +10,15 @@ import * as router from './router.js';
 import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
+import * as tabs from './tabs.js';
 import * as thread from './thread.js';
 import { AssistantMessage, editInPlace, setUserText } from './message.js';
 import { announce, newId } from './util.js';
 
 let viewToken = 0; // the latest openConversation; older loads arriving late are dropped
 let shown = null; // the open conversation's record as the server sent it (title, system, params, model)
+let unloaded = null; // the open conversation's id while its load failed (it loads again on the next `ready`)
+let retryTimer = 0;
 
 const inView = () => requests.activeIn(sidebar.currentId());
 
@@ -36,6 +39,11 @@ export function refreshControls() {
 export function send() {
   const content = composer.content();
   if (!content.trim()) return;
+  if (unloaded && unloaded === sidebar.currentId()) {
+    // Never add to a history the person cannot see.
+    composer.showError('This conversation has not loaded yet. Your message is kept; it can be sent once it shows.');
+    return;
+  }
   if (inView().length) {
     composer.setQueued(true);
     announce('Your message will be sent when this answer finishes.');
@@ -150,6 +158,10 @@ export async function syncIds() {
   let conversation;
   try { conversation = await api.getConversation(id); } catch { return false; }
   if (sidebar.currentId() !== id || inView().length) return false;
+  if (conversation.answering && !requests.get(conversation.answering.id)) {
+    openConversation(id, { address: false, keepError: true }); // another tab's answer: show it live
+    return false;
+  }
   if (!thread.applyIds(conversation.messages)) thread.showStored(conversation.messages, []);
   showRecord(conversation);
   refreshControls();
@@ -255,6 +267,9 @@ export function stop() {
  * 'push' a history entry for it, 'replace' the current one, or leave the address (Back/Forward). */
 export async function openConversation(id, { keepError = false, reveal = null, address = 'push' } = {}) {
   const token = ++viewToken;
+  const retrying = unloaded !== null && unloaded === id;
+  unloaded = null;
+  clearTimeout(retryTimer);
   if (!keepError) composer.clearError();
   if (id !== sidebar.currentId()) cancelQueued();
   if (address) router.show(id, { replace: address === 'replace' });
@@ -270,12 +285,21 @@ export async function openConversation(id, { keepError = false, reveal = null, a
     conversation = await api.getConversation(id);
   } catch (err) {
     if (token !== viewToken) return;
-    // Not this client's (or gone): the empty page, never an error that says whether it exists.
-    if (err.status === 404) forgetConversation(id);
-    else composer.showError(`Could not load this conversation: ${err.message}`);
+    // Not this client's (or gone): a new chat, with a line that never says whether it exists.
+    if (err.status === 404) {
+      forgetConversation(id);
+      composer.showError('That conversation was not found: it may have been deleted. This is a new chat.');
+    } else {
+      unloaded = id;
+      composer.showError(`Could not load this conversation (${err.message}). It loads again by itself once the server answers.`);
+      // Connected all along (the socket will not say `ready` again): try again in a moment.
+      if (socket.isReady()) retryTimer = setTimeout(retryLoad, 3000);
+    }
     return;
   }
   if (token !== viewToken) return;
+  if (retrying) composer.clearError();
+  follow(conversation);
   const live = inView();
   for (const req of live) {
     // A continue adopted after a reload: its text so far is the stored answer's beginning.
@@ -311,7 +335,26 @@ export async function deleteConversation(id) {
     }
   }
   forgetConversation(id);
+  tabs.tell('deleted', id);
   announce('Conversation deleted.');
+}
+
+/** Load the open conversation again when its last load failed (the socket is back). */
+export function retryLoad() {
+  if (unloaded && unloaded === sidebar.currentId()) openConversation(unloaded, { address: false });
+}
+
+/** An answer another tab (or this one before a reload) is writing in the conversation just
+ * loaded: follow it here too, from its first delta. */
+function follow(conversation) {
+  const running = conversation.answering;
+  if (!running?.id || requests.get(running.id)) return;
+  const view = new AssistantMessage();
+  view.setThinking();
+  const req = requests.add({ id: running.id, conversationId: conversation.id, view, started: true, sent: true });
+  req.prefixChars = running.prefix_chars || 0;
+  req.resuming = true;
+  socket.send({ type: 'resume', id: req.id, from: 0 }); // not connected: the next `ready` resumes it
 }
 
 /** After a reload during an answer: track it again, to resume once connected (the server keeps it a while). */

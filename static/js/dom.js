@@ -15,6 +15,7 @@ export const els = {
   modelPicker: $('model-picker'),
   conn: $('conn'),
   connText: $('conn-text'),
+  connRetry: $('conn-retry'),
   exportMenu: $('export'),
   exportMd: $('export-md'),
   exportJson: $('export-json'),

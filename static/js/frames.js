@@ -9,6 +9,7 @@ import * as router from './router.js';
 import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
+import * as tabs from './tabs.js';
 import * as thread from './thread.js';
 import { REASONS } from './message.js';
 import { announce } from './util.js';
@@ -45,10 +46,17 @@ function settle(req) {
   req.view.setText(req.prefix + req.text, true);
 }
 
-function onReady() {
-  settings.showServer(socket.model(), socket.limits());
+/** What the server said about itself (`ready`; then /readyz while the model loads: ``waiting``
+ * 'loading' or 'failed', undefined once it is ready). */
+export function showServer(waiting) {
+  settings.showServer(socket.model(), socket.limits(), waiting);
   models.setModels(socket.models(), socket.model());
   models.showFor(chat.shownRecord());
+}
+
+function onReady() {
+  showServer();
+  chat.retryLoad();
   for (const req of requests.all()) {
     if (req.sent) {
       req.resuming = true;
@@ -85,6 +93,7 @@ function onStart(msg) {
     sidebar.render();
   }
   requests.remember(req);
+  tabs.tell('started', req.conversationId);
   announce('The assistant is answering.');
   sidebar.refreshSoon();
 }
@@ -100,6 +109,7 @@ function onDone(msg) {
   const req = requests.get(msg.id);
   if (!req) return;
   settle(req);
+  if (req.conversationId) tabs.tell('ended', req.conversationId);
   req.view.finish(msg);
   if (!req.prefix && !req.text && msg.reason === 'stop') req.view.body.textContent = '(empty answer)';
   thread.followStream();
@@ -133,6 +143,8 @@ function onError(msg) {
     rollback(req);
     composer.showError(text);
     if (msg.code === 'not_found' && req.conversationId === sidebar.currentId()) chat.forgetConversation(req.conversationId);
+    // Answering in another tab: show that answer here, live.
+    if (msg.code === 'busy' && req.conversationId === sidebar.currentId()) chat.syncIds();
   } else {
     settle(req);
     req.view.fail(text);

@@ -11,6 +11,7 @@ import * as search from './search.js';
 import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
+import * as tabs from './tabs.js';
 import * as thread from './thread.js';
 
 // ---------------------------------------------------------------- the thread
@@ -187,14 +188,23 @@ document.addEventListener('visibilitychange', () => {
   if (document.visibilityState === 'visible') socket.reconnectNow();
 });
 
+// Another tab of this person started or ended an answer, or deleted a chat: the list follows,
+// and the open conversation shows it (an answer live, once nothing of this tab's runs in it).
+tabs.listen(({ kind, conversationId }) => {
+  sidebar.refreshSoon();
+  if (conversationId !== sidebar.currentId()) return;
+  if (kind === 'deleted') chat.forgetConversation(conversationId);
+  else chat.syncIds();
+});
+
 // ---------------------------------------------------------------- start
 
 settings.show();
 settings.showServer(socket.model(), socket.limits());
 models.setModels(socket.models(), socket.model());
-socket.start({ frame: frames.onFrame, closed: chat.refreshControls });
-// The conversation in the address (/c/<id>), else the one open last time ("/" after New chat: none).
-const opening = router.idFromPath() || sidebar.savedId();
+socket.start({ frame: frames.onFrame, closed: chat.refreshControls, server: frames.showServer });
+// The conversation in the address (/c/<id>); "/" is a new chat.
+const opening = router.idFromPath();
 if (opening) {
   chat.adoptInflight(opening);
   chat.openConversation(opening, { address: 'replace' });

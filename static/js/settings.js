@@ -139,10 +139,13 @@ export function open(conversation = null, save = null) {
 export const closed = () => flush();
 
 /** Show the model's name and limits from `ready` (in the top bar, the welcome text and the dialog). */
-export function showServer(model, limits) {
-  els.modelName.textContent = model;
-  els.settingsModel.textContent = model || '—';
-  if (model) els.emptyModel.textContent = `You are chatting with ${model}. Answers stream in as they are written.`;
+export function showServer(model, limits, waiting) {
+  const name = { loading: 'Loading the model…', failed: 'Model unavailable' }[waiting] || model;
+  els.modelName.textContent = name;
+  els.settingsModel.textContent = name || '—';
+  if (waiting === 'loading') els.emptyModel.textContent = 'The model is loading. Answers start as soon as it is ready.';
+  else if (waiting) els.emptyModel.textContent = 'The model cannot be reached right now. This page notices when it can.';
+  else if (model) els.emptyModel.textContent = `You are chatting with ${model}. Answers stream in as they are written.`;
   const parts = [];
   if (limits.max_new_tokens) parts.push(`${limits.max_new_tokens.toLocaleString()} new tokens`);
   if (limits.context_tokens) parts.push(`${limits.context_tokens.toLocaleString()}-token context`);

@@ -6,7 +6,6 @@ import * as requests from './requests.js';
 import { showError } from './composer.js';
 import { storage } from './util.js';
 
-const KEY_CONVERSATION = 'chat.conversation';
 // Titles from first messages, shown until the server's list has the conversation's own.
 const KEY_TITLES = 'chat.titles';
 
@@ -17,12 +16,6 @@ let refreshTimer = 0;
 
 /** The open conversation's id; null for a new chat not started yet. */
 export const currentId = () => current;
-
-/** The id the page showed last time, or null. */
-export function savedId() {
-  const saved = storage.get(KEY_CONVERSATION, null);
-  return typeof saved === 'string' && saved ? saved : null;
-}
 
 export function titleOf(id) {
   const conversation = conversations.find((c) => c.id === id);
@@ -74,11 +67,9 @@ export function forget(id) {
   render();
 }
 
-/** Make ``id`` the open conversation (null: a new chat), remembered across reloads. */
+/** Make ``id`` the open conversation (null: a new chat); the address keeps it across reloads. */
 export function setCurrent(id) {
   current = id;
-  if (id) storage.set(KEY_CONVERSATION, id);
-  else storage.remove(KEY_CONVERSATION);
   for (const item of els.list.querySelectorAll('.conversation')) {
     const isCurrent = item.dataset.id === id;
     item.setAttribute('aria-current', isCurrent ? 'true' : 'false');
