@@ -43,6 +43,8 @@ export const els = {
   systemHelp: $('system-help'),
   openSettings: $('open-settings'),
   settingsModel: $('settings-model'),
+  maxTokensError: $('max-tokens-error'),
+  seedError: $('seed-error'),
   settingsLimits: $('settings-limits'),
   setSystem: $('set-system'),
   setTemperature: $('set-temperature'),
