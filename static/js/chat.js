@@ -106,6 +106,7 @@ function canStart() {
 export function edit(article) {
   if (inView().length) return;
   editInPlace(article, async (content) => {
+    els.prompt.focus({ preventScroll: true }); // the edit box is gone: the keyboard goes on from the composer
     if (!canStart()) return;
     if (composer.tooLong(content + (article.files || []).map((f) => f.text).join(''))) {
       composer.showError(composer.errorText('too_large'));
@@ -146,8 +147,15 @@ export async function switchVersion(el, step) {
   }
   if (sidebar.currentId() !== conversationId) return;
   const index = thread.messageEls().indexOf(el);
+  const hadFocus = el.contains(document.activeElement);
   thread.replaceFrom(el, conversation.messages.slice(index));
   refreshControls();
+  if (hadFocus) {
+    // The message was drawn again: keep the keyboard on its switcher (the other arrow at an end).
+    const again = thread.messageEls()[index];
+    const same = again?.querySelector(`[data-action="version-${step < 0 ? 'prev' : 'next'}"]`);
+    (same && !same.disabled ? same : again?.querySelector('[data-action^="version-"]:not(:disabled)'))?.focus();
+  }
   announce(`Version ${el.versions.index + step + 1} of ${ids.length}`);
 }
 
@@ -226,6 +234,8 @@ export function regenerate() {
   view.showPendingVersion(count - 1, count);
   view.setThinking();
   last.view.setRegenerating(`Writing version ${count} of ${count}…`);
+  // The old answer (and its button) gives way to the new one: the keyboard goes on from the composer.
+  if (last.contains(document.activeElement)) els.prompt.focus({ preventScroll: true });
   submit({ type: 'regenerate', id: newId(), conversation_id: conversationId }, { conversationId, oldView: last, view });
 }
 

@@ -9,8 +9,11 @@ import { ICON_COPY } from './icons.js';
 const ESCAPES = { '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' };
 const escapeHtml = (s) => String(s).replace(/[&<>"']/g, (c) => ESCAPES[c]);
 
-// Auto-detection tries every bundled grammar, so it runs once a block is complete.
+// Auto-detection runs once a block is complete, over the languages answers mostly hold: plain
+// prose scores as CSS or INI among every bundled grammar, so those need their label.
 const AUTO_HIGHLIGHT_MAX = 20000;
+const AUTO_LANGUAGES = ['python', 'javascript', 'typescript', 'json', 'bash', 'shell', 'sql', 'xml', 'c', 'cpp',
+  'java', 'go', 'rust', 'ruby', 'php', 'yaml', 'diff'];
 
 const PURIFY = {
   USE_PROFILES: { html: true },
@@ -33,7 +36,7 @@ function codeBlock(text, lang, live) {
   if (language && hljs.getLanguage(language)) {
     html = hljs.highlight(text, { language, ignoreIllegals: true }).value;
   } else if (!language && !live && text.length <= AUTO_HIGHLIGHT_MAX) {
-    const result = hljs.highlightAuto(text);
+    const result = hljs.highlightAuto(text, AUTO_LANGUAGES.filter((name) => hljs.getLanguage(name)));
     if (result.language && result.relevance >= 5) {
       html = result.value;
       label = result.language;

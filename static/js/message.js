@@ -116,12 +116,17 @@ export function editInPlace(article, submit) {
   body.hidden = true;
   article.querySelector('.msg-meta').hidden = true;
   body.after(form);
-  box.focus();
+  box.focus({ preventScroll: true });
+  form.scrollIntoView({ block: 'nearest' }); // its whole box, top edge included (scroll-margin)
   box.setSelectionRange(box.value.length, box.value.length);
   const close = () => {
     form.remove();
     body.hidden = false;
     article.querySelector('.msg-meta').hidden = false;
+  };
+  const cancelled = () => {
+    close();
+    article.querySelector('[data-action="edit"]')?.focus(); // back where the keyboard was
   };
   const done = () => {
     if (!box.value.trim()) return;
@@ -131,13 +136,13 @@ export function editInPlace(article, submit) {
   };
   const refresh = () => { save.disabled = !box.value.trim(); };
   box.addEventListener('input', refresh);
-  cancel.addEventListener('click', close);
+  cancel.addEventListener('click', cancelled);
   save.addEventListener('click', done);
   box.addEventListener('keydown', (e) => {
     if (e.key === 'Escape') {
       e.preventDefault();
       e.stopPropagation();
-      close();
+      cancelled();
     } else if (e.key === 'Enter' && !e.shiftKey && !e.isComposing && e.keyCode !== 229) {
       e.preventDefault();
       done();
