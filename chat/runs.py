@@ -107,13 +107,41 @@ class RunRegistry(Protocol):
         or None (also when another client's request holds it)."""
 
 
+def whole_answer(before: dict, usage: dict, timings: dict) -> tuple[dict, dict]:
+    """The figures of an answer ``continue`` extended: the stored ones (``before``: its ``usage`` and
+    ``timings``) and the new part's, as one answer: every token, the first token's wait, the speed
+    over both parts' decoding time."""
+    old_usage, old_timings = before.get("usage") or {}, before.get("timings") or {}
+    old_n, new_n = old_usage.get("completion_tokens"), usage.get("completion_tokens")
+    if not isinstance(old_n, int) or not isinstance(new_n, int):
+        return usage, timings
+    whole_usage = {**usage, "completion_tokens": old_n + new_n,
+                   "prompt_tokens": old_usage.get("prompt_tokens", usage.get("prompt_tokens"))}
+    whole_timings = dict(timings)
+    if old_timings.get("ttft_ms") is not None:
+        whole_timings["ttft_ms"] = old_timings["ttft_ms"]
+    if isinstance(old_timings.get("total_ms"), (int, float)) and isinstance(timings.get("total_ms"), (int, float)):
+        whole_timings["total_ms"] = round(old_timings["total_ms"] + timings["total_ms"], 1)
+    seconds = 0.0
+    for n, rate in ((old_n, old_timings.get("tokens_per_s")), (new_n, timings.get("tokens_per_s"))):
+        if not n:
+            continue
+        if not isinstance(rate, (int, float)) or rate <= 0:
+            return whole_usage, whole_timings  # a part's speed unknown: the new part's stands
+        seconds += n / rate
+    if seconds > 0:
+        whole_timings["tokens_per_s"] = round((old_n + new_n) / seconds, 1)
+    return whole_usage, whole_timings
+
+
 class Run:
     """One answer: the replay buffer, store checkpoints, metrics and the log line (via the service)."""
 
     def __init__(self, service: TurnService, client: str, rid: str, conversation_id: str, message_id: str,
-                 gen: Generation, subscriber: Subscriber | None, prefix: str = "") -> None:
+                 gen: Generation, subscriber: Subscriber | None, prefix: str = "", before: dict | None = None) -> None:
         self.service, self.client, self.id = service, client, rid
         self.prefix = prefix  # continue: the answer's text so far, which the deltas extend
+        self.before = before  # continue: the stored answer (its usage and timings, for the whole answer's)
         self.conversation_id, self.message_id, self.gen = conversation_id, message_id, gen
         self.deltas: list[str] = []
         self.done_frame: dict | None = None
@@ -198,7 +226,10 @@ class Run:
         """Store the whole answer, record it, send ``done``."""
         self.send_start()  # a request cancelled while queued still gets start, then done
         text = self.prefix + "".join(self.deltas)
-        self.write(self.store.finish_assistant, self.message_id, text, event.reason, event.usage, event.timings)
+        usage, timings = event.usage, event.timings
+        if self.before is not None:  # the stored answer's figures cover all of it; done, the new part
+            usage, timings = whole_answer(self.before, usage, timings)
+        self.write(self.store.finish_assistant, self.message_id, text, event.reason, usage, timings)
         self.service.record(event, "ws", self.id, self.conversation_id,
                             prompt=self.gen.messages[-1]["content"], text=text)
         frame = {"type": "done", "id": self.id, "reason": event.reason, "usage": event.usage,

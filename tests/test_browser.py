@@ -392,7 +392,8 @@ def test_sidebar_rename_and_delete(chat):
     c.page.wait_for_selector(item)
     assert "First question" in c.page.text_content(item)
     c.page.hover(item)
-    c.page.click(f"{item} [data-action=rename]")
+    c.page.click(f"{item} [data-action=menu]")
+    c.page.click("[data-testid=menu-rename]")
     c.page.fill(f"{item} input", "Renamed <b>chat</b>")
     c.page.keyboard.press("Enter")
     c.wait_until("() => document.getElementById('chat-title').textContent === 'Renamed <b>chat</b>'", 5)
@@ -403,7 +404,8 @@ def test_sidebar_rename_and_delete(chat):
     c.page.wait_for_selector(item)
     assert c.page.text_content(f"{item} .conversation-title") == "Renamed <b>chat</b>"
     c.page.hover(item)
-    c.page.click(f"{item} [data-action=delete]")
+    c.page.click(f"{item} [data-action=menu]")
+    c.page.click("[data-testid=menu-delete]")
     c.wait_until("() => document.querySelectorAll('[data-testid=conversation-item]').length === 0", 5)
     assert any("Delete" in d for d in c.dialogs)
     assert c.page.locator("[data-testid=message-user]").count() == 0

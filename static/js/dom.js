@@ -4,6 +4,7 @@ const $ = (id) => document.getElementById(id);
 export const els = {
   app: $('app'),
   sidebar: $('sidebar'),
+  main: $('main'),
   sidebarToggle: $('sidebar-toggle'),
   sidebarClose: $('sidebar-close'),
   scrim: $('scrim'),
@@ -16,6 +17,9 @@ export const els = {
   conn: $('conn'),
   connText: $('conn-text'),
   connRetry: $('conn-retry'),
+  rowMenu: $('row-menu'),
+  shortcuts: $('shortcuts'),
+  openShortcuts: $('open-shortcuts'),
   exportMenu: $('export'),
   exportMd: $('export-md'),
   exportJson: $('export-json'),

@@ -11,12 +11,13 @@ import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
 import * as tabs from './tabs.js';
 import * as thread from './thread.js';
-import { REASONS } from './message.js';
+import { REASONS, setContextTokens, wholeAnswer } from './message.js';
 import { announce } from './util.js';
 
 /** Undo the optimistic page of a request the server refused (no start, no done). */
 function rollback(req) {
   requests.finish(req);
+  sidebar.render();
   if (req.reload) {
     if (req.conversationId === sidebar.currentId()) chat.openConversation(req.conversationId, { keepError: true });
   } else if (req.oldView) {
@@ -41,6 +42,7 @@ function swapIn(req) {
 /** End a started request with the text that has arrived, drawn final. */
 function settle(req) {
   requests.finish(req);
+  sidebar.render(); // its "answering" mark goes
   swapIn(req);
   thread.cancelRender(req.view);
   req.view.setText(req.prefix + req.text, true);
@@ -50,6 +52,7 @@ function settle(req) {
  * 'loading' or 'failed', undefined once it is ready). */
 export function showServer(waiting) {
   settings.showServer(socket.model(), socket.limits(), waiting);
+  setContextTokens(socket.limits().context_tokens);
   models.setModels(socket.models(), socket.model());
   models.showFor(chat.shownRecord());
 }
@@ -94,23 +97,37 @@ function onStart(msg) {
   }
   requests.remember(req);
   tabs.tell('started', req.conversationId);
+  sidebar.render(); // the chat shows as answering
   announce('The assistant is answering.');
   sidebar.refreshSoon();
 }
+
+const LIVE_EVERY_MS = 250;
 
 function onDelta(msg) {
   const req = requests.get(msg.id);
   if (!req || !requests.addDelta(req, msg.index, msg.text)) return;
   swapIn(req);
   thread.scheduleRender(req.view, req.prefix + req.text);
+  // Live figures from the first delta this page saw (a resumed answer: counted from there).
+  const now = performance.now();
+  if (req.liveFrom === undefined) req.liveFrom = { at: now, index: msg.index };
+  if (!(now - (req.liveAt || 0) < LIVE_EVERY_MS)) {
+    req.liveAt = now;
+    const seconds = (now - req.liveFrom.at) / 1000;
+    const gaps = req.nextIndex - 1 - req.liveFrom.index; // deltas after the first one timed
+    const earlier = (req.prefix && req.view.done?.usage?.completion_tokens) || 0; // a continue: the whole answer
+    req.view.showLive(earlier + req.nextIndex, seconds > 0.2 && gaps > 0 ? gaps / seconds : 0);
+  }
 }
 
 function onDone(msg) {
   const req = requests.get(msg.id);
   if (!req) return;
+  const before = req.prefix ? req.view.done : null; // a continue: the figures it had
   settle(req);
   if (req.conversationId) tabs.tell('ended', req.conversationId);
-  req.view.finish(msg);
+  req.view.finish(before ? wholeAnswer(before, msg) : msg);
   if (!req.prefix && !req.text && msg.reason === 'stop') req.view.body.textContent = '(empty answer)';
   thread.followStream();
   chat.refreshControls();

@@ -3,6 +3,7 @@ import { els } from './dom.js';
 import * as attachments from './attachments.js';
 import * as chat from './chat.js';
 import * as frames from './frames.js';
+import * as listnav from './listnav.js';
 import * as composer from './composer.js';
 import { importFile } from './importer.js';
 import * as models from './models.js';
@@ -97,10 +98,38 @@ document.addEventListener('drop', (e) => {
   else attachments.add([...e.dataTransfer.files]);
 });
 
+// Shortcuts for the whole page (listed under "?"); single keys only outside text fields.
+const typing = (el) => el?.closest?.('input, textarea, select, [contenteditable="true"]');
+document.addEventListener('keydown', (e) => {
+  if (e.defaultPrevented || e.isComposing || els.settings.open || els.shortcuts.open) return;
+  const mod = e.ctrlKey || e.metaKey;
+  if (mod && e.shiftKey && e.key.toLowerCase() === 'o') {
+    e.preventDefault();
+    els.newChat.click();
+  } else if ((mod && !e.shiftKey && e.key.toLowerCase() === 'k') || (e.key === '/' && !mod && !typing(e.target))) {
+    e.preventDefault();
+    if (!matchMedia('(min-width: 821px)').matches && !sidebar.drawerOpen()) sidebar.openDrawer();
+    els.search.focus();
+    els.search.select();
+  } else if (e.key === '?' && !mod && !typing(e.target)) {
+    e.preventDefault();
+    els.shortcuts.showModal();
+  } else if (e.key === 'Escape' && e.shiftKey) {
+    e.preventDefault();
+    sidebar.closeDrawer();
+    els.prompt.focus();
+  }
+});
+els.openShortcuts.addEventListener('click', () => els.shortcuts.showModal());
+els.shortcuts.addEventListener('click', (e) => {
+  if (e.target === els.shortcuts) els.shortcuts.close(); // click on the backdrop
+});
+
 // Esc closes what is open, innermost first; with nothing open it stops the answer.
 document.addEventListener('keydown', (e) => {
-  if (e.key !== 'Escape' || e.defaultPrevented || e.isComposing || composer.isComposing()) return;
-  if (els.settings.open) return;
+  if (e.key !== 'Escape' || e.shiftKey || e.defaultPrevented || e.isComposing || composer.isComposing()) return;
+  if (els.settings.open || els.shortcuts.open) return;
+  if (listnav.menuOpen()) { listnav.closeMenu(); return; }
   if (els.exportMenu.open) { els.exportMenu.open = false; return; }
   if (document.activeElement === els.search && els.search.value) { search.clear(); return; }
   if (sidebar.drawerOpen()) { sidebar.closeDrawer(); return; }
@@ -119,26 +148,54 @@ els.modelPicker.addEventListener('change', () => chat.pickModel(els.modelPicker.
 
 // ---------------------------------------------------------------- the sidebar
 
+/** A row's action, from its menu or a key: rename, pin, delete, export. */
+async function rowAction(action, item) {
+  const id = item.dataset.id;
+  if (action === 'rename') sidebar.startRename(item);
+  else if (action === 'pin') sidebar.togglePin(id);
+  else if (action === 'export') sidebar.closeDrawer();
+  else if (action === 'delete') {
+    const next = item.nextElementSibling?.dataset.id || item.previousElementSibling?.dataset.id || null;
+    await chat.deleteConversation(id);
+    if (!sidebar.entry(id)) sidebar.rove(next)?.focus(); // deleted: the keyboard stays in the list
+    else sidebar.rove(id)?.focus();
+  }
+}
 els.list.addEventListener('click', (e) => {
   const item = e.target.closest('.conversation');
   if (!item) return;
-  const action = e.target.closest('[data-action]')?.dataset.action;
-  if (action === 'rename') sidebar.startRename(item);
-  else if (action === 'pin') sidebar.togglePin(item.dataset.id);
-  else if (action === 'delete') chat.deleteConversation(item.dataset.id);
-  else if (action === 'export') sidebar.closeDrawer();
-  else if (e.target.closest('.conversation-open')) {
+  if (e.target.closest('[data-action="menu"]')) {
+    if (listnav.menuTarget() === item) listnav.closeMenu();
+    else listnav.openMenu(item, { focus: e.detail === 0 }); // from a key: into the menu
+  } else if (e.target.closest('.conversation-open')) {
     if (item.dataset.id !== sidebar.currentId()) chat.openConversation(item.dataset.id);
     sidebar.closeDrawer();
     els.prompt.focus({ preventScroll: true });
   }
 });
+els.list.addEventListener('keydown', (e) => listnav.onListKeydown(e, rowAction));
+els.rowMenu.addEventListener('keydown', listnav.onMenuKeydown);
+els.rowMenu.addEventListener('click', (e) => {
+  const action = e.target.closest('[data-action]')?.dataset.action;
+  const item = listnav.menuTarget();
+  if (!action || !item) return;
+  listnav.closeMenu(action !== 'rename' && action !== 'export');
+  rowAction(action, item);
+});
+document.addEventListener('pointerdown', (e) => {
+  if (listnav.menuOpen() && !els.rowMenu.contains(e.target) && !e.target.closest('[data-action="menu"]')) {
+    listnav.closeMenu(false);
+  }
+});
+els.list.closest('.conversations').addEventListener('scroll', () => listnav.closeMenu(false), { passive: true });
 els.newChat.addEventListener('click', () => {
   chat.openConversation(null);
   sidebar.closeDrawer();
   els.prompt.focus();
 });
 els.search.addEventListener('input', search.onInput);
+els.search.addEventListener('keydown', search.onKeydown);
+els.searchResults.addEventListener('keydown', search.onResultsKeydown);
 els.searchResults.addEventListener('click', (e) => {
   const hit = e.target.closest('.search-hit');
   if (!hit) return;
@@ -191,6 +248,7 @@ document.addEventListener('visibilitychange', () => {
 // Another tab of this person started or ended an answer, or deleted a chat: the list follows,
 // and the open conversation shows it (an answer live, once nothing of this tab's runs in it).
 tabs.listen(({ kind, conversationId }) => {
+  sidebar.answeringElsewhere(conversationId, kind === 'started');
   sidebar.refreshSoon();
   if (conversationId !== sidebar.currentId()) return;
   if (kind === 'deleted') chat.forgetConversation(conversationId);

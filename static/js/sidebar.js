@@ -77,6 +77,7 @@ export function setCurrent(id) {
     if (isCurrent) open.setAttribute('aria-current', 'page');
     else open.removeAttribute('aria-current');
   }
+  if (!els.list.contains(document.activeElement)) rove();
   updateHeader();
 }
 
@@ -90,19 +91,38 @@ function item(c) {
   const open = li.querySelector('.conversation-open');
   open.title = title;
   if (isCurrent) open.setAttribute('aria-current', 'page');
-  li.querySelector('[data-action="rename"]').setAttribute('aria-label', `Rename “${title}”`);
-  const pin = li.querySelector('[data-action="pin"]');
-  pin.setAttribute('aria-label', c.pinned ? `Unpin “${title}”` : `Pin “${title}”`);
-  pin.setAttribute('aria-pressed', c.pinned ? 'true' : 'false');
+  const busy = answering(c.id);
+  li.classList.toggle('answering', busy);
+  li.querySelector('.conversation-state .sr-only').textContent = busy ? ' (answering)' : '';
   li.classList.toggle('pinned', Boolean(c.pinned));
-  li.querySelector('[data-action="delete"]').setAttribute('aria-label', `Delete “${title}”`);
-  const exp = li.querySelector('[data-action="export"]');
-  exp.href = api.exportUrl(c.id, 'md');
-  exp.setAttribute('aria-label', `Export “${title}” as Markdown`);
+  li.dataset.pinned = c.pinned ? 'true' : 'false';
+  li.querySelector('[data-action="menu"]').setAttribute('aria-label', `Actions for “${title}”`);
   return li;
 }
 
-const focusItem = (id) => els.list.querySelector(`[data-id="${CSS.escape(id)}"] .conversation-open`)?.focus();
+// Conversations another tab of this person is answering in (word from tabs.js).
+const elsewhere = new Set();
+
+/** Whether an answer is being written in conversation ``id``, in this tab or another. */
+const answering = (id) => elsewhere.has(id) || requests.all().some((r) => r.conversationId === id);
+
+/** Another tab started (true) or ended (false) an answer in ``id``. */
+export function answeringElsewhere(id, on) {
+  if (on) elsewhere.add(id);
+  else elsewhere.delete(id);
+  render();
+}
+
+/** The list is one Tab stop: the row ``id`` (else the open conversation's, else the first) holds it. */
+export function rove(id = null) {
+  const rows = [...els.list.querySelectorAll('.conversation-open')];
+  const target = rows.find((b) => b.closest('.conversation').dataset.id === id)
+    || rows.find((b) => b.closest('.conversation').dataset.id === current) || rows[0];
+  for (const b of rows) b.tabIndex = b === target ? 0 : -1;
+  return target;
+}
+
+const focusItem = (id) => rove(id)?.focus();
 
 const DAY_MS = 86400000;
 
@@ -165,6 +185,7 @@ export function render() {
   els.list.replaceChildren(...grouped());
   els.listEmpty.hidden = conversations.length > 0;
   if (focusedId) focusItem(focusedId);
+  else rove();
   updateHeader();
 }
 
@@ -192,7 +213,7 @@ export function startRename(li) {
   input.maxLength = 200;
   input.setAttribute('aria-label', 'New title');
   li.querySelector('.conversation-open').hidden = true;
-  li.querySelector('.conversation-actions').hidden = true;
+  li.querySelector('.conversation-more').hidden = true;
   li.prepend(input);
   input.focus();
   input.select();
@@ -225,10 +246,14 @@ export function startRename(li) {
 
 export const drawerOpen = () => els.app.classList.contains('sidebar-open');
 
+// While the drawer is open the rest of the page is inert (no focus, hidden from screen readers)
+// and Tab wraps around inside the drawer.
 export function openDrawer() {
   els.app.classList.add('sidebar-open');
   els.scrim.hidden = false;
   els.sidebarToggle.setAttribute('aria-expanded', 'true');
+  els.main.inert = true;
+  els.sidebar.addEventListener('keydown', trapTab);
   els.newChat.focus();
 }
 
@@ -237,7 +262,24 @@ export function closeDrawer() {
   els.app.classList.remove('sidebar-open');
   els.scrim.hidden = true;
   els.sidebarToggle.setAttribute('aria-expanded', 'false');
-  if (els.sidebar.contains(document.activeElement)) els.sidebarToggle.focus();
+  els.main.inert = false;
+  els.sidebar.removeEventListener('keydown', trapTab);
+  if (els.sidebar.contains(document.activeElement) || document.activeElement === document.body) els.sidebarToggle.focus();
+}
+
+function trapTab(e) {
+  if (e.key !== 'Tab') return;
+  const focusable = [...els.sidebar.querySelectorAll('button, a[href], input, [tabindex="0"]')]
+    .filter((el) => !el.disabled && el.tabIndex >= 0 && el.getClientRects().length > 0);
+  const first = focusable[0];
+  const last = focusable[focusable.length - 1];
+  if (e.shiftKey && document.activeElement === first) {
+    e.preventDefault();
+    last.focus();
+  } else if (!e.shiftKey && document.activeElement === last) {
+    e.preventDefault();
+    first.focus();
+  }
 }
 
 export function toggleDrawer() {
