@@ -189,6 +189,20 @@ function showRecord(conversation) {
   models.showFor(record);
 }
 
+/** Copy the open conversation, as its Markdown export, to the clipboard. */
+export async function copyAsMarkdown() {
+  const id = sidebar.currentId();
+  if (!id) return;
+  try {
+    const res = await fetch(api.exportUrl(id, 'md'), { credentials: 'same-origin' });
+    if (!res.ok) throw new Error(`${res.status} ${res.statusText}`);
+    await thread.copyText(await res.text());
+    announce('The conversation is copied as Markdown.');
+  } catch (err) {
+    composer.showError(`Could not copy: ${err.message}`);
+  }
+}
+
 /** Open the settings dialog on the open conversation's own settings. */
 export async function openChatSettings() {
   const id = sidebar.currentId();

@@ -18,6 +18,7 @@ export const els = {
   connText: $('conn-text'),
   connRetry: $('conn-retry'),
   rowMenu: $('row-menu'),
+  copyMarkdown: $('copy-markdown'),
   shortcuts: $('shortcuts'),
   openShortcuts: $('open-shortcuts'),
   exportMenu: $('export'),

@@ -143,6 +143,7 @@ els.exportMenu.querySelector('.export-menu').addEventListener('click', (e) => {
   if (e.target.closest('a, button')) els.exportMenu.open = false;
 });
 els.openChatSettings.addEventListener('click', chat.openChatSettings);
+els.copyMarkdown.addEventListener('click', chat.copyAsMarkdown);
 els.chatInfo.addEventListener('click', chat.openChatSettings);
 els.modelPicker.addEventListener('change', () => chat.pickModel(els.modelPicker.value));
 

@@ -5,6 +5,7 @@ import { Marked } from '../vendor/marked/marked.esm.js';
 import DOMPurify from '../vendor/dompurify/purify.es.js';
 import hljs from '../vendor/highlight/highlight.min.js';
 import { ICON_COPY } from './icons.js';
+import { mathExtensions } from './math.js';
 
 const ESCAPES = { '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' };
 const escapeHtml = (s) => String(s).replace(/[&<>"']/g, (c) => ESCAPES[c]);
@@ -16,8 +17,10 @@ const AUTO_LANGUAGES = ['python', 'javascript', 'typescript', 'json', 'bash', 's
   'java', 'go', 'rust', 'ruby', 'php', 'yaml', 'diff'];
 
 const PURIFY = {
-  USE_PROFILES: { html: true },
-  FORBID_TAGS: ['style', 'form', 'input', 'button', 'textarea', 'select', 'option', 'iframe', 'img', 'video', 'audio', 'svg', 'math'],
+  USE_PROFILES: { html: true, mathMl: true },
+  // MathML comes only from KaTeX (math.js); DOMPurify's MathML profile still checks every element.
+  FORBID_TAGS: ['style', 'form', 'input', 'button', 'textarea', 'select', 'option', 'iframe', 'img', 'video', 'audio', 'svg',
+    'maction', 'annotation-xml'],
   FORBID_ATTR: ['style', 'id', 'name'],
   RETURN_DOM_FRAGMENT: true,
 };
@@ -50,6 +53,7 @@ function codeBlock(text, lang, live) {
 
 function makeMarked(live) {
   return new Marked({
+    extensions: mathExtensions,
     gfm: true,
     breaks: false,
     async: false,
