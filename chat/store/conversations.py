@@ -13,6 +13,7 @@ from . import cjk, liveness, transfer, tree
 from .disk_full import guarded as _guarded
 from .options import CONVERSATION_COLUMNS as _CONV, Options, conversation as _conversation
 from .tree import valid as _valid
+from .sharing import Sharing
 from .versions import Versions
 
 PLACEHOLDER_TITLE = "New chat"
@@ -50,7 +51,7 @@ def backend_for(target: str, max_mb: int = 0):
     return SQLite(target, max_mb)
 
 
-class Store(Versions, Options):
+class Store(Versions, Options, Sharing):
     """Conversations of many clients; safe to share between greenlets and OS threads."""
 
     def __init__(self, path: str | os.PathLike, max_conversations: int = 0, max_messages: int = 0,

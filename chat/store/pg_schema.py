@@ -84,6 +84,11 @@ MIGRATIONS = [
             + length(coalesce(attachments, ''))), 0) FROM messages WHERE conversation_id = conversations.id)""",
         "CREATE INDEX conversations_by_address ON conversations (address) WHERE address IS NOT NULL",
     ),
+    (
+        # A read-only link (schema.py's sixth migration).
+        "ALTER TABLE conversations ADD COLUMN share_token TEXT",
+        "CREATE UNIQUE INDEX conversations_by_share_token ON conversations (share_token) WHERE share_token IS NOT NULL",
+    ),
 ]
 
 

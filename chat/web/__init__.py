@@ -9,7 +9,7 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
 
     ``engine_only``: only ``/v1`` and health, for web workers that use this process as their backend.
     """
-    from . import conversations_api, error_responses, health, openai_api, pages, request_body, ws
+    from . import conversations_api, error_responses, health, openai_api, pages, request_body, sharing, ws
     app.register_blueprint(health.bp)
     app.register_blueprint(openai_api.bp)
     if engine_only:  # the page's app-wide hooks (hardening headers, proxy warning), without the page
@@ -18,6 +18,7 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
     else:
         app.register_blueprint(pages.bp)
         app.register_blueprint(conversations_api.bp)
+        app.register_blueprint(sharing.bp)
         ws.init_app(app)
     error_responses.init_app(app)
     app.wsgi_app = request_body.BoundedBody(  # type: ignore[method-assign]

@@ -10,6 +10,7 @@ import * as models from './models.js';
 import * as router from './router.js';
 import * as search from './search.js';
 import * as settings from './settings.js';
+import * as share from './share.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
 import * as tabs from './tabs.js';
@@ -101,7 +102,7 @@ document.addEventListener('drop', (e) => {
 // Shortcuts for the whole page (listed under "?"); single keys only outside text fields.
 const typing = (el) => el?.closest?.('input, textarea, select, [contenteditable="true"]');
 document.addEventListener('keydown', (e) => {
-  if (e.defaultPrevented || e.isComposing || els.settings.open || els.shortcuts.open) return;
+  if (e.defaultPrevented || e.isComposing || els.settings.open || els.shortcuts.open || els.share.open) return;
   const mod = e.ctrlKey || e.metaKey;
   if (mod && e.shiftKey && e.key.toLowerCase() === 'o') {
     e.preventDefault();
@@ -128,7 +129,7 @@ els.shortcuts.addEventListener('click', (e) => {
 // Esc closes what is open, innermost first; with nothing open it stops the answer.
 document.addEventListener('keydown', (e) => {
   if (e.key !== 'Escape' || e.shiftKey || e.defaultPrevented || e.isComposing || composer.isComposing()) return;
-  if (els.settings.open || els.shortcuts.open) return;
+  if (els.settings.open || els.shortcuts.open || els.share.open) return;
   if (listnav.menuOpen()) { listnav.closeMenu(); return; }
   if (els.exportMenu.open) { els.exportMenu.open = false; return; }
   if (document.activeElement === els.search && els.search.value) { search.clear(); return; }
@@ -144,6 +145,13 @@ els.exportMenu.querySelector('.export-menu').addEventListener('click', (e) => {
 });
 els.openChatSettings.addEventListener('click', chat.openChatSettings);
 els.copyMarkdown.addEventListener('click', chat.copyAsMarkdown);
+share.init();
+els.openShare.addEventListener('click', share.open);
+els.shareCopy.addEventListener('click', share.copy);
+els.shareStop.addEventListener('click', share.stop);
+els.share.addEventListener('click', (e) => {
+  if (e.target === els.share) els.share.close(); // click on the backdrop
+});
 els.chatInfo.addEventListener('click', chat.openChatSettings);
 els.modelPicker.addEventListener('change', () => chat.pickModel(els.modelPicker.value));
 
