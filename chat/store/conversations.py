@@ -13,6 +13,7 @@ from . import cjk, liveness, transfer, tree
 from .disk_full import guarded as _guarded
 from .options import CONVERSATION_COLUMNS as _CONV, Options, conversation as _conversation
 from .tree import valid as _valid
+from .presets import Presets
 from .sharing import Sharing
 from .versions import Versions
 
@@ -51,7 +52,7 @@ def backend_for(target: str, max_mb: int = 0):
     return SQLite(target, max_mb)
 
 
-class Store(Versions, Options, Sharing):
+class Store(Versions, Options, Sharing, Presets):
     """Conversations of many clients; safe to share between greenlets and OS threads."""
 
     def __init__(self, path: str | os.PathLike, max_conversations: int = 0, max_messages: int = 0,
@@ -294,8 +295,9 @@ class Store(Versions, Options, Sharing):
 
     @_guarded
     def forget_client(self, client_id: str) -> int:
-        """Delete every conversation of ``client_id``; return how many."""
+        """Delete every conversation (and preset) of ``client_id``; return how many conversations."""
         with self._conn() as db:
+            db.execute("DELETE FROM presets WHERE client_id = ?", (client_id,))
             return db.execute("DELETE FROM conversations WHERE client_id = ?", (client_id,)).rowcount
 
     def expire_clients(self, prefix: str, idle_s: float) -> int:
