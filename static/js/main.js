@@ -9,6 +9,7 @@ import { importFile } from './importer.js';
 import * as models from './models.js';
 import * as router from './router.js';
 import * as search from './search.js';
+import * as presets from './presets.js';
 import * as settings from './settings.js';
 import * as share from './share.js';
 import * as sidebar from './sidebar.js';
@@ -232,6 +233,13 @@ els.scrim.addEventListener('click', sidebar.closeDrawer);
 // ---------------------------------------------------------------- settings
 
 els.settingsForm.addEventListener('input', (e) => settings.read(e.target));
+els.presetPick.addEventListener('change', presets.choose);
+els.presetSave.addEventListener('click', presets.save);
+els.presetDelete.addEventListener('click', presets.remove);
+els.presetName.addEventListener('keydown', presets.onNameKeydown);
+// The dialog opened (on the defaults or on a chat): its presets as the server has them now.
+new MutationObserver(() => { if (els.settings.open) presets.refresh(); })
+  .observe(els.settings, { attributes: true, attributeFilter: ['open'] });
 els.settingsReset.addEventListener('click', settings.reset);
 els.openSettings.addEventListener('click', () => {
   sidebar.closeDrawer();

@@ -141,6 +141,17 @@ export function read(input) {
   changed();
 }
 
+/** What the dialog holds now, as a preset keeps it: {system, params}. */
+export const currentChoice = () => ({ system: values.system.trim() ? values.system : null, params: paramsOf(values) || {} });
+
+/** Set the dialog's scope to a preset's system prompt and parameters (the rest: defaults), and save. */
+export function apply({ system, params }) {
+  Object.assign(values, DEFAULTS, Object.fromEntries(PARAMS.filter((k) => k in (params || {})).map((k) => [k, params[k]])));
+  values.system = system || '';
+  show();
+  changed();
+}
+
 export function reset() {
   Object.assign(values, DEFAULTS);
   show();
