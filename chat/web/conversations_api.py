@@ -53,9 +53,13 @@ def show(conv_id):
     """One conversation with its messages, and the answer running in it (``answering``: a request
     of this client another socket or tab may ``resume`` to follow it live), or null."""
     client = current_client()
-    conversation = _found(_store().get_conversation(client, conv_id))
-    conversation["answering"] = app_state().turns.runs.answering(client, conv_id)
-    return jsonify(conversation)
+    return jsonify(_with_answering(client, _found(_store().get_conversation(client, conv_id))))
+
+
+def _with_answering(client: str, conversation: dict) -> dict:
+    """The conversation as GET shows it: with the request answering in it now, or null."""
+    conversation["answering"] = app_state().turns.runs.answering(client, conversation["id"])
+    return conversation
 
 
 @bp.patch("/conversations/<conv_id>")
@@ -91,7 +95,8 @@ def activate(conv_id):
     message_id = body.get("message_id") if isinstance(body, dict) else None
     if not isinstance(message_id, str):
         raise ProtocolError("bad_message", "body must be a JSON object with a string 'message_id'")
-    return jsonify(_found(_store().set_active(current_client(), conv_id, message_id)))
+    client = current_client()
+    return jsonify(_with_answering(client, _found(_store().set_active(client, conv_id, message_id))))
 
 
 @bp.post("/conversations/import")
