@@ -4,7 +4,9 @@ import * as api from './api.js';
 import { els } from './dom.js';
 import * as sidebar from './sidebar.js';
 
-let menuRow = null; // the row whose menu is open
+let menuId = null; // the conversation whose menu is open (its row may be drawn again meanwhile)
+
+const rowOf = (id) => (id ? els.list.querySelector(`.conversation[data-id="${CSS.escape(id)}"]`) : null);
 
 const rows = () => [...els.list.querySelectorAll('.conversation-open')].filter((b) => !b.hidden);
 const items = () => [...els.rowMenu.querySelectorAll('[role="menuitem"]')];
@@ -19,8 +21,8 @@ function focusRow(button) {
 /** Open the actions menu of row ``li`` (from its ⋯ button), focusing its first item. */
 export function openMenu(li, { focus = true } = {}) {
   closeMenu(false);
-  menuRow = li;
   const id = li.dataset.id;
+  menuId = id;
   const title = sidebar.titleOf(id);
   const pinned = li.dataset.pinned === 'true';
   const [pin, , exp] = items(); // their names are their text; the menu's own names the chat
@@ -42,15 +44,15 @@ export function openMenu(li, { focus = true } = {}) {
 
 /** Close the menu; with ``refocus`` the keyboard goes back to its row. */
 export function closeMenu(refocus = true) {
-  if (!menuRow) return;
-  const row = menuRow;
-  menuRow = null;
+  if (!menuId) return;
+  const row = rowOf(menuId);
+  menuId = null;
   els.rowMenu.hidden = true;
-  row.querySelector('.conversation-more')?.setAttribute('aria-expanded', 'false');
-  if (refocus && row.isConnected) focusRow(row.querySelector('.conversation-open'));
+  row?.querySelector('.conversation-more')?.setAttribute('aria-expanded', 'false');
+  if (refocus && row) focusRow(row.querySelector('.conversation-open'));
 }
 
-export const menuOpen = () => menuRow !== null;
+export const menuOpen = () => menuId !== null;
 
 /** Keys on the list: ↑/↓/Home/End between rows, →/Shift+F10/ContextMenu the row's menu,
  * ← back from ⋯ to its row, F2 rename, Delete delete (``act(action, li)`` does those two). */
@@ -91,4 +93,4 @@ export function onMenuKeydown(e) {
 }
 
 /** The row the open menu belongs to (for its actions), or null. */
-export const menuTarget = () => menuRow;
+export const menuTarget = () => rowOf(menuId);

@@ -180,12 +180,17 @@ export async function togglePin(id) {
 export function render() {
   if (els.list.querySelector('.conversation-rename')) return; // do not pull the field away from someone typing
   const focusedId = document.activeElement?.closest?.('.conversation')?.dataset.id;
+  const onMore = document.activeElement?.classList?.contains('conversation-more');
   // Pinned first, keeping the order within each part (a pin shows at once, before the server's list).
   conversations = [...conversations.filter((c) => c.pinned), ...conversations.filter((c) => !c.pinned)];
   els.list.replaceChildren(...grouped());
   els.listEmpty.hidden = conversations.length > 0;
-  if (focusedId) focusItem(focusedId);
-  else rove();
+  if (focusedId) {
+    focusItem(focusedId);
+    if (onMore) els.list.querySelector(`[data-id="${CSS.escape(focusedId)}"] .conversation-more`)?.focus();
+  } else {
+    rove();
+  }
   updateHeader();
 }
 
