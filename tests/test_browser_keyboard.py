@@ -207,6 +207,7 @@ def test_axe_finds_no_serious_violations(browser, server, width, scheme):
         c.page.hover("[data-testid=conversation-item]")
         c.page.click("[data-testid=conversation-item] [data-action=menu]")
         assert axe_violations(c) == []
+        c.shot(f"axe-menu-{width}-{scheme}")
         c.page.keyboard.press("Escape")
         c.page.click("[data-testid=open-settings]")
         assert axe_violations(c) == []
@@ -214,6 +215,7 @@ def test_axe_finds_no_serious_violations(browser, server, width, scheme):
         c.page.keyboard.press("?")
         c.wait_until("() => document.querySelector('[data-testid=shortcuts]').open")
         assert axe_violations(c) == []
+        c.shot(f"axe-shortcuts-{width}-{scheme}")
         assert not c.errors, c.errors
     finally:
         context.close()

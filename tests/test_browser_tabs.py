@@ -53,9 +53,16 @@ def test_a_second_tab_follows_the_answer_and_either_stops_it(chat):
     # ... and the second tab, open on the conversation, follows that answer too.
     b.wait_until("() => document.querySelectorAll('[data-testid=message-user]').length === 2", 20)
     grows(b)
+    # Both lists mark the chat as answering while it does.
+    for tab in (a, b):
+        tab.wait_until(f"() => document.querySelector('[data-testid=conversation-item][data-id=\"{conv}\"]')"
+                       ".classList.contains('answering')")
     a.page.click("[data-testid=stop]")
     assert a.wait_done(timeout=20) == "cancelled"
     assert b.wait_done(timeout=20) == "cancelled"
+    for tab in (a, b):
+        tab.wait_until(f"() => !document.querySelector('[data-testid=conversation-item][data-id=\"{conv}\"]')"
+                       ".classList.contains('answering')")
     a.shot("tabs-first")
     b.shot("tabs-second")
 
