@@ -54,3 +54,19 @@ def test_a_conversation_copies_as_markdown(chat):
     expected = c.page.request.get(f"{c.url}/api/conversations/{conv}/export?format=md").text()
     c.wait_until("(md) => navigator.clipboard.readText().then(t => t === md)", 10, expected)
     assert "Copy me" in expected and "**Bold** answer" in expected
+
+
+def test_plain_text_in_a_fence_is_not_labelled_css(chat):
+    c = chat()
+    labels = c.js("""async () => {
+        const { renderMarkdownToHtml } = await import('/static/js/markdown.js');
+        const label = (md) => new DOMParser().parseFromString(renderMarkdownToHtml(md), 'text/html')
+            .querySelector('.code-lang').textContent;
+        return [label('```\\nPlease remember: the meeting is at noon; bring the notes.\\nColor: blue; size: large.\\n```'),
+                label('```\\nimport os\\n\\ndef main():\\n    for name in os.listdir(\\'.\\'):\\n        print(f"{name}")\\n\\nif __name__ == "__main__":\\n    main()\\n```'),
+                label('```css\\nbody { color: red; }\\n```')];
+    }""")
+    assert labels == ["text", "python", "css"]
+    # Every grammar at once called that plain text CSS (the bug): the narrower set does not.
+    assert c.js("""async () => { const { default: hljs } = await import('/static/vendor/highlight/highlight.min.js');
+        return hljs.highlightAuto('Please remember: the meeting is at noon; bring the notes.\\nColor: blue; size: large.').language; }""") == "css"
