@@ -136,6 +136,11 @@ def test_focus_after_regenerate_versions_and_edit(chat):
     c.page.keyboard.press("Enter")
     c.wait_until("() => document.activeElement?.dataset.testid === 'prompt'")
     c.wait_done()
+    # Continue (the answer was cut by the length limit): its button goes, the keyboard to the composer.
+    c.page.focus("[data-testid=continue]")
+    c.page.keyboard.press("Enter")
+    c.wait_until("() => document.activeElement?.dataset.testid === 'prompt'")
+    c.wait_done()
 
 
 def test_the_phone_drawer_holds_focus(chat):

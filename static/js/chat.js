@@ -127,7 +127,9 @@ export function edit(article) {
 export function continueAnswer(view) {
   if (!canStart() || view.el !== thread.lastMessage()) return;
   const conversationId = sidebar.currentId();
+  const hadFocus = view.el.contains(document.activeElement);
   view.resume();
+  if (hadFocus) els.prompt.focus({ preventScroll: true }); // its Continue button is gone while it writes
   const message = { type: 'continue', id: newId(), conversation_id: conversationId };
   submit(message, { conversationId, view, prefix: view.text, reload: true });
 }
