@@ -106,6 +106,9 @@ class RunRegistry(Protocol):
         """The run answering in ``client``'s conversation as {``id``, ``message_id``, ``prefix_chars``},
         or None (also when another client's request holds it)."""
 
+    def answering_in(self, client: str, conversation_ids: list[str]) -> set[str]:
+        """Which of ``client``'s conversations a request of it is answering in now."""
+
 
 def whole_answer(before: dict, usage: dict, timings: dict) -> tuple[dict, dict]:
     """The figures of an answer ``continue`` extended: the stored ones (``before``: its ``usage`` and

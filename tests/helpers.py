@@ -420,6 +420,8 @@ def two_sockets_follow_one_answer(server, other=None) -> None:
     status, _, body = http_get(f"{(other or server).url}/api/conversations/{conv}", headers={"Cookie": cookie})
     answering = json.loads(body)["answering"]
     assert status == 200 and answering["id"] == "both" and answering["prefix_chars"] == 0
+    listed = json.loads(http_get(f"{(other or server).url}/api/conversations", headers={"Cookie": cookie})[2])
+    assert [c["answering"] for c in listed if c["id"] == conv] == [True]
     second = WS((other or server).ws_url, cookie=cookie)
     second.send({"type": "resume", "id": "both", "from": 0})
     replayed = second.until(lambda f: f["type"] == "delta" and f["index"] >= 40)

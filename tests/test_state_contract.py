@@ -106,9 +106,12 @@ def test_the_run_answering_in_a_conversation_is_named_to_its_client_only(backend
     runs.add(run)
     assert runs.answering(ALICE, "c1") == {"id": "r1", "message_id": "m-r1", "prefix_chars": 9}
     assert runs.answering(BOB, "c1") is None and runs.answering(ALICE, "c2") is None
+    assert runs.answering_in(ALICE, ["c1", "c2"]) == {"c1"} and runs.answering_in(BOB, ["c1"]) == set()
+    assert runs.answering_in(ALICE, []) == set()
     run.finished = True
     runs.release(run)
     assert runs.answering(ALICE, "c1") is None
+    assert runs.answering_in(ALICE, ["c1"]) == set()
 
 
 def test_a_handle_cancels_its_answer(backend):

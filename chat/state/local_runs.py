@@ -64,3 +64,7 @@ class LocalRuns:
         if run is None or run.finished:
             return None
         return {"id": run.id, "message_id": run.message_id, "prefix_chars": len(run.prefix)}
+
+    def answering_in(self, client: str, conversation_ids: list[str]) -> set[str]:
+        """Which of ``client``'s conversations a request of it is answering in now."""
+        return {c for c in conversation_ids if (self.claims.get(c) or ("",))[0] == client}

@@ -120,6 +120,19 @@ class RedisRuns:
         """This worker's runs still answering."""
         return self.here.all_active()
 
+    def answering_in(self, client: str, conversation_ids: list[str]) -> set[str]:
+        """Which of ``client``'s conversations a request of it is answering in now, on any worker
+        (one round trip; with Redis away, those of this worker)."""
+        found = self.here.answering_in(client, conversation_ids)
+        try:
+            holders = cast("list[str | None]", self.redis.mget([self._busy_key(c) for c in conversation_ids])
+                            if conversation_ids else [])
+        except redis.RedisError as exc:
+            log.warning("shared state: answering_in failed: %s", exc)
+            return found
+        return found | {c for c, holder in zip(conversation_ids, holders)
+                        if holder and holder.rsplit("|", 2)[0] == client}
+
     @best_effort
     def answering(self, client: str, conversation_id: str) -> dict | None:
         """The run answering in ``client``'s conversation, on any worker, or None."""

@@ -44,8 +44,13 @@ def _private(response):
 
 @bp.get("/conversations")
 def index():
-    """This client's conversations, newest first."""
-    return jsonify(_store().list_conversations(current_client()))
+    """This client's conversations, newest first, each saying whether it is answering now."""
+    client = current_client()
+    conversations = _store().list_conversations(client)
+    busy = app_state().turns.runs.answering_in(client, [c["id"] for c in conversations])
+    for c in conversations:
+        c["answering"] = c["id"] in busy
+    return jsonify(conversations)
 
 
 @bp.get("/conversations/<conv_id>")

@@ -103,8 +103,10 @@ function item(c) {
 // Conversations another tab of this person is answering in (word from tabs.js).
 const elsewhere = new Set();
 
-/** Whether an answer is being written in conversation ``id``, in this tab or another. */
-const answering = (id) => elsewhere.has(id) || requests.all().some((r) => r.conversationId === id);
+/** Whether an answer is being written in conversation ``id``: in this tab, another (word from
+ * tabs.js), or anywhere as the list last said. */
+const answering = (id) => elsewhere.has(id) || requests.all().some((r) => r.conversationId === id)
+  || Boolean(conversations.find((c) => c.id === id)?.answering);
 
 /** Another tab started (true) or ended (false) an answer in ``id``. */
 export function answeringElsewhere(id, on) {
