@@ -317,6 +317,12 @@ class Settings:
     log_content: bool = _setting(
         "CHAT_LOG_CONTENT", False, _bool,
         doc="When on, each answer's log line also contains the text: the user's message and the answer.")
+    sharing: bool = _setting(
+        "CHAT_SHARING", False, _bool,
+        doc="When on, a conversation's owner may make a read-only link to it (`/s/<token>`, from the page's "
+            "**⋯ → Share link**), which anyone holding the link can read until the owner revokes it. The "
+            "link shows that one conversation's current version and nothing else. Off: no links are "
+            "made and existing ones stop working.")
 
     state_url: str = _setting(
         "CHAT_STATE_URL", "", _state_url, section="Scaling out",

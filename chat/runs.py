@@ -1,8 +1,10 @@
-"""A run: one answer pumped from the engine to the store and to whichever connection is attached.
+"""A run: one answer pumped from the engine to the store and to every connection that follows it.
 
 Runs outlive a dropped socket: each keeps every delta, so a client that
 reconnects can ``resume`` from any index while the run goes on and for a
-grace period after it ends. This module also declares what the turn service
+grace period after it ends. Several sockets of the client may follow one run at
+once (two tabs on one conversation): each gets every frame and its own ``done``;
+the run is cancelled only when the last of them is gone for the grace. This module also declares what the turn service
 needs from wherever runs are kept (``RunRegistry``, ``RunHandle``): this process
 alone, or every worker through Redis (``chat.state``).
 """
@@ -34,7 +36,7 @@ class Subscriber(Protocol):
         """The run now sends its frames here."""
 
     def forget(self, run: RunHandle) -> None:
-        """The run ended, or moved to another connection."""
+        """The run ended: nothing more comes to this connection."""
 
 
 class RunHandle(Protocol):
@@ -49,10 +51,11 @@ class RunHandle(Protocol):
         """End the answer with ``done`` ``reason`` (a no-op once it finished)."""
 
     def attach(self, subscriber: Subscriber, start: int) -> None:
-        """Replay deltas from ``start``, then continue live (or send ``done``)."""
+        """Replay deltas from ``start``, then continue live (or send ``done``), beside any other
+        connection already following the run."""
 
     def detach(self, subscriber: Subscriber) -> None:
-        """``subscriber`` went away; the resume grace decides the rest."""
+        """``subscriber`` went away; once no one follows, the resume grace decides the rest."""
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the run ended (True), or ``timeout`` passed (False)."""
@@ -95,6 +98,40 @@ class RunRegistry(Protocol):
     def all_active(self) -> list[Run]:
         """This worker's runs still answering."""
 
+    def answering(self, client: str | None, conversation_id: str) -> dict | None:
+        """The run answering in ``client``'s conversation as {``id``, ``message_id``, ``prefix_chars``},
+        or None (also when another client's request holds it)."""
+
+    def answering_in(self, client: str | None, conversation_ids: list[str]) -> set[str]:
+        """Which of ``client``'s conversations a request of it is answering in now."""
+
+
+def whole_answer(before: dict, usage: dict, timings: dict) -> tuple[dict, dict]:
+    """The figures of an answer ``continue`` extended: the stored ones (``before``: its ``usage`` and
+    ``timings``) and the new part's, as one answer: every token, the first token's wait, the speed
+    over both parts' decoding time."""
+    old_usage, old_timings = before.get("usage") or {}, before.get("timings") or {}
+    old_n, new_n = old_usage.get("completion_tokens"), usage.get("completion_tokens")
+    if not isinstance(old_n, int) or not isinstance(new_n, int):
+        return usage, timings
+    whole_usage = {**usage, "completion_tokens": old_n + new_n,
+                   "prompt_tokens": old_usage.get("prompt_tokens", usage.get("prompt_tokens"))}
+    whole_timings = dict(timings)
+    if old_timings.get("ttft_ms") is not None:
+        whole_timings["ttft_ms"] = old_timings["ttft_ms"]
+    if isinstance(old_timings.get("total_ms"), (int, float)) and isinstance(timings.get("total_ms"), (int, float)):
+        whole_timings["total_ms"] = round(old_timings["total_ms"] + timings["total_ms"], 1)
+    seconds = 0.0
+    for n, rate in ((old_n, old_timings.get("tokens_per_s")), (new_n, timings.get("tokens_per_s"))):
+        if not n:
+            continue
+        if not isinstance(rate, (int, float)) or rate <= 0:
+            return whole_usage, whole_timings  # a part's speed unknown: the new part's stands
+        seconds += n / rate
+    if seconds > 0:
+        whole_timings["tokens_per_s"] = round((old_n + new_n) / seconds, 1)
+    return whole_usage, whole_timings
+
 
 class RunStore(Protocol):
     """The two store writes a run makes (``chat.store.Store`` has them)."""
@@ -130,15 +167,16 @@ class Run:
     """One answer: the replay buffer, store checkpoints, metrics and the log line (via its owner)."""
 
     def __init__(self, owner: RunOwner, client: str, rid: str, conversation_id: str, message_id: str,
-                 gen: Generation, subscriber: Subscriber | None, prefix: str = "") -> None:
+                 gen: Generation, subscriber: Subscriber | None, prefix: str = "", before: dict | None = None) -> None:
         self.owner, self.client, self.id = owner, client, rid
         self.prefix = prefix  # continue: the answer's text so far, which the deltas extend
+        self.before = before  # continue: the stored answer (its usage and timings, for the whole answer's)
         self.conversation_id, self.message_id, self.gen = conversation_id, message_id, gen
         self.deltas: list[str] = []
         self.done_frame: dict | None = None
         self.started = False
         self.finished = False
-        self.subscriber = subscriber
+        self.subscribers: list[Subscriber] = [subscriber] if subscriber is not None else []
         self.mirror: Callable[[dict], None] | None = None  # in Redis: appends each frame to the run's stream
         self.lock = threading.RLock()
         self.finished_event = threading.Event()
@@ -217,7 +255,10 @@ class Run:
         """Store the whole answer, record it, send ``done``."""
         self.send_start()  # a request cancelled while queued still gets start, then done
         text = self.prefix + "".join(self.deltas)
-        self.write(self.store.finish_assistant, self.message_id, text, event.reason, event.usage, event.timings)
+        usage, timings = event.usage, event.timings
+        if self.before is not None:  # the stored answer's figures cover all of it; done, the new part
+            usage, timings = whole_answer(self.before, usage, timings)
+        self.write(self.store.finish_assistant, self.message_id, text, event.reason, usage, timings)
         self.owner.record(event, "ws", self.id, self.conversation_id,
                             prompt=self.gen.messages[-1]["content"], text=text)
         frame = {"type": "done", "id": self.id, "reason": event.reason, "usage": event.usage,
@@ -233,8 +274,10 @@ class Run:
         self.finished = True
         self.owner.runs.release(self)
         self.finished_event.set()
-        if self.subscriber is not None:
-            self.subscriber.forget(self)
+        with self.lock:
+            subscribers, self.subscribers = self.subscribers, []
+        for subscriber in subscribers:
+            subscriber.forget(self)
         spawn(self._expire)
 
     def _expire(self) -> None:
@@ -242,53 +285,52 @@ class Run:
         self.owner.runs.forget(self)
 
     def forward(self, frame: dict) -> None:
-        """One frame to the run's stream (in Redis) and to the attached connection."""
+        """One frame to the run's stream (in Redis) and to every connection following it."""
         if self.mirror is not None:
             self.mirror(frame)
-        subscriber = self.subscriber
-        if subscriber is not None and not subscriber.send(frame):
-            self.detach(subscriber)
+        subscribers = self.subscribers
+        if len(subscribers) == 1:  # nearly always
+            if not subscribers[0].send(frame):
+                self.detach(subscribers[0])
+            return
+        for subscriber in list(subscribers):
+            if not subscriber.send(frame):
+                self.detach(subscriber)
 
     def attach(self, subscriber: Subscriber, start: int) -> None:
-        """Replay deltas from ``start``, then continue live (or send ``done``)."""
+        """Replay deltas from ``start``, then continue live (or send ``done``). Connections already
+        following the run keep following it."""
         with self.lock:
-            old = self.subscriber
-            self.subscriber = None
-            if old is not None and old is not subscriber:
-                old.forget(self)
+            self.subscribers = [s for s in self.subscribers if s is not subscriber]
             for index in range(start, len(self.deltas)):
                 if not subscriber.send({"type": "delta", "id": self.id, "index": index,
                                         "text": self.deltas[index]}):
+                    self._orphaned()
                     return
                 if index % REPLAY_SLICE == REPLAY_SLICE - 1:
                     cooperate()  # a long replay lets the other connections run now and then
             if self.done_frame is not None:
                 subscriber.send(self.done_frame)
             else:
-                self.subscriber = subscriber
+                self.subscribers = [*self.subscribers, subscriber]
 
     def detach(self, subscriber: Subscriber) -> None:
-        """The connection went away: cancel after the grace period unless someone resumes."""
+        """A connection went away: once none follows, cancel after the grace unless someone resumes."""
         with self.lock:
-            if self.subscriber is not subscriber:
+            if subscriber not in self.subscribers:
                 return
-            self.subscriber = None
-        if not self.finished:
-            spawn(self._cancel_unless_resumed)
+            self.subscribers = [s for s in self.subscribers if s is not subscriber]
+            self._orphaned()
 
-    def hand_over(self) -> None:
-        """A socket on another worker resumed this run: stop sending to the one here."""
-        with self.lock:
-            old, self.subscriber = self.subscriber, None
-        if old is not None:
-            old.forget(self)
-        if not self.finished:
+    def _orphaned(self) -> None:
+        """No connection follows any more: the grace starts (call with the lock held)."""
+        if not self.subscribers and not self.finished:
             spawn(self._cancel_unless_resumed)
 
     def _cancel_unless_resumed(self) -> None:
         runs = self.owner.runs
         time.sleep(self.owner.resume_grace_s)
-        while self.subscriber is None and not self.finished and runs.followed(self):
+        while not self.subscribers and not self.finished and runs.followed(self):
             time.sleep(self.owner.resume_grace_s or 1)
-        if self.subscriber is None and not self.finished:
+        if not self.subscribers and not self.finished:
             self.cancel("cancelled")

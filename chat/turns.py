@@ -259,7 +259,7 @@ class TurnService:
             self.runs.unclaim(conv_id, client, req.id)
             raise
         run = Run(self, client, req.id, conv_id, message_id, gen, subscriber,
-                  prefix=extend["content"] if extend else "")
+                  prefix=extend["content"] if extend else "", before=extend)
         self.runs.add(run)
         subscriber.adopt(run)
         spawn(run.pump)

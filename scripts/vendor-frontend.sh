@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetch the page's browser libraries (marked, DOMPurify, highlight.js) from the
+# Fetch the page's browser libraries (marked, DOMPurify, highlight.js, KaTeX) from the
 # npm registry and copy their browser builds and licenses into static/vendor/.
 # Re-run after changing a version below; commit the result (no build step at runtime).
 set -euo pipefail
@@ -7,6 +7,7 @@ set -euo pipefail
 MARKED_VERSION="${MARKED_VERSION:-18.2.1}"
 DOMPURIFY_VERSION="${DOMPURIFY_VERSION:-3.5.0}"
 HLJS_VERSION="${HLJS_VERSION:-11.12.0}"
+KATEX_VERSION="${KATEX_VERSION:-0.19.1}"
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dest="$root/static/vendor"
@@ -18,11 +19,12 @@ npm init -y >/dev/null
 npm install --no-audit --no-fund --ignore-scripts --save-exact \
   "marked@$MARKED_VERSION" \
   "dompurify@$DOMPURIFY_VERSION" \
-  "@highlightjs/cdn-assets@$HLJS_VERSION" >/dev/null
+  "@highlightjs/cdn-assets@$HLJS_VERSION" \
+  "katex@$KATEX_VERSION" >/dev/null
 
 nm="$work/node_modules"
 rm -rf "$dest"
-mkdir -p "$dest/marked" "$dest/dompurify" "$dest/highlight"
+mkdir -p "$dest/marked" "$dest/dompurify" "$dest/highlight" "$dest/katex"
 
 cp "$nm/marked/lib/marked.esm.js" "$dest/marked/marked.esm.js"
 cp "$nm/marked/LICENSE" "$dest/marked/LICENSE"
@@ -37,6 +39,12 @@ cp "$nm/@highlightjs/cdn-assets/styles/github.min.css" "$dest/highlight/github.m
 cp "$nm/@highlightjs/cdn-assets/styles/github-dark.min.css" "$dest/highlight/github-dark.min.css"
 cp "$nm/@highlightjs/cdn-assets/LICENSE" "$dest/highlight/LICENSE"
 
+# The minified build (a classic script: window.katex; there is no minified module build).
+# The page asks for MathML output only: the browser lays the math out, so no KaTeX CSS,
+# fonts or inline styles (the CSP allows none).
+cp "$nm/katex/dist/katex.min.js" "$dest/katex/katex.min.js"
+cp "$nm/katex/LICENSE" "$dest/katex/LICENSE"
+
 # Drop trailing sourceMappingURL comments: the maps are not shipped.
 for f in "$dest"/*/*.js; do
   sed -i '/^\/\/# sourceMappingURL=/d' "$f"
@@ -48,6 +56,7 @@ done
   echo "marked                  $MARKED_VERSION  MIT                     marked/LICENSE"
   echo "dompurify               $DOMPURIFY_VERSION   MPL-2.0 OR Apache-2.0   dompurify/LICENSE, dompurify/LICENSE-MPL"
   echo "@highlightjs/cdn-assets $HLJS_VERSION BSD-3-Clause            highlight/LICENSE"
+  echo "katex                   $KATEX_VERSION  MIT                     katex/LICENSE"
 } > "$dest/LICENSES"
 
 echo "vendored into $dest:"

@@ -59,10 +59,12 @@ def server_factory(tmp_path_factory, tiny_model):
     """Start real gunicorn servers with extra env; all are stopped at the end of the session."""
     servers = []
 
-    def start(name: str = "srv", **env) -> LiveServer:
+    def start(name: str = "srv", wait: bool = True, **env) -> LiveServer:
+        """``wait``: until /readyz says ready (else only until the process is spawned)."""
         workdir = tmp_path_factory.mktemp(name)
-        srv = LiveServer(workdir, {**live_env(workdir), "CHAT_MODEL": str(tiny_model), **env})
+        srv = LiveServer(workdir, {**live_env(workdir), "CHAT_MODEL": str(tiny_model), **env}, start=False)
         servers.append(srv)
+        srv.start(wait=wait)
         return srv
 
     yield start

@@ -292,6 +292,59 @@ def cancel_and_stop_from_the_other(a, b) -> None:
     other.close()
 
 
+def two_sockets_follow_one_answer(server, other=None) -> None:
+    """A second socket of the same client (on ``other``, a worker sharing state, when given)
+    resumes a running answer: both stream it to the end, either may cancel it, each gets its
+    own ``done``; the conversation names the running request for the second to find."""
+    cookie = cookie_for(server)
+    first = WS(server.ws_url, cookie=cookie)
+    first.send({"type": "chat", "id": "both", "content": "go on", "params": LONG})
+    conv = first.until(lambda f: f["type"] == "start")[-1]["conversation_id"]
+    first.until(lambda f: f["type"] == "delta" and f["index"] >= 5)
+    status, _, body = http_get(f"{(other or server).url}/api/conversations/{conv}", headers={"Cookie": cookie})
+    answering = json.loads(body)["answering"]
+    assert status == 200 and answering["id"] == "both" and answering["prefix_chars"] == 0
+    listed = json.loads(http_get(f"{(other or server).url}/api/conversations", headers={"Cookie": cookie})[2])
+    assert [c["answering"] for c in listed if c["id"] == conv] == [True]
+    second = WS((other or server).ws_url, cookie=cookie)
+    second.send({"type": "resume", "id": "both", "from": 0})
+    replayed = second.until(lambda f: f["type"] == "delta" and f["index"] >= 40)
+    second.send({"type": "cancel", "id": "both"})
+    seen = [first.until(lambda f: f["type"] == "done"), replayed + second.until(lambda f: f["type"] == "done")]
+    for frames in seen:
+        assert frames[-1]["reason"] == "cancelled"
+        assert sum(1 for f in frames if f["type"] == "done") == 1
+    first_deltas = [f for f in seen[0] if f["type"] == "delta"]  # the first's since index 6
+    assert [f["index"] for f in first_deltas] == list(range(6, 6 + len(first_deltas)))
+    first_text = "".join(f["text"] for f in first_deltas)
+    second_deltas = {f["index"]: f["text"] for f in seen[1] if f["type"] == "delta"}
+    assert sorted(second_deltas) == list(range(len(second_deltas)))
+    whole = "".join(second_deltas[i] for i in range(len(second_deltas)))
+    assert whole.endswith(first_text) and len(whole) > len(first_text)
+    assert wait_settled(server, cookie, conv)["messages"][-1]["content"] == whole
+    status, _, body = http_get(f"{server.url}/api/conversations/{conv}", headers={"Cookie": cookie})
+    assert json.loads(body)["answering"] is None
+    first.close()
+    second.close()
+
+
+def one_of_two_sockets_leaves(server, other=None) -> None:
+    """Of two sockets following one answer, the one that started it goes away: the other
+    follows it to its end (no cancel after the grace), which it gets as its ``done``."""
+    cookie = cookie_for(server)
+    first = WS(server.ws_url, cookie=cookie)
+    first.send({"type": "chat", "id": "stay", "content": "go on",
+                "params": {**LONG, "max_new_tokens": 1500}})
+    first.until(lambda f: f["type"] == "delta")
+    second = WS((other or server).ws_url, cookie=cookie)
+    second.send({"type": "resume", "id": "stay", "from": 0})
+    second.until(lambda f: f["type"] == "delta")
+    first.conn.sock.close()  # no close frame: like a tab killed
+    frames = second.until(lambda f: f["type"] == "done")
+    assert frames[-1]["reason"] == "length" and frames[-1]["usage"]["completion_tokens"] == 1500
+    second.close()
+
+
 # ---------------------------------------------------------------- engines and apps in this process
 
 def make_app(engine, **settings):
@@ -414,9 +467,10 @@ def error_code(call, *args, **kwargs):
 class Chat:
     """A fresh browser context (own cookie = own identity, own localStorage) on the chat page."""
 
-    def __init__(self, browser, url: str, width: int = 1200, height: int = 800, settings=None):
+    def __init__(self, browser, url: str, width: int = 1200, height: int = 800, settings=None, context=None):
         self.url = url
-        self.context = browser.new_context(viewport={"width": width, "height": height})
+        self.own_context = context is None
+        self.context = context or browser.new_context(viewport={"width": width, "height": height})
         if settings is not None:
             self.context.add_init_script(
                 f"localStorage.setItem('chat.settings', {json.dumps(json.dumps(settings))})")
@@ -438,8 +492,14 @@ class Chat:
         if msg.type == "error" and "Content Security Policy" in msg.text:
             self.errors.append(f"csp: {msg.text}")
 
-    def open(self) -> "Chat":
-        self.page.goto(self.url + "/")
+    def tab(self) -> "Chat":
+        """Another tab of the same person (same cookie, same localStorage), not opened yet."""
+        other = Chat(None, self.url, context=self.context)
+        other.errors = self.errors
+        return other
+
+    def open(self, path: str = "/") -> "Chat":
+        self.page.goto(self.url + path)
         self.page.wait_for_selector("[data-testid=connection-status][data-state=open]", timeout=30000)
         return self
 
@@ -476,4 +536,7 @@ class Chat:
         self.page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
 
     def close(self) -> None:
-        self.context.close()
+        if self.own_context:
+            self.context.close()
+        else:
+            self.page.close()

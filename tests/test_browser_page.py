@@ -24,7 +24,7 @@ WIDTHS = pytest.mark.parametrize("width, height", [(375, 740), (1280, 800)], ids
 
 
 def conversation_id(c) -> str:
-    return c.js("JSON.parse(localStorage.getItem('chat.conversation'))")
+    return c.js("((location.pathname.match(/^\\/c\\/([^/]+)/) || [])[1] || null)")
 
 
 def stored(c, conv=None) -> dict:
@@ -151,7 +151,7 @@ def test_export_carries_every_version_and_import_restores_it(chat, tmp_path):
     assert len(exported["tree"]) == 5 and exported["active_id"] == exported["messages"][-1]["id"]
     # Import it: the copy opens with every version, under a title that says it is a copy.
     c.page.set_input_files("[data-testid=import-file]", files=[str(path)])
-    c.wait_until(f"() => JSON.parse(localStorage.getItem('chat.conversation')) !== '{original}'")
+    c.wait_until(f"() => ((location.pathname.match(/^\\/c\\/([^/]+)/) || [])[1] || null) !== '{original}'")
     c.wait_until("() => document.querySelectorAll('[data-testid=versions]').length === 2")
     labels = c.js("[...document.querySelectorAll('[data-testid=versions] .versions-label')].map(e => e.textContent)")
     assert labels == ["2/2", "2/2"]
@@ -302,7 +302,8 @@ def test_a_conversation_keeps_and_shows_its_own_settings(chat):
     c.wait_done()
     follow_up = [f for f in frames if f["type"] == "chat"][-1]
     assert "params" not in follow_up and "system" not in follow_up, "the server keeps this conversation's settings"
-    assert c.page.text_content("[data-testid=message-assistant] >> nth=-1 >> [data-testid=stats]").endswith("5 tokens")
+    stats = c.page.text_content("[data-testid=message-assistant] >> nth=-1 >> [data-testid=stats]")
+    assert stats.split(" · ").count("5 tokens") == 1
     # Regenerate with the seed: each new version is the same.
     versions = []
     for _ in range(2):
@@ -333,21 +334,26 @@ def test_sidebar_groups_by_date_pins_and_keeps_order_on_rename(chat):
     assert c.js(groups) == ["Today"]
     oldest = "[data-testid=conversation-item] >> nth=2"
     c.page.hover(oldest)
-    c.page.click(f"{oldest} >> [data-action=rename]")
+    c.page.click(f"{oldest} >> [data-action=menu]")
+    c.page.click("[data-testid=menu-rename]")
     c.page.fill("[data-testid=conversation-item] input", "Oldest, renamed")
     c.page.keyboard.press("Enter")
     c.page.reload()
     c.wait_until("() => document.querySelectorAll('[data-testid=conversation-item]').length === 3")
     assert c.js(order) == ["Newest topic", "Middle topic", "Oldest, renamed"], "renaming moved it"
     c.page.hover(oldest)
-    c.page.click(f"{oldest} >> [data-action=pin]")
+    c.page.click(f"{oldest} >> [data-action=menu]")
+    c.page.click("[data-testid=menu-pin]")
     c.wait_until(f"() => {order}[0] === 'Oldest, renamed'")
     c.page.reload()
     c.wait_until("() => document.querySelectorAll('[data-testid=conversation-item]').length === 3")
     assert c.js(order) == ["Oldest, renamed", "Newest topic", "Middle topic"]
     assert c.js(groups) == ["Pinned", "Today"]
-    first_pin = "[data-testid=conversation-item] >> nth=0 >> [data-action=pin]"
-    assert c.page.get_attribute(first_pin, "aria-pressed") == "true"
+    assert c.page.get_attribute("[data-testid=conversation-item] >> nth=0", "data-pinned") == "true"
+    c.page.hover("[data-testid=conversation-item] >> nth=0")
+    c.page.click("[data-testid=conversation-item] >> nth=0 >> [data-action=menu]")
+    assert c.page.text_content("[data-testid=menu-pin]") == "Unpin"
+    c.page.keyboard.press("Escape")
     c.shot("sidebar-pinned")
 
 
@@ -420,19 +426,23 @@ def test_addresses_open_switch_and_go_back(chat):
 
 
 @pytest.mark.parametrize("address", ["/c/" + "0" * 32, "/c/not-an-id", "/c/%E2%9C%93"])
-def test_an_address_the_user_cannot_see_shows_the_empty_page(chat, browser, address):
+def test_an_address_the_user_cannot_see_shows_a_new_chat_that_says_so(chat, browser, address):
     owner = chat(settings={"max_new_tokens": 2})
     owner.send("Private conversation")
     owner.wait_done()
     theirs = conversation_id(owner)
     c = chat()
+    said = set()
     for path in (address, f"/c/{theirs}"):
         c.page.goto(c.url + path)
         c.page.wait_for_selector("[data-testid=connection-status][data-state=open]")
         c.wait_until("() => location.pathname === '/'")
         assert c.page.is_visible("#empty") and c.page.locator(".msg").count() == 0
-        assert c.page.is_hidden("[data-testid=error]")
+        # The same words whether it never existed or is someone else's.
+        c.wait_until("() => !document.querySelector('[data-testid=error]').hidden")
+        said.add(c.page.text_content("[data-testid=error]"))
         assert c.page.text_content("#chat-title") == "New chat"
+    assert len(said) == 1 and "not found" in said.pop()
     assert "Private" not in c.page.content()
 
 

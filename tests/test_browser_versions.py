@@ -10,7 +10,7 @@ LAST_ASSISTANT = "[...document.querySelectorAll('[data-testid=message-assistant]
 
 
 def current_conversation(c) -> str:
-    return c.js("JSON.parse(localStorage.getItem('chat.conversation'))")
+    return c.js("((location.pathname.match(/^\\/c\\/([^/]+)/) || [])[1] || null)")
 
 
 def stored(c, conv=None) -> dict:
@@ -99,7 +99,7 @@ def test_search_as_you_type_and_open(chat):
     assert c.js("document.querySelectorAll('[data-testid=search-results] b').length") == 0
     assert c.page.is_hidden("#conversation-list")
     c.page.click(hit)
-    c.wait_until(f"() => JSON.parse(localStorage.getItem('chat.conversation')) === '{target}'")
+    c.wait_until(f"() => ((location.pathname.match(/^\\/c\\/([^/]+)/) || [])[1] || null) === '{target}'")
     c.wait_until("() => document.querySelector('.msg.found')")
     assert user_texts(c) == ["Where do zebras <b>sleep</b>?"]
     c.page.fill("[data-testid=search]", "")
@@ -128,7 +128,7 @@ def test_import_of_an_exported_file(chat):
     conv = current_conversation(c)
     exported = c.page.request.get(f"{c.url}/api/conversations/{conv}/export?format=json").json()
     import_json(c, exported)
-    c.wait_until(f"() => (JSON.parse(localStorage.getItem('chat.conversation')) || '{conv}') !== '{conv}'")
+    c.wait_until(f"() => (((location.pathname.match(/^\\/c\\/([^/]+)/) || [])[1] || null) || '{conv}') !== '{conv}'")
     c.wait_until("() => document.querySelectorAll('[data-testid=conversation-item]').length === 2")
     new = current_conversation(c)
     c.wait_until(f"() => {LAST_ASSISTANT}?.view.text === {json.dumps(exported['messages'][1]['content'])}")

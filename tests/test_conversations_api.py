@@ -67,7 +67,7 @@ def test_list(alice, store, conv):
     assert [c["id"] for c in listed] == [newer["id"], conv["id"]]
     assert listed[1] == {"id": conv["id"], "title": "What is 2+2?", "system": "Be brief.",
                          "created_at": conv["created_at"], "updated_at": listed[1]["updated_at"],
-                         "pinned": False, "params": {}, "model": None}
+                         "pinned": False, "params": {}, "model": None, "answering": False}
 
 
 @pytest.mark.parametrize("cookie", [None, BOB, "short", "bad cookie value with spaces!!"])

@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from helpers import (WS, conv_of, cookie_for, finished_answer_resumes, http_get, in_threads, resume_after_forced_drops,
-                     text_of, wait_settled)
+from helpers import (WS, conv_of, cookie_for, finished_answer_resumes, http_get, in_threads,
+                     one_of_two_sockets_leaves, resume_after_forced_drops, text_of, two_sockets_follow_one_answer,
+                     wait_settled)
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +24,14 @@ def test_resume_after_forced_drops_loses_and_repeats_nothing(server):
 
 def test_finished_answer_is_resumable_within_grace(server):
     finished_answer_resumes(server)
+
+
+def test_two_sockets_of_one_client_follow_one_answer(server):
+    two_sockets_follow_one_answer(server)
+
+
+def test_one_of_two_sockets_leaving_does_not_end_the_answer(server):
+    one_of_two_sockets_leaves(server)
 
 
 def test_regenerate_replaces_the_last_answer(server):

@@ -97,6 +97,23 @@ def test_a_run_is_found_until_forgotten(backend):
     assert runs.get(ALICE, "r1") is None
 
 
+def test_the_run_answering_in_a_conversation_is_named_to_its_client_only(backend):
+    runs: RunRegistry = backend().runs
+    run = new_run(ALICE, "r1", "c1")
+    run.prefix = "Once upon"
+    assert runs.answering(ALICE, "c1") is None
+    assert runs.claim("c1", ALICE, "r1")
+    runs.add(run)
+    assert runs.answering(ALICE, "c1") == {"id": "r1", "message_id": "m-r1", "prefix_chars": 9}
+    assert runs.answering(BOB, "c1") is None and runs.answering(ALICE, "c2") is None
+    assert runs.answering_in(ALICE, ["c1", "c2"]) == {"c1"} and runs.answering_in(BOB, ["c1"]) == set()
+    assert runs.answering_in(ALICE, []) == set()
+    run.finished = True
+    runs.release(run)
+    assert runs.answering(ALICE, "c1") is None
+    assert runs.answering_in(ALICE, ["c1"]) == set()
+
+
 def test_a_handle_cancels_its_answer(backend):
     runs: RunRegistry = backend().runs
     run = new_run(ALICE, "r1", "c1")

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from helpers import (WS, cancel_and_stop_from_the_other, conv_of, cookie_for, finished_answer_resumes,
-                     resume_after_forced_drops, text_of, wait_settled)
+                     one_of_two_sockets_leaves, resume_after_forced_drops, text_of, two_sockets_follow_one_answer,
+                     wait_settled)
 from fakes import AppServer, FakeEngine
 
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
@@ -49,6 +50,12 @@ def test_resume_on_the_other_worker_loses_and_repeats_nothing(pair):
 def test_a_finished_answer_resumes_from_the_other_worker(pair):
     a, b = pair()
     finished_answer_resumes(a, b)
+
+
+def test_sockets_on_two_workers_follow_one_answer(pair):
+    a, b = pair()
+    two_sockets_follow_one_answer(a, b)
+    one_of_two_sockets_leaves(a, b)
 
 
 def test_cancel_and_stop_reach_the_worker_that_runs_the_answer(pair):

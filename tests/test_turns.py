@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import sqlite3
 
+import pytest
+
 from helpers import WS, conv_of, cookie_for, http_get
 from fakes import FakeEngine
 
@@ -48,3 +50,19 @@ def test_a_store_failure_cancels_the_generation(app_factory, monkeypatch):
     monkeypatch.undo()
     assert client.chat("hi", rid="lost", params={"max_new_tokens": 2})[-1]["type"] == "done"
     client.close()
+
+
+@pytest.mark.parametrize("before, usage, timings, whole", [
+    # two parts of 10 tokens at 10 and 20 tokens/s: 20 tokens in 1.5 s
+    ({"usage": {"prompt_tokens": 30, "completion_tokens": 10},
+      "timings": {"ttft_ms": 50.0, "total_ms": 1000.0, "tokens_per_s": 10.0}},
+     {"prompt_tokens": 45, "completion_tokens": 10}, {"ttft_ms": 20.0, "total_ms": 500.0, "tokens_per_s": 20.0},
+     ({"prompt_tokens": 30, "completion_tokens": 20}, {"ttft_ms": 50.0, "total_ms": 1500.0, "tokens_per_s": 13.3})),
+    # an answer stopped before any figures (interrupted): the new part's own
+    ({"usage": None, "timings": None}, {"prompt_tokens": 45, "completion_tokens": 10},
+     {"ttft_ms": 20.0, "total_ms": 500.0, "tokens_per_s": 20.0},
+     ({"prompt_tokens": 45, "completion_tokens": 10}, {"ttft_ms": 20.0, "total_ms": 500.0, "tokens_per_s": 20.0})),
+])
+def test_a_continued_answers_figures_cover_the_whole_answer(before, usage, timings, whole):
+    from chat.runs import whole_answer
+    assert whole_answer(before, usage, timings) == whole

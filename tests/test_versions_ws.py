@@ -130,6 +130,11 @@ def test_continue_extends_the_answer_in_place(server):
     assert len(messages) == 2
     assert messages[1]["content"] == text_of(first) + text_of(more)
     assert messages[1]["versions"]["count"] == 1
+    # done counts the new part; the stored answer's figures cover all of it
+    new, old = more[-1]["usage"]["completion_tokens"], first[-1]["usage"]["completion_tokens"]
+    assert messages[1]["usage"]["completion_tokens"] == old + new
+    assert messages[1]["usage"]["prompt_tokens"] == first[-1]["usage"]["prompt_tokens"]
+    assert messages[1]["timings"]["ttft_ms"] == first[-1]["timings"]["ttft_ms"]
 
 
 def test_continue_refuses_a_finished_answer(server):

@@ -56,3 +56,15 @@ class LocalRuns:
     def all_active(self) -> list[Run]:
         """This worker's runs still answering."""
         return [r for r in list(self.by_id.values()) if not r.finished]
+
+    def answering(self, client: str | None, conversation_id: str) -> dict | None:
+        """The run answering in ``client``'s conversation, or None (also another client's)."""
+        holder = self.claims.get(conversation_id)
+        run = self.by_id.get(holder) if holder is not None and holder[0] == client else None
+        if run is None or run.finished:
+            return None
+        return {"id": run.id, "message_id": run.message_id, "prefix_chars": len(run.prefix)}
+
+    def answering_in(self, client: str | None, conversation_ids: list[str]) -> set[str]:
+        """Which of ``client``'s conversations a request of it is answering in now."""
+        return {c for c in conversation_ids if (self.claims.get(c) or ("",))[0] == client}

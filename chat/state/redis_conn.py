@@ -4,8 +4,7 @@ Each app (one per gunicorn worker) gets a worker id. A heartbeat greenlet keeps
 ``chat:alive:<host>:<pid>`` set while the process lives (the store asks it whether a
 streaming answer's writer still runs) and renews the leases its parts hold (runs,
 busy flags, limit tickets). Other workers reach this one by publishing on
-``chat:ctl:<worker>``: a cancel for a run it owns, or word that a run moved to
-another worker's socket.
+``chat:ctl:<worker>``: a cancel for a run it owns.
 """
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ The worker that runs an answer (its owner) writes each frame to the Redis Stream
 ``chat:ev:<client>:<rid>`` (capped, expiring after the resume grace) and keeps
 ``chat:run:<client>:<rid>`` (owner, state) and the conversation's busy flag
 leased while it runs. Another worker serves ``resume`` by replaying the stream and
-following it live (a ``RemoteRun``), and ``cancel`` by a control message to the
-owner. When Redis goes away mid-answer the owner's own socket keeps streaming;
-only the mirror stops.
+following it live (a ``RemoteRun``; the owner's own sockets keep following it too),
+and ``cancel`` by a control message to the owner. When Redis goes away mid-answer
+the owner's own sockets keep streaming; only the mirror stops.
 """
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ class RedisRuns:
         self._unclaim = self.redis.register_script(_UNCLAIM)
         conn.renewers.append(self._renew)
         conn.on("cancel", self._on_cancel)
-        conn.on("moved", self._on_moved)
 
     def _run_key(self, client: str, rid: str) -> str:
         return self.conn.key("run", client, rid)
@@ -121,6 +120,35 @@ class RedisRuns:
         """This worker's runs still answering."""
         return self.here.all_active()
 
+    def answering_in(self, client: str | None, conversation_ids: list[str]) -> set[str]:
+        """Which of ``client``'s conversations a request of it is answering in now, on any worker
+        (one round trip; with Redis away, those of this worker)."""
+        found = self.here.answering_in(client, conversation_ids)
+        try:
+            holders = cast("list[str | None]", self.redis.mget([self._busy_key(c) for c in conversation_ids])
+                            if conversation_ids else [])
+        except redis.RedisError as exc:
+            log.warning("shared state: answering_in failed: %s", exc)
+            return found
+        return found | {c for c, holder in zip(conversation_ids, holders)
+                        if holder and holder.rsplit("|", 2)[0] == client}
+
+    @best_effort
+    def answering(self, client: str | None, conversation_id: str) -> dict | None:
+        """The run answering in ``client``'s conversation, on any worker, or None."""
+        mine = self.here.answering(client, conversation_id)
+        if mine is not None:
+            return mine
+        holder = cast("str | None", self.redis.get(self._busy_key(conversation_id)))
+        parts = holder.rsplit("|", 2) if holder else []
+        if len(parts) != 3 or parts[0] != client:
+            return None
+        info = cast("dict[str, str]", self.redis.hgetall(self._run_key(client, parts[1])))
+        if info.get("state") != "active":
+            return None
+        return {"id": parts[1], "message_id": info.get("message_id"),
+                "prefix_chars": int(info.get("prefix_chars") or 0)}
+
     # ---- Redis
 
     @required
@@ -160,7 +188,8 @@ class RedisRuns:
         key = self._run_key(run.client, run.id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key, mapping={"worker": self.conn.worker, "state": "active",
-                                "conversation_id": run.conversation_id, "message_id": run.message_id})
+                                "conversation_id": run.conversation_id, "message_id": run.message_id,
+                                "prefix_chars": len(run.prefix)})
         pipe.expire(key, LEASE_S)
         pipe.execute()
         run.mirror = Mirror(self, run)
@@ -192,10 +221,6 @@ class RedisRuns:
         if run is not None:
             run.cancel("cancelled")
 
-    def _on_moved(self, message: dict) -> None:
-        run = self.owned.get((message["client"], message["rid"]))
-        if run is not None:
-            run.hand_over()
 
 
 class Mirror:
@@ -257,7 +282,6 @@ class RemoteRun:
     def attach(self, subscriber: Subscriber, start: int) -> None:
         """Replay deltas from ``start`` (and the end, if it came), then follow live."""
         self.redis.set(self.follow_key, self.runs.conn.worker, ex=FOLLOW_TTL_S)
-        self.runs.conn.send(self.worker, "moved", client=self.client, rid=self.id)
         last = "0-0"
         for entry_id, fields in cast(_Entries, self.redis.xrange(self.stream)):
             last = entry_id

@@ -16,6 +16,8 @@ from . import cjk, liveness, transfer, tree
 from .backend import Connection, StoreBackend, marks
 from .disk_full import guarded as _guarded
 from .options import CONVERSATION_COLUMNS as _CONV, Options, conversation as _conversation
+from .presets import Presets
+from .sharing import Sharing
 from .tree import message as _message, owned as _owned, valid as _valid
 from .versions import Versions
 
@@ -55,7 +57,7 @@ def backend_for(target: str, max_mb: int = 0) -> StoreBackend:
     return SQLite(target, max_mb)
 
 
-class Store(Versions, Options):
+class Store(Versions, Options, Sharing, Presets):
     """Conversations of many clients; safe to share between greenlets and OS threads."""
 
     def __init__(self, path: str | os.PathLike, max_conversations: int = 0, max_messages: int = 0,
@@ -287,8 +289,9 @@ class Store(Versions, Options):
 
     @_guarded
     def forget_client(self, client_id: str) -> int:
-        """Delete every conversation of ``client_id``; return how many."""
+        """Delete every conversation (and preset) of ``client_id``; return how many conversations."""
         with self._conn() as db:
+            db.execute(f"DELETE FROM presets WHERE client_id = {db.mark}", (client_id,))
             return db.execute(f"DELETE FROM conversations WHERE client_id = {db.mark}", (client_id,)).rowcount
 
     def expire_clients(self, prefix: str, idle_s: float) -> int:

@@ -85,6 +85,23 @@ MIGRATIONS: list[tuple[str, ...]] = [
             + length(coalesce(attachments, ''))), 0) FROM messages WHERE conversation_id = conversations.id)""",
         "CREATE INDEX conversations_by_address ON conversations (address) WHERE address IS NOT NULL",
     ),
+    (
+        # A read-only link (schema.py's sixth migration).
+        "ALTER TABLE conversations ADD COLUMN share_token TEXT",
+        "CREATE UNIQUE INDEX conversations_by_share_token ON conversations (share_token) WHERE share_token IS NOT NULL",
+    ),
+    (
+        # Presets (schema.py's seventh migration).
+        """CREATE TABLE presets (
+            id TEXT PRIMARY KEY,
+            client_id TEXT NOT NULL,
+            name TEXT NOT NULL,
+            system TEXT,
+            params TEXT,
+            created_at DOUBLE PRECISION NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL)""",
+        "CREATE UNIQUE INDEX presets_by_client ON presets (client_id, name)",
+    ),
 ]
 
 

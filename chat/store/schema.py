@@ -124,6 +124,23 @@ MIGRATIONS: list[tuple[Step, ...]] = [
             + length(coalesce(attachments, ''))), 0) FROM messages WHERE conversation_id = conversations.id)""",
         "CREATE INDEX conversations_by_address ON conversations (address) WHERE address IS NOT NULL",
     ),
+    (
+        # A read-only link (CHAT_SHARING): the conversation's secret token, or NULL when not shared.
+        "ALTER TABLE conversations ADD COLUMN share_token TEXT",
+        "CREATE UNIQUE INDEX conversations_by_share_token ON conversations (share_token) WHERE share_token IS NOT NULL",
+    ),
+    (
+        # Presets: a client's named sets of system prompt and sampling parameters.
+        """CREATE TABLE presets (
+            id TEXT PRIMARY KEY,
+            client_id TEXT NOT NULL,
+            name TEXT NOT NULL,
+            system TEXT,
+            params TEXT,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL)""",
+        "CREATE UNIQUE INDEX presets_by_client ON presets (client_id, name)",
+    ),
 ]
 
 

@@ -9,7 +9,8 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
 
     ``engine_only``: only ``/v1`` and health, for web workers that use this process as their backend.
     """
-    from . import conversations_api, error_responses, health, hosts, openai_api, pages, request_body, ws
+    from . import (conversations_api, error_responses, health, hosts, openai_api, pages, presets_api, request_body,
+                   sharing, ws)
     hosts.init_app(app, app.extensions["chat"].settings)
     app.register_blueprint(health.bp)
     app.register_blueprint(openai_api.bp)
@@ -19,6 +20,8 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
     else:
         app.register_blueprint(pages.bp)
         app.register_blueprint(conversations_api.bp)
+        app.register_blueprint(sharing.bp)
+        app.register_blueprint(presets_api.bp)
         ws.init_app(app)
     error_responses.init_app(app)
     app.wsgi_app = request_body.BoundedBody(  # type: ignore[method-assign]

@@ -51,14 +51,27 @@ def _private(response: Response) -> Response:
 
 @bp.get("/conversations")
 def index() -> Response:
-    """This client's conversations, newest first."""
-    return jsonify(_store().list_conversations(current_client()))
+    """This client's conversations, newest first, each saying whether it is answering now."""
+    client = current_client()
+    conversations = _store().list_conversations(client)
+    busy = app_state().turns.runs.answering_in(client, [c["id"] for c in conversations])
+    for c in conversations:
+        c["answering"] = c["id"] in busy
+    return jsonify(conversations)
 
 
 @bp.get("/conversations/<conv_id>")
 def show(conv_id: str) -> Response:
-    """One conversation with its messages."""
-    return jsonify(_found(_store().get_conversation(current_client(), conv_id)))
+    """One conversation with its messages, and the answer running in it (``answering``: a request
+    of this client another socket or tab may ``resume`` to follow it live), or null."""
+    client = current_client()
+    return jsonify(_with_answering(client, _found(_store().get_conversation(client, conv_id))))
+
+
+def _with_answering(client: str | None, conversation: dict) -> dict:
+    """The conversation as GET shows it: with the request answering in it now, or null."""
+    conversation["answering"] = app_state().turns.runs.answering(client, conversation["id"])
+    return conversation
 
 
 @bp.patch("/conversations/<conv_id>")
@@ -94,7 +107,8 @@ def activate(conv_id: str) -> Response:
     message_id = body.get("message_id") if isinstance(body, dict) else None
     if not isinstance(message_id, str):
         raise ProtocolError("bad_message", "body must be a JSON object with a string 'message_id'")
-    return jsonify(_found(_store().set_active(current_client(), conv_id, message_id)))
+    client = current_client()
+    return jsonify(_with_answering(client, _found(_store().set_active(client, conv_id, message_id))))
 
 
 @bp.post("/conversations/import")

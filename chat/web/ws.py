@@ -254,7 +254,7 @@ class Session:
         self.runs[run.id] = run
 
     def forget(self, run: RunHandle) -> None:
-        """The run ended, or moved to another connection."""
+        """The run ended: nothing more comes to this connection."""
         if self.runs.get(run.id) is run:
             del self.runs[run.id]
 

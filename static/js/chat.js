@@ -10,12 +10,15 @@ import * as router from './router.js';
 import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
+import * as tabs from './tabs.js';
 import * as thread from './thread.js';
 import { AssistantMessage, editInPlace, setUserText } from './message.js';
 import { announce, newId } from './util.js';
 
 let viewToken = 0; // the latest openConversation; older loads arriving late are dropped
 let shown = null; // the open conversation's record as the server sent it (title, system, params, model)
+let unloaded = null; // the open conversation's id while its load failed (it loads again on the next `ready`)
+let retryTimer = 0;
 
 const inView = () => requests.activeIn(sidebar.currentId());
 
@@ -36,6 +39,11 @@ export function refreshControls() {
 export function send() {
   const content = composer.content();
   if (!content.trim()) return;
+  if (unloaded && unloaded === sidebar.currentId()) {
+    // Never add to a history the person cannot see.
+    composer.showError('This conversation has not loaded yet. Your message is kept; it can be sent once it shows.');
+    return;
+  }
   if (inView().length) {
     composer.setQueued(true);
     announce('Your message will be sent when this answer finishes.');
@@ -98,6 +106,7 @@ function canStart() {
 export function edit(article) {
   if (inView().length) return;
   editInPlace(article, async (content) => {
+    els.prompt.focus({ preventScroll: true }); // the edit box is gone: the keyboard goes on from the composer
     if (!canStart()) return;
     if (composer.tooLong(content + (article.files || []).map((f) => f.text).join(''))) {
       composer.showError(composer.errorText('too_large'));
@@ -118,7 +127,9 @@ export function edit(article) {
 export function continueAnswer(view) {
   if (!canStart() || view.el !== thread.lastMessage()) return;
   const conversationId = sidebar.currentId();
+  const hadFocus = view.el.contains(document.activeElement);
   view.resume();
+  if (hadFocus) els.prompt.focus({ preventScroll: true }); // its Continue button is gone while it writes
   const message = { type: 'continue', id: newId(), conversation_id: conversationId };
   submit(message, { conversationId, view, prefix: view.text, reload: true });
 }
@@ -138,8 +149,15 @@ export async function switchVersion(el, step) {
   }
   if (sidebar.currentId() !== conversationId) return;
   const index = thread.messageEls().indexOf(el);
+  const hadFocus = el.contains(document.activeElement);
   thread.replaceFrom(el, conversation.messages.slice(index));
   refreshControls();
+  if (hadFocus) {
+    // The message was drawn again: keep the keyboard on its switcher (the other arrow at an end).
+    const again = thread.messageEls()[index];
+    const same = again?.querySelector(`[data-action="version-${step < 0 ? 'prev' : 'next'}"]`);
+    (same && !same.disabled ? same : again?.querySelector('[data-action^="version-"]:not(:disabled)'))?.focus();
+  }
   announce(`Version ${el.versions.index + step + 1} of ${ids.length}`);
 }
 
@@ -150,6 +168,10 @@ export async function syncIds() {
   let conversation;
   try { conversation = await api.getConversation(id); } catch { return false; }
   if (sidebar.currentId() !== id || inView().length) return false;
+  if (conversation.answering && !requests.get(conversation.answering.id)) {
+    openConversation(id, { address: false, keepError: true }); // another tab's answer: show it live
+    return false;
+  }
   if (!thread.applyIds(conversation.messages)) thread.showStored(conversation.messages, []);
   showRecord(conversation);
   refreshControls();
@@ -167,6 +189,20 @@ function showRecord(conversation) {
   els.chatInfo.textContent = line;
   els.chatInfo.title = line ? 'This chat’s own settings: click to change them' : '';
   models.showFor(record);
+}
+
+/** Copy the open conversation, as its Markdown export, to the clipboard. */
+export async function copyAsMarkdown() {
+  const id = sidebar.currentId();
+  if (!id) return;
+  try {
+    const res = await fetch(api.exportUrl(id, 'md'), { credentials: 'same-origin' });
+    if (!res.ok) throw new Error(`${res.status} ${res.statusText}`);
+    await thread.copyText(await res.text());
+    announce('The conversation is copied as Markdown.');
+  } catch (err) {
+    composer.showError(`Could not copy: ${err.message}`);
+  }
 }
 
 /** Open the settings dialog on the open conversation's own settings. */
@@ -214,6 +250,8 @@ export function regenerate() {
   view.showPendingVersion(count - 1, count);
   view.setThinking();
   last.view.setRegenerating(`Writing version ${count} of ${count}…`);
+  // The old answer (and its button) gives way to the new one: the keyboard goes on from the composer.
+  if (last.contains(document.activeElement)) els.prompt.focus({ preventScroll: true });
   submit({ type: 'regenerate', id: newId(), conversation_id: conversationId }, { conversationId, oldView: last, view });
 }
 
@@ -255,6 +293,9 @@ export function stop() {
  * 'push' a history entry for it, 'replace' the current one, or leave the address (Back/Forward). */
 export async function openConversation(id, { keepError = false, reveal = null, address = 'push' } = {}) {
   const token = ++viewToken;
+  const retrying = unloaded !== null && unloaded === id;
+  unloaded = null;
+  clearTimeout(retryTimer);
   if (!keepError) composer.clearError();
   if (id !== sidebar.currentId()) cancelQueued();
   if (address) router.show(id, { replace: address === 'replace' });
@@ -270,12 +311,21 @@ export async function openConversation(id, { keepError = false, reveal = null, a
     conversation = await api.getConversation(id);
   } catch (err) {
     if (token !== viewToken) return;
-    // Not this client's (or gone): the empty page, never an error that says whether it exists.
-    if (err.status === 404) forgetConversation(id);
-    else composer.showError(`Could not load this conversation: ${err.message}`);
+    // Not this client's (or gone): a new chat, with a line that never says whether it exists.
+    if (err.status === 404) {
+      forgetConversation(id);
+      composer.showError('That conversation was not found: it may have been deleted. This is a new chat.');
+    } else {
+      unloaded = id;
+      composer.showError(`Could not load this conversation (${err.message}). It loads again by itself once the server answers.`);
+      // Connected all along (the socket will not say `ready` again): try again in a moment.
+      if (socket.isReady()) retryTimer = setTimeout(retryLoad, 3000);
+    }
     return;
   }
   if (token !== viewToken) return;
+  if (retrying) composer.clearError();
+  follow(conversation);
   const live = inView();
   for (const req of live) {
     // A continue adopted after a reload: its text so far is the stored answer's beginning.
@@ -311,7 +361,26 @@ export async function deleteConversation(id) {
     }
   }
   forgetConversation(id);
+  tabs.tell('deleted', id);
   announce('Conversation deleted.');
+}
+
+/** Load the open conversation again when its last load failed (the socket is back). */
+export function retryLoad() {
+  if (unloaded && unloaded === sidebar.currentId()) openConversation(unloaded, { address: false });
+}
+
+/** An answer another tab (or this one before a reload) is writing in the conversation just
+ * loaded: follow it here too, from its first delta. */
+function follow(conversation) {
+  const running = conversation.answering;
+  if (!running?.id || requests.get(running.id)) return;
+  const view = new AssistantMessage();
+  view.setThinking();
+  const req = requests.add({ id: running.id, conversationId: conversation.id, view, started: true, sent: true });
+  req.prefixChars = running.prefix_chars || 0;
+  req.resuming = true;
+  socket.send({ type: 'resume', id: req.id, from: 0 }); // not connected: the next `ready` resumes it
 }
 
 /** After a reload during an answer: track it again, to resume once connected (the server keeps it a while). */

@@ -9,13 +9,15 @@ import * as router from './router.js';
 import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
+import * as tabs from './tabs.js';
 import * as thread from './thread.js';
-import { REASONS } from './message.js';
+import { REASONS, setContextTokens, wholeAnswer } from './message.js';
 import { announce } from './util.js';
 
 /** Undo the optimistic page of a request the server refused (no start, no done). */
 function rollback(req) {
   requests.finish(req);
+  sidebar.render();
   if (req.reload) {
     if (req.conversationId === sidebar.currentId()) chat.openConversation(req.conversationId, { keepError: true });
   } else if (req.oldView) {
@@ -40,15 +42,24 @@ function swapIn(req) {
 /** End a started request with the text that has arrived, drawn final. */
 function settle(req) {
   requests.finish(req);
+  sidebar.render(); // its "answering" mark goes
   swapIn(req);
   thread.cancelRender(req.view);
   req.view.setText(req.prefix + req.text, true);
 }
 
-function onReady() {
-  settings.showServer(socket.model(), socket.limits());
+/** What the server said about itself (`ready`; then /readyz while the model loads: ``waiting``
+ * 'loading' or 'failed', undefined once it is ready). */
+export function showServer(waiting) {
+  settings.showServer(socket.model(), socket.limits(), waiting);
+  setContextTokens(socket.limits().context_tokens);
   models.setModels(socket.models(), socket.model());
   models.showFor(chat.shownRecord());
+}
+
+function onReady() {
+  showServer();
+  chat.retryLoad();
   for (const req of requests.all()) {
     if (req.sent) {
       req.resuming = true;
@@ -85,22 +96,38 @@ function onStart(msg) {
     sidebar.render();
   }
   requests.remember(req);
+  tabs.tell('started', req.conversationId);
+  sidebar.render(); // the chat shows as answering
   announce('The assistant is answering.');
   sidebar.refreshSoon();
 }
+
+const LIVE_EVERY_MS = 250;
 
 function onDelta(msg) {
   const req = requests.get(msg.id);
   if (!req || !requests.addDelta(req, msg.index, msg.text)) return;
   swapIn(req);
   thread.scheduleRender(req.view, req.prefix + req.text);
+  // Live figures from the first delta this page saw (a resumed answer: counted from there).
+  const now = performance.now();
+  if (req.liveFrom === undefined) req.liveFrom = { at: now, index: msg.index };
+  if (!(now - (req.liveAt || 0) < LIVE_EVERY_MS)) {
+    req.liveAt = now;
+    const seconds = (now - req.liveFrom.at) / 1000;
+    const gaps = req.nextIndex - 1 - req.liveFrom.index; // deltas after the first one timed
+    const earlier = (req.prefix && req.view.done?.usage?.completion_tokens) || 0; // a continue: the whole answer
+    req.view.showLive(earlier + req.nextIndex, seconds > 0.2 && gaps > 0 ? gaps / seconds : 0);
+  }
 }
 
 function onDone(msg) {
   const req = requests.get(msg.id);
   if (!req) return;
+  const before = req.prefix ? req.view.done : null; // a continue: the figures it had
   settle(req);
-  req.view.finish(msg);
+  if (req.conversationId) tabs.tell('ended', req.conversationId);
+  req.view.finish(before ? wholeAnswer(before, msg) : msg);
   if (!req.prefix && !req.text && msg.reason === 'stop') req.view.body.textContent = '(empty answer)';
   thread.followStream();
   chat.refreshControls();
@@ -133,6 +160,8 @@ function onError(msg) {
     rollback(req);
     composer.showError(text);
     if (msg.code === 'not_found' && req.conversationId === sidebar.currentId()) chat.forgetConversation(req.conversationId);
+    // Answering in another tab: show that answer here, live.
+    if (msg.code === 'busy' && req.conversationId === sidebar.currentId()) chat.syncIds();
   } else {
     settle(req);
     req.view.fail(text);

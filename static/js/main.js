@@ -3,14 +3,18 @@ import { els } from './dom.js';
 import * as attachments from './attachments.js';
 import * as chat from './chat.js';
 import * as frames from './frames.js';
+import * as listnav from './listnav.js';
 import * as composer from './composer.js';
 import { importFile } from './importer.js';
 import * as models from './models.js';
 import * as router from './router.js';
 import * as search from './search.js';
+import * as presets from './presets.js';
 import * as settings from './settings.js';
+import * as share from './share.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
+import * as tabs from './tabs.js';
 import * as thread from './thread.js';
 
 // ---------------------------------------------------------------- the thread
@@ -96,10 +100,38 @@ document.addEventListener('drop', (e) => {
   else attachments.add([...e.dataTransfer.files]);
 });
 
+// Shortcuts for the whole page (listed under "?"); single keys only outside text fields.
+const typing = (el) => el?.closest?.('input, textarea, select, [contenteditable="true"]');
+document.addEventListener('keydown', (e) => {
+  if (e.defaultPrevented || e.isComposing || els.settings.open || els.shortcuts.open || els.share.open) return;
+  const mod = e.ctrlKey || e.metaKey;
+  if (mod && e.shiftKey && e.key.toLowerCase() === 'o') {
+    e.preventDefault();
+    els.newChat.click();
+  } else if ((mod && !e.shiftKey && e.key.toLowerCase() === 'k') || (e.key === '/' && !mod && !typing(e.target))) {
+    e.preventDefault();
+    if (!matchMedia('(min-width: 821px)').matches && !sidebar.drawerOpen()) sidebar.openDrawer();
+    els.search.focus();
+    els.search.select();
+  } else if (e.key === '?' && !mod && !typing(e.target)) {
+    e.preventDefault();
+    els.shortcuts.showModal();
+  } else if (e.key === 'Escape' && e.shiftKey) {
+    e.preventDefault();
+    sidebar.closeDrawer();
+    els.prompt.focus();
+  }
+});
+els.openShortcuts.addEventListener('click', () => els.shortcuts.showModal());
+els.shortcuts.addEventListener('click', (e) => {
+  if (e.target === els.shortcuts) els.shortcuts.close(); // click on the backdrop
+});
+
 // Esc closes what is open, innermost first; with nothing open it stops the answer.
 document.addEventListener('keydown', (e) => {
-  if (e.key !== 'Escape' || e.defaultPrevented || e.isComposing || composer.isComposing()) return;
-  if (els.settings.open) return;
+  if (e.key !== 'Escape' || e.shiftKey || e.defaultPrevented || e.isComposing || composer.isComposing()) return;
+  if (els.settings.open || els.shortcuts.open || els.share.open) return;
+  if (listnav.menuOpen()) { listnav.closeMenu(); return; }
   if (els.exportMenu.open) { els.exportMenu.open = false; return; }
   if (document.activeElement === els.search && els.search.value) { search.clear(); return; }
   if (sidebar.drawerOpen()) { sidebar.closeDrawer(); return; }
@@ -113,31 +145,67 @@ els.exportMenu.querySelector('.export-menu').addEventListener('click', (e) => {
   if (e.target.closest('a, button')) els.exportMenu.open = false;
 });
 els.openChatSettings.addEventListener('click', chat.openChatSettings);
+els.copyMarkdown.addEventListener('click', chat.copyAsMarkdown);
+share.init();
+els.openShare.addEventListener('click', share.open);
+els.shareCopy.addEventListener('click', share.copy);
+els.shareStop.addEventListener('click', share.stop);
+els.share.addEventListener('click', (e) => {
+  if (e.target === els.share) els.share.close(); // click on the backdrop
+});
 els.chatInfo.addEventListener('click', chat.openChatSettings);
 els.modelPicker.addEventListener('change', () => chat.pickModel(els.modelPicker.value));
 
 // ---------------------------------------------------------------- the sidebar
 
+/** A row's action, from its menu or a key: rename, pin, delete, export. */
+async function rowAction(action, item) {
+  const id = item.dataset.id;
+  if (action === 'rename') sidebar.startRename(item);
+  else if (action === 'pin') sidebar.togglePin(id);
+  else if (action === 'export') sidebar.closeDrawer();
+  else if (action === 'delete') {
+    const next = item.nextElementSibling?.dataset.id || item.previousElementSibling?.dataset.id || null;
+    await chat.deleteConversation(id);
+    if (!sidebar.entry(id)) sidebar.rove(next)?.focus(); // deleted: the keyboard stays in the list
+    else sidebar.rove(id)?.focus();
+  }
+}
 els.list.addEventListener('click', (e) => {
   const item = e.target.closest('.conversation');
   if (!item) return;
-  const action = e.target.closest('[data-action]')?.dataset.action;
-  if (action === 'rename') sidebar.startRename(item);
-  else if (action === 'pin') sidebar.togglePin(item.dataset.id);
-  else if (action === 'delete') chat.deleteConversation(item.dataset.id);
-  else if (action === 'export') sidebar.closeDrawer();
-  else if (e.target.closest('.conversation-open')) {
+  if (e.target.closest('[data-action="menu"]')) {
+    if (listnav.menuTarget() === item) listnav.closeMenu();
+    else listnav.openMenu(item, { focus: e.detail === 0 }); // from a key: into the menu
+  } else if (e.target.closest('.conversation-open')) {
     if (item.dataset.id !== sidebar.currentId()) chat.openConversation(item.dataset.id);
     sidebar.closeDrawer();
     els.prompt.focus({ preventScroll: true });
   }
 });
+els.list.addEventListener('keydown', (e) => listnav.onListKeydown(e, rowAction));
+els.rowMenu.addEventListener('keydown', listnav.onMenuKeydown);
+els.rowMenu.addEventListener('click', (e) => {
+  const action = e.target.closest('[data-action]')?.dataset.action;
+  const item = listnav.menuTarget();
+  if (!action || !item) return;
+  listnav.closeMenu(action !== 'rename' && action !== 'export');
+  rowAction(action, item);
+});
+document.addEventListener('pointerdown', (e) => {
+  if (listnav.menuOpen() && !els.rowMenu.contains(e.target) && !e.target.closest('[data-action="menu"]')) {
+    listnav.closeMenu(false);
+  }
+});
+els.list.closest('.conversations').addEventListener('scroll', () => listnav.closeMenu(false), { passive: true });
 els.newChat.addEventListener('click', () => {
   chat.openConversation(null);
   sidebar.closeDrawer();
   els.prompt.focus();
 });
 els.search.addEventListener('input', search.onInput);
+els.search.addEventListener('keydown', search.onKeydown);
+els.searchResults.addEventListener('keydown', search.onResultsKeydown);
 els.searchResults.addEventListener('click', (e) => {
   const hit = e.target.closest('.search-hit');
   if (!hit) return;
@@ -165,6 +233,13 @@ els.scrim.addEventListener('click', sidebar.closeDrawer);
 // ---------------------------------------------------------------- settings
 
 els.settingsForm.addEventListener('input', (e) => settings.read(e.target));
+els.presetPick.addEventListener('change', presets.choose);
+els.presetSave.addEventListener('click', presets.save);
+els.presetDelete.addEventListener('click', presets.remove);
+els.presetName.addEventListener('keydown', presets.onNameKeydown);
+// The dialog opened (on the defaults or on a chat): its presets as the server has them now.
+new MutationObserver(() => { if (els.settings.open) presets.refresh(); })
+  .observe(els.settings, { attributes: true, attributeFilter: ['open'] });
 els.settingsReset.addEventListener('click', settings.reset);
 els.openSettings.addEventListener('click', () => {
   sidebar.closeDrawer();
@@ -187,14 +262,24 @@ document.addEventListener('visibilitychange', () => {
   if (document.visibilityState === 'visible') socket.reconnectNow();
 });
 
+// Another tab of this person started or ended an answer, or deleted a chat: the list follows,
+// and the open conversation shows it (an answer live, once nothing of this tab's runs in it).
+tabs.listen(({ kind, conversationId }) => {
+  sidebar.answeringElsewhere(conversationId, kind === 'started');
+  sidebar.refreshSoon();
+  if (conversationId !== sidebar.currentId()) return;
+  if (kind === 'deleted') chat.forgetConversation(conversationId);
+  else chat.syncIds();
+});
+
 // ---------------------------------------------------------------- start
 
 settings.show();
 settings.showServer(socket.model(), socket.limits());
 models.setModels(socket.models(), socket.model());
-socket.start({ frame: frames.onFrame, closed: chat.refreshControls });
-// The conversation in the address (/c/<id>), else the one open last time ("/" after New chat: none).
-const opening = router.idFromPath() || sidebar.savedId();
+socket.start({ frame: frames.onFrame, closed: chat.refreshControls, server: frames.showServer });
+// The conversation in the address (/c/<id>); "/" is a new chat.
+const opening = router.idFromPath();
 if (opening) {
   chat.adoptInflight(opening);
   chat.openConversation(opening, { address: 'replace' });

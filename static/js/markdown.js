@@ -5,16 +5,22 @@ import { Marked } from '../vendor/marked/marked.esm.js';
 import DOMPurify from '../vendor/dompurify/purify.es.js';
 import hljs from '../vendor/highlight/highlight.min.js';
 import { ICON_COPY } from './icons.js';
+import { mathExtensions } from './math.js';
 
 const ESCAPES = { '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' };
 const escapeHtml = (s) => String(s).replace(/[&<>"']/g, (c) => ESCAPES[c]);
 
-// Auto-detection tries every bundled grammar, so it runs once a block is complete.
+// Auto-detection runs once a block is complete, over the languages answers mostly hold: plain
+// prose scores as CSS or INI among every bundled grammar, so those need their label.
 const AUTO_HIGHLIGHT_MAX = 20000;
+const AUTO_LANGUAGES = ['python', 'javascript', 'typescript', 'json', 'bash', 'shell', 'sql', 'xml', 'c', 'cpp',
+  'java', 'go', 'rust', 'ruby', 'php', 'yaml', 'diff'];
 
 const PURIFY = {
-  USE_PROFILES: { html: true },
-  FORBID_TAGS: ['style', 'form', 'input', 'button', 'textarea', 'select', 'option', 'iframe', 'img', 'video', 'audio', 'svg', 'math'],
+  USE_PROFILES: { html: true, mathMl: true },
+  // MathML comes only from KaTeX (math.js); DOMPurify's MathML profile still checks every element.
+  FORBID_TAGS: ['style', 'form', 'input', 'button', 'textarea', 'select', 'option', 'iframe', 'img', 'video', 'audio', 'svg',
+    'maction', 'annotation-xml'],
   FORBID_ATTR: ['style', 'id', 'name'],
   RETURN_DOM_FRAGMENT: true,
 };
@@ -33,7 +39,7 @@ function codeBlock(text, lang, live) {
   if (language && hljs.getLanguage(language)) {
     html = hljs.highlight(text, { language, ignoreIllegals: true }).value;
   } else if (!language && !live && text.length <= AUTO_HIGHLIGHT_MAX) {
-    const result = hljs.highlightAuto(text);
+    const result = hljs.highlightAuto(text, AUTO_LANGUAGES.filter((name) => hljs.getLanguage(name)));
     if (result.language && result.relevance >= 5) {
       html = result.value;
       label = result.language;
@@ -47,6 +53,7 @@ function codeBlock(text, lang, live) {
 
 function makeMarked(live) {
   return new Marked({
+    extensions: mathExtensions,
     gfm: true,
     breaks: false,
     async: false,

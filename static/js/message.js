@@ -116,12 +116,17 @@ export function editInPlace(article, submit) {
   body.hidden = true;
   article.querySelector('.msg-meta').hidden = true;
   body.after(form);
-  box.focus();
+  box.focus({ preventScroll: true });
+  form.scrollIntoView({ block: 'nearest' }); // its whole box, top edge included (scroll-margin)
   box.setSelectionRange(box.value.length, box.value.length);
   const close = () => {
     form.remove();
     body.hidden = false;
     article.querySelector('.msg-meta').hidden = false;
+  };
+  const cancelled = () => {
+    close();
+    article.querySelector('[data-action="edit"]')?.focus(); // back where the keyboard was
   };
   const done = () => {
     if (!box.value.trim()) return;
@@ -131,13 +136,13 @@ export function editInPlace(article, submit) {
   };
   const refresh = () => { save.disabled = !box.value.trim(); };
   box.addEventListener('input', refresh);
-  cancel.addEventListener('click', close);
+  cancel.addEventListener('click', cancelled);
   save.addEventListener('click', done);
   box.addEventListener('keydown', (e) => {
     if (e.key === 'Escape') {
       e.preventDefault();
       e.stopPropagation();
-      close();
+      cancelled();
     } else if (e.key === 'Enter' && !e.shiftKey && !e.isComposing && e.keyCode !== 229) {
       e.preventDefault();
       done();
@@ -159,13 +164,46 @@ function span(className, text, testid) {
   return el;
 }
 
-/** What a finished answer took: time to first token, speed, tokens. */
+let contextTokens = 0; // the server's context size, from `ready`
+
+/** The context size answers are measured against (0: unknown, not shown). */
+export const setContextTokens = (n) => { contextTokens = Number.isInteger(n) && n > 0 ? n : 0; };
+
+/** How much of the context an answer's turn used: prompt and answer. */
+function contextPart(usage) {
+  const used = (usage?.prompt_tokens || 0) + (usage?.completion_tokens || 0);
+  if (!contextTokens || !used) return '';
+  return `${Math.max(1, Math.round((100 * used) / contextTokens))}% of the context`;
+}
+
+/** What a finished answer took: time to first token, speed, tokens, the context it filled. */
 function stats(timings, usage) {
   const parts = [];
   if (timings && Number.isFinite(timings.ttft_ms)) parts.push(`${fmtDuration(timings.ttft_ms)} to first token`);
   if (timings && Number.isFinite(timings.tokens_per_s) && timings.tokens_per_s > 0) parts.push(`${timings.tokens_per_s.toFixed(1)} tokens/s`);
   if (usage && Number.isFinite(usage.completion_tokens)) parts.push(`${usage.completion_tokens} tokens`);
+  const context = contextPart(usage);
+  if (context) parts.push(context);
   return parts.join(' · ');
+}
+
+/** The figures of an answer Continue extended (``before``: its earlier {usage, timings}; ``after``:
+ * the new part's `done`), as one answer, as the server stores them (chat/runs.py whole_answer). */
+export function wholeAnswer(before, after) {
+  const oldN = before?.usage?.completion_tokens;
+  const newN = after?.usage?.completion_tokens;
+  if (!Number.isInteger(oldN) || !Number.isInteger(newN)) return after;
+  const usage = { ...after.usage, completion_tokens: oldN + newN, prompt_tokens: before.usage.prompt_tokens ?? after.usage.prompt_tokens };
+  const timings = { ...(after.timings || {}) };
+  const was = before.timings || {};
+  if (Number.isFinite(was.ttft_ms)) timings.ttft_ms = was.ttft_ms;
+  if (Number.isFinite(was.total_ms) && Number.isFinite(timings.total_ms)) timings.total_ms = was.total_ms + timings.total_ms;
+  const parts = [[oldN, was.tokens_per_s], [newN, after.timings?.tokens_per_s]].filter(([n]) => n);
+  if (parts.every(([, rate]) => Number.isFinite(rate) && rate > 0)) {
+    const seconds = parts.reduce((sum, [n, rate]) => sum + n / rate, 0);
+    if (seconds > 0) timings.tokens_per_s = (oldN + newN) / seconds;
+  }
+  return { ...after, usage, timings };
 }
 
 /** An assistant answer; ``el.view`` points back here, and ``text`` is its Markdown source. */
@@ -230,6 +268,16 @@ export class AssistantMessage {
     this.meta.prepend(actions);
     if (this.el.versions) setIdentity(this.el, { id: this.el.dataset.id, versions: this.el.versions });
     else if (this.pendingVersions) showVersions(this.el, this.pendingVersions, true);
+  }
+
+  /** While it streams: how many tokens so far (a delta is about one) and how many a second. */
+  showLive(tokens, perSecond) {
+    let line = this.meta.querySelector('.msg-live');
+    if (!line) {
+      line = span('msg-stats msg-live', '', 'live-stats');
+      this.meta.append(line);
+    }
+    line.textContent = `≈ ${tokens} tokens so far${perSecond > 0 ? ` · ${perSecond.toFixed(1)} tokens/s` : ''}`;
   }
 
   /** Say that a new version of this answer is being written (``label``), or no longer (null);

@@ -1,7 +1,7 @@
 // Requests in flight: one record per chat, edit, regenerate or continue id, its deltas in order, and how it completes.
-import { storage } from './util.js';
+import { tabStorage as storage } from './util.js';
 
-// The answer being streamed when the page was left, so a reload can resume it.
+// The answer this tab was streaming when it was left, so its reload can resume it (each tab its own).
 const KEY_INFLIGHT = 'chat.inflight';
 
 const requests = new Map();

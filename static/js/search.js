@@ -103,3 +103,36 @@ function show(results, note = '') {
   }
   els.searchResults.replaceChildren(...items);
 }
+
+const hits = () => [...els.searchResults.querySelectorAll('.search-hit')];
+
+/** Keys in the search box: ↓ goes to the results, Enter opens the first. */
+export function onKeydown(e) {
+  if (e.isComposing || els.searchResults.hidden) return;
+  const first = hits()[0];
+  if (!first) return;
+  if (e.key === 'ArrowDown') {
+    e.preventDefault();
+    first.focus();
+  } else if (e.key === 'Enter') {
+    e.preventDefault();
+    first.click();
+  }
+}
+
+/** Keys on the results: ↑/↓/Home/End between them (↑ from the first back to the box), Esc to the box. */
+export function onResultsKeydown(e) {
+  const list = hits();
+  const at = list.indexOf(document.activeElement);
+  if (at < 0) return;
+  let target = null;
+  if (e.key === 'ArrowDown') target = list[Math.min(at + 1, list.length - 1)];
+  else if (e.key === 'ArrowUp') target = at === 0 ? els.search : list[at - 1];
+  else if (e.key === 'Home') target = list[0];
+  else if (e.key === 'End') target = list[list.length - 1];
+  else if (e.key === 'Escape') target = els.search;
+  if (!target) return;
+  e.preventDefault();
+  e.stopPropagation();
+  target.focus();
+}

@@ -10,19 +10,42 @@ const SLIDER_DEFAULTS = { temperature: 0.7, top_p: 0.9 };
 const PARAMS = ['temperature', 'top_p', 'max_new_tokens', 'seed'];
 const SAVE_DELAY_MS = 400;
 
-const intOrNull = (raw, low) => {
-  const value = parseInt(raw, 10);
-  return Number.isSafeInteger(value) && value >= low ? value : null;
-};
+/** A whole number from ``low`` to ``high`` typed in ``input`` (empty: null), else undefined. */
+function wholeNumber(input, low, high) {
+  if (input.validity.badInput) return undefined;
+  const raw = input.value.trim();
+  if (raw === '') return null;
+  const value = Number(raw);
+  return Number.isSafeInteger(value) && value >= low && value <= high ? value : undefined;
+}
 
-// How each field of the form (by its name) becomes a setting.
+const tokenCap = () => Number(els.setMaxTokens.max) || Number.MAX_SAFE_INTEGER;
+
+// How each field of the form becomes a setting; undefined: out of range, said beside the field.
 const PARSE = {
-  system: (raw) => raw,
-  temperature: (raw) => Number(raw),
-  top_p: (raw) => Math.max(0.05, Number(raw)),
-  max_new_tokens: (raw) => intOrNull(raw, 1),
-  seed: (raw) => intOrNull(raw, 0),
+  system: (input) => input.value,
+  temperature: (input) => Number(input.value),
+  top_p: (input) => Math.max(0.05, Number(input.value)),
+  max_new_tokens: (input) => wholeNumber(input, 1, tokenCap()),
+  seed: (input) => wholeNumber(input, 0, Number.MAX_SAFE_INTEGER),
 };
+const PROBLEMS = {
+  max_new_tokens: () => (Number(els.setMaxTokens.max)
+    ? `Enter a whole number from 1 to ${tokenCap().toLocaleString()}, or leave it empty. Not saved.`
+    : 'Enter a whole number of at least 1, or leave it empty. Not saved.'),
+  seed: () => 'Enter a whole number, 0 or more, or leave it empty. Not saved.',
+};
+const ERROR_ELS = { max_new_tokens: () => els.maxTokensError, seed: () => els.seedError };
+
+/** Say (or stop saying) beside field ``name`` that what it holds is out of range. */
+function fieldProblem(input, text) {
+  const target = ERROR_ELS[input.name]?.();
+  if (!target) return;
+  target.textContent = text;
+  target.hidden = !text;
+  if (text) input.setAttribute('aria-invalid', 'true');
+  else input.removeAttribute('aria-invalid');
+}
 
 let defaults = { ...DEFAULTS, ...storage.get(KEY_SETTINGS, {}) };
 // The scope the dialog edits: null for the defaults, else {id, values, save(changes) -> Promise}.
@@ -69,6 +92,10 @@ export function show() {
   els.setTopP.value = values.top_p ?? SLIDER_DEFAULTS.top_p;
   els.setMaxTokens.value = values.max_new_tokens ?? '';
   els.setSeed.value = values.seed ?? '';
+  const cap = Number(els.setMaxTokens.max);
+  fieldProblem(els.setMaxTokens, cap && values.max_new_tokens > cap
+    ? `Above this server’s limit: answers stop at ${cap.toLocaleString()} tokens.` : '');
+  fieldProblem(els.setSeed, '');
   showOutputs();
 }
 
@@ -106,8 +133,22 @@ function changed() {
 export function read(input) {
   const parse = PARSE[input.name];
   if (!parse) return;
-  values[input.name] = parse(input.value);
+  const value = parse(input);
+  fieldProblem(input, value === undefined ? PROBLEMS[input.name]() : '');
+  if (value === undefined) return;
+  values[input.name] = value;
   showOutputs();
+  changed();
+}
+
+/** What the dialog holds now, as a preset keeps it: {system, params}. */
+export const currentChoice = () => ({ system: values.system.trim() ? values.system : null, params: paramsOf(values) || {} });
+
+/** Set the dialog's scope to a preset's system prompt and parameters (the rest: defaults), and save. */
+export function apply({ system, params }) {
+  Object.assign(values, DEFAULTS, Object.fromEntries(PARAMS.filter((k) => k in (params || {})).map((k) => [k, params[k]])));
+  values.system = system || '';
+  show();
   changed();
 }
 
@@ -139,10 +180,13 @@ export function open(conversation = null, save = null) {
 export const closed = () => flush();
 
 /** Show the model's name and limits from `ready` (in the top bar, the welcome text and the dialog). */
-export function showServer(model, limits) {
-  els.modelName.textContent = model;
-  els.settingsModel.textContent = model || '—';
-  if (model) els.emptyModel.textContent = `You are chatting with ${model}. Answers stream in as they are written.`;
+export function showServer(model, limits, waiting) {
+  const name = { loading: 'Loading the model…', failed: 'Model unavailable' }[waiting] || model;
+  els.modelName.textContent = name;
+  els.settingsModel.textContent = name || '—';
+  if (waiting === 'loading') els.emptyModel.textContent = 'The model is loading. Answers start as soon as it is ready.';
+  else if (waiting) els.emptyModel.textContent = 'The model cannot be reached right now. This page notices when it can.';
+  else if (model) els.emptyModel.textContent = `You are chatting with ${model}. Answers stream in as they are written.`;
   const parts = [];
   if (limits.max_new_tokens) parts.push(`${limits.max_new_tokens.toLocaleString()} new tokens`);
   if (limits.context_tokens) parts.push(`${limits.context_tokens.toLocaleString()}-token context`);

@@ -6,7 +6,6 @@ import * as requests from './requests.js';
 import { showError } from './composer.js';
 import { storage } from './util.js';
 
-const KEY_CONVERSATION = 'chat.conversation';
 // Titles from first messages, shown until the server's list has the conversation's own.
 const KEY_TITLES = 'chat.titles';
 
@@ -17,12 +16,6 @@ let refreshTimer = 0;
 
 /** The open conversation's id; null for a new chat not started yet. */
 export const currentId = () => current;
-
-/** The id the page showed last time, or null. */
-export function savedId() {
-  const saved = storage.get(KEY_CONVERSATION, null);
-  return typeof saved === 'string' && saved ? saved : null;
-}
 
 export function titleOf(id) {
   const conversation = conversations.find((c) => c.id === id);
@@ -74,11 +67,9 @@ export function forget(id) {
   render();
 }
 
-/** Make ``id`` the open conversation (null: a new chat), remembered across reloads. */
+/** Make ``id`` the open conversation (null: a new chat); the address keeps it across reloads. */
 export function setCurrent(id) {
   current = id;
-  if (id) storage.set(KEY_CONVERSATION, id);
-  else storage.remove(KEY_CONVERSATION);
   for (const item of els.list.querySelectorAll('.conversation')) {
     const isCurrent = item.dataset.id === id;
     item.setAttribute('aria-current', isCurrent ? 'true' : 'false');
@@ -86,6 +77,7 @@ export function setCurrent(id) {
     if (isCurrent) open.setAttribute('aria-current', 'page');
     else open.removeAttribute('aria-current');
   }
+  if (!els.list.contains(document.activeElement)) rove();
   updateHeader();
 }
 
@@ -99,19 +91,40 @@ function item(c) {
   const open = li.querySelector('.conversation-open');
   open.title = title;
   if (isCurrent) open.setAttribute('aria-current', 'page');
-  li.querySelector('[data-action="rename"]').setAttribute('aria-label', `Rename “${title}”`);
-  const pin = li.querySelector('[data-action="pin"]');
-  pin.setAttribute('aria-label', c.pinned ? `Unpin “${title}”` : `Pin “${title}”`);
-  pin.setAttribute('aria-pressed', c.pinned ? 'true' : 'false');
+  const busy = answering(c.id);
+  li.classList.toggle('answering', busy);
+  li.querySelector('.conversation-state .sr-only').textContent = busy ? ' (answering)' : '';
   li.classList.toggle('pinned', Boolean(c.pinned));
-  li.querySelector('[data-action="delete"]').setAttribute('aria-label', `Delete “${title}”`);
-  const exp = li.querySelector('[data-action="export"]');
-  exp.href = api.exportUrl(c.id, 'md');
-  exp.setAttribute('aria-label', `Export “${title}” as Markdown`);
+  li.dataset.pinned = c.pinned ? 'true' : 'false';
+  li.querySelector('[data-action="menu"]').setAttribute('aria-label', `Actions for “${title}”`);
   return li;
 }
 
-const focusItem = (id) => els.list.querySelector(`[data-id="${CSS.escape(id)}"] .conversation-open`)?.focus();
+// Conversations another tab of this person is answering in (word from tabs.js).
+const elsewhere = new Set();
+
+/** Whether an answer is being written in conversation ``id``: in this tab, another (word from
+ * tabs.js), or anywhere as the list last said. */
+const answering = (id) => elsewhere.has(id) || requests.all().some((r) => r.conversationId === id)
+  || Boolean(conversations.find((c) => c.id === id)?.answering);
+
+/** Another tab started (true) or ended (false) an answer in ``id``. */
+export function answeringElsewhere(id, on) {
+  if (on) elsewhere.add(id);
+  else elsewhere.delete(id);
+  render();
+}
+
+/** The list is one Tab stop: the row ``id`` (else the open conversation's, else the first) holds it. */
+export function rove(id = null) {
+  const rows = [...els.list.querySelectorAll('.conversation-open')];
+  const target = rows.find((b) => b.closest('.conversation').dataset.id === id)
+    || rows.find((b) => b.closest('.conversation').dataset.id === current) || rows[0];
+  for (const b of rows) b.tabIndex = b === target ? 0 : -1;
+  return target;
+}
+
+const focusItem = (id) => rove(id)?.focus();
 
 const DAY_MS = 86400000;
 
@@ -169,11 +182,17 @@ export async function togglePin(id) {
 export function render() {
   if (els.list.querySelector('.conversation-rename')) return; // do not pull the field away from someone typing
   const focusedId = document.activeElement?.closest?.('.conversation')?.dataset.id;
+  const onMore = document.activeElement?.classList?.contains('conversation-more');
   // Pinned first, keeping the order within each part (a pin shows at once, before the server's list).
   conversations = [...conversations.filter((c) => c.pinned), ...conversations.filter((c) => !c.pinned)];
   els.list.replaceChildren(...grouped());
   els.listEmpty.hidden = conversations.length > 0;
-  if (focusedId) focusItem(focusedId);
+  if (focusedId) {
+    focusItem(focusedId);
+    if (onMore) els.list.querySelector(`[data-id="${CSS.escape(focusedId)}"] .conversation-more`)?.focus();
+  } else {
+    rove();
+  }
   updateHeader();
 }
 
@@ -201,7 +220,7 @@ export function startRename(li) {
   input.maxLength = 200;
   input.setAttribute('aria-label', 'New title');
   li.querySelector('.conversation-open').hidden = true;
-  li.querySelector('.conversation-actions').hidden = true;
+  li.querySelector('.conversation-more').hidden = true;
   li.prepend(input);
   input.focus();
   input.select();
@@ -234,10 +253,14 @@ export function startRename(li) {
 
 export const drawerOpen = () => els.app.classList.contains('sidebar-open');
 
+// While the drawer is open the rest of the page is inert (no focus, hidden from screen readers)
+// and Tab wraps around inside the drawer.
 export function openDrawer() {
   els.app.classList.add('sidebar-open');
   els.scrim.hidden = false;
   els.sidebarToggle.setAttribute('aria-expanded', 'true');
+  els.main.inert = true;
+  els.sidebar.addEventListener('keydown', trapTab);
   els.newChat.focus();
 }
 
@@ -246,7 +269,24 @@ export function closeDrawer() {
   els.app.classList.remove('sidebar-open');
   els.scrim.hidden = true;
   els.sidebarToggle.setAttribute('aria-expanded', 'false');
-  if (els.sidebar.contains(document.activeElement)) els.sidebarToggle.focus();
+  els.main.inert = false;
+  els.sidebar.removeEventListener('keydown', trapTab);
+  if (els.sidebar.contains(document.activeElement) || document.activeElement === document.body) els.sidebarToggle.focus();
+}
+
+function trapTab(e) {
+  if (e.key !== 'Tab') return;
+  const focusable = [...els.sidebar.querySelectorAll('button, a[href], input, [tabindex="0"]')]
+    .filter((el) => !el.disabled && el.tabIndex >= 0 && el.getClientRects().length > 0);
+  const first = focusable[0];
+  const last = focusable[focusable.length - 1];
+  if (e.shiftKey && document.activeElement === first) {
+    e.preventDefault();
+    last.focus();
+  } else if (!e.shiftKey && document.activeElement === last) {
+    e.preventDefault();
+    first.focus();
+  }
 }
 
 export function toggleDrawer() {

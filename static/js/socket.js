@@ -1,4 +1,5 @@
-// The chat.v1 WebSocket: one connection, reconnect with backoff, the status dot, and what `ready` said.
+// The chat.v1 WebSocket: one connection, reconnect with a short backoff (sooner when /healthz
+// answers, Retry now), the status dot, and what `ready` said (and /readyz, while the model loads).
 import { els } from './dom.js';
 import { announce } from './util.js';
 
@@ -8,8 +9,15 @@ let everReady = false;
 let attempt = 0;
 let reconnectTimer = 0;
 let countdownTimer = 0;
+let probeTimer = 0;
+let socketToken = 0; // which socket a readiness watch belongs to
 let server = { model: '', models: [], limits: {} };
-let listener = { frame() {}, closed() {} };
+let listener = { frame() {}, closed() {}, changed() {} };
+
+const MAX_WAIT_MS = 5000; // the longest wait between two tries
+const PROBE_MS = 1500; // how often /healthz is asked while waiting
+const PROBE_TIMEOUT_MS = 2500;
+const READY_POLL_MS = 2000; // how often /readyz is asked while the model loads
 
 /** True between `ready` and the socket closing. */
 export const isReady = () => ready;
@@ -27,13 +35,15 @@ export function send(message) {
   return true;
 }
 
-/** Connect and keep reconnecting; ``frame(msg)`` gets every frame, ``closed()`` each drop. */
-export function start({ frame, closed }) {
-  listener = { frame, closed };
+/** Connect and keep reconnecting; ``frame(msg)`` gets every frame, ``closed()`` each drop,
+ * ``server()`` each change of what the server said about itself (a model loaded after `ready`). */
+export function start({ frame, closed, server: changed = () => {} }) {
+  listener = { frame, closed, changed };
+  els.connRetry.addEventListener('click', reconnectNow);
   connect();
 }
 
-/** Try at once instead of waiting out the backoff (back online, tab visible again). */
+/** Try at once instead of waiting out the backoff (Retry now, back online, tab visible again). */
 export function reconnectNow() {
   if (!ws) connect();
 }
@@ -51,6 +61,7 @@ function setConn(kind, text) {
   }
   els.conn.dataset.state = kind;
   els.connText.textContent = text;
+  els.connRetry.hidden = kind !== 'closed';
 }
 
 function onReady(msg) {
@@ -59,11 +70,41 @@ function onReady(msg) {
   server = { model: msg.model || '', models: Array.isArray(msg.models) ? msg.models : [], limits: msg.limits || {} };
   setConn('open', 'Connected');
   everReady = true;
+  watchModel(socketToken);
+}
+
+/** While the model loads (or its backend is down), `ready` names a placeholder: ask /readyz until
+ * it is ready, telling ``changed('loading' | 'failed')``, then take the name it gives. */
+async function watchModel(token) {
+  let waiting = null;
+  while (token === socketToken && ready) {
+    let answer = null;
+    try {
+      const response = await fetch('/readyz', { cache: 'no-store' });
+      answer = { ok: response.ok, body: await response.json() };
+    } catch { return; } // unreachable: the socket's own drop says so
+    if (token !== socketToken) return;
+    if (answer.ok) {
+      const name = answer.body?.model;
+      if (waiting && typeof name === 'string' && name && name !== server.model) {
+        server.models = [name, ...server.models.filter((m) => m !== server.model && m !== name)];
+        server.model = name;
+      }
+      if (waiting) listener.changed();
+      return;
+    }
+    const status = answer.body?.status;
+    if (status !== 'loading' && status !== 'failed') return;
+    if (status !== waiting) listener.changed(status);
+    waiting = status;
+    await new Promise((resolve) => { setTimeout(resolve, READY_POLL_MS); });
+  }
 }
 
 function connect() {
   clearTimeout(reconnectTimer);
   clearInterval(countdownTimer);
+  clearInterval(probeTimer);
   if (ws) return;
   setConn('connecting', everReady ? 'Reconnecting…' : 'Connecting…');
   let socket;
@@ -74,6 +115,7 @@ function connect() {
     return;
   }
   ws = socket;
+  socketToken += 1;
   socket.addEventListener('message', (event) => {
     if (socket !== ws || typeof event.data !== 'string') return;
     let msg;
@@ -90,19 +132,43 @@ function connect() {
   });
 }
 
+/** Whether the server answers /healthz now (within a couple of seconds). */
+async function serverAnswers() {
+  const abort = new AbortController();
+  const timer = setTimeout(() => abort.abort(), PROBE_TIMEOUT_MS);
+  try {
+    return (await fetch('/healthz', { cache: 'no-store', signal: abort.signal })).ok;
+  } catch {
+    return false;
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
 function scheduleReconnect() {
-  // Exponential backoff with jitter, so a restarted server is not stampeded.
-  const cap = Math.min(30000, 500 * 2 ** Math.min(attempt, 10));
+  // Backoff with jitter, so a restarted server is not stampeded, but capped low: while waiting,
+  // /healthz is asked every PROBE_MS and the socket tries again the moment the server answers.
+  const cap = Math.min(MAX_WAIT_MS, 400 * 2 ** Math.min(attempt, 10));
   const delay = Math.round(cap / 2 + Math.random() * cap / 2);
   attempt += 1;
   const at = Date.now() + delay;
   const tick = () => {
-    const left = Math.max(0, Math.ceil((at - Date.now()) / 1000));
-    setConn('closed', navigator.onLine === false ? 'Offline' : `Disconnected · retrying in ${left} s`);
+    if (navigator.onLine === false) {
+      setConn('closed', 'Offline · reconnects when the network is back');
+      return;
+    }
+    const left = Math.max(1, Math.ceil((at - Date.now()) / 1000));
+    setConn('closed', `Disconnected · retrying in ${left} s`);
   };
   tick();
   clearInterval(countdownTimer);
-  countdownTimer = setInterval(tick, 1000);
+  countdownTimer = setInterval(tick, 250);
   clearTimeout(reconnectTimer);
   reconnectTimer = setTimeout(connect, delay);
+  clearInterval(probeTimer);
+  if (delay > PROBE_MS) {
+    probeTimer = setInterval(async () => {
+      if (!ws && await serverAnswers() && !ws) connect();
+    }, PROBE_MS);
+  }
 }

@@ -269,17 +269,22 @@ function fallbackCopy(text) {
   area.remove();
 }
 
+/** Put ``text`` on the clipboard. */
+export async function copyText(text) {
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch {
+    fallbackCopy(text);
+  }
+}
+
 /** A copy button (a code block's or an answer's) was pressed: copy, and say so for a moment. */
 export async function copy(button) {
   let text = null;
   if (button.dataset.copy === 'code') text = codeTextFor(button);
   else if (button.dataset.action === 'copy-message') text = button.closest('.msg')?.view?.text ?? '';
   if (text === null) return;
-  try {
-    await navigator.clipboard.writeText(text);
-  } catch {
-    fallbackCopy(text);
-  }
+  await copyText(text);
   const label = button.querySelector('span');
   const icon = button.querySelector('svg');
   const oldLabel = label?.textContent;

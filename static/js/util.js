@@ -1,21 +1,28 @@
 // Small helpers every module may use: browser storage, ids, announcements, lengths and durations.
 import { els } from './dom.js';
 
-/** localStorage as JSON; private mode or a full quota only means nothing is remembered. */
-export const storage = {
-  get(key, fallback) {
-    try {
-      const raw = localStorage.getItem(key);
-      return raw === null ? fallback : JSON.parse(raw);
-    } catch { return fallback; }
-  },
-  set(key, value) {
-    try { localStorage.setItem(key, JSON.stringify(value)); } catch { /* private mode, quota */ }
-  },
-  remove(key) {
-    try { localStorage.removeItem(key); } catch { /* ignore */ }
-  },
-};
+/** Web storage as JSON; private mode or a full quota only means nothing is remembered. */
+function jsonStorage(area) {
+  return {
+    get(key, fallback) {
+      try {
+        const raw = area().getItem(key);
+        return raw === null ? fallback : JSON.parse(raw);
+      } catch { return fallback; }
+    },
+    set(key, value) {
+      try { area().setItem(key, JSON.stringify(value)); } catch { /* private mode, quota */ }
+    },
+    remove(key) {
+      try { area().removeItem(key); } catch { /* ignore */ }
+    },
+  };
+}
+
+/** What every tab shares (settings, titles). */
+export const storage = jsonStorage(() => localStorage);
+/** What belongs to this tab alone and survives its reload (the answer it was showing). */
+export const tabStorage = jsonStorage(() => sessionStorage);
 
 /** A request id in the protocol's alphabet. */
 export function newId() {
