@@ -166,6 +166,11 @@ def test_the_phone_drawer_holds_focus(chat):
     width = c.js("document.querySelector('[data-testid=conversation-item] .conversation-open').getBoundingClientRect().width")  # noqa: E501
     assert width > 200, width
     c.shot("drawer-375")
+    # Widened past the drawer with it open: the page is usable again (nothing left inert).
+    c.page.set_viewport_size({"width": 1280, "height": 800})
+    c.wait_until("() => !document.getElementById('main').inert")
+    c.page.focus("[data-testid=prompt]")
+    assert c.js(FOCUSED) == "prompt"
 
 
 def test_shortcuts_are_listed_under_question_mark(chat):

@@ -227,6 +227,8 @@ els.importFile.addEventListener('change', () => {
   els.importFile.value = '';
 });
 els.sidebarToggle.addEventListener('click', sidebar.toggleDrawer);
+// A phone turned (or a window widened) past the drawer's width: no drawer, nothing left inert.
+matchMedia('(min-width: 821px)').addEventListener('change', (e) => { if (e.matches) sidebar.closeDrawer(); });
 els.sidebarClose.addEventListener('click', sidebar.closeDrawer);
 els.scrim.addEventListener('click', sidebar.closeDrawer);
 
