@@ -18,8 +18,8 @@ import time
 import torch
 
 from ..concurrency import run_in_thread, start_real_thread
-from ..errors import EngineError, EngineUnavailable, Overloaded
-from . import attention, native, prompt
+from ..errors import EngineError, EngineUnavailable, Overloaded, PromptTooLong
+from . import attention, grammar, native, prompt
 from . import model as model_loader
 from .base import Engine, GenParams, Generation
 from .events import Delta, Done, Queued, Refused, Started
@@ -84,7 +84,7 @@ class LocalEngine(Engine):
             if self.ready:
                 # Fit now, so a message too long for the context is refused instead of queued;
                 # on a real thread, so a long history never holds up the event loop.
-                request.prompt_ids = run_in_thread(self.fit, gen)
+                request.prompt_ids, request.matcher = run_in_thread(self.prepare, gen)
             queue.put(request)
         finally:
             queue.arriving.add(-1)  # before the wake-up, so a gathering engine sees it landed
@@ -184,6 +184,9 @@ class LocalEngine(Engine):
             if self.settings.warmup:
                 self._warmup()
             self.weights = self.loaded.weights
+            vocab = decoder.shape.vocab if decoder is not None else \
+                self.loaded.model.get_output_embeddings().weight.shape[0]
+            self.grammars = grammar.Grammars(self.loaded.tokenizer, self.loaded.eos_ids, vocab)
             self.chores = model_loader.finish(self.loaded, self.settings)
         # Everything loaded so far lives for the whole process: keep it out of the GC's
         # full collections, which otherwise stall the event loop for tenths of a second.
@@ -207,10 +210,11 @@ class LocalEngine(Engine):
             logits = self._decode(job.kv, [token], [len(ids) + i])
         log.info("warm-up took %.2f s", time.monotonic() - started)
 
-    def forward(self, input_ids, kv: KVBuffer, position_ids, spans=None):
-        """The next-token logits of every row after feeding ``input_ids`` (rows, columns)."""
+    def forward(self, input_ids, kv: KVBuffer, position_ids, spans=None, every: bool = False):
+        """The next-token logits of every row after feeding ``input_ids`` (rows, columns); ``every``:
+        of every column (rows, columns, vocab)."""
         if self.decoder is not None:
-            return self.decoder(input_ids, kv, position_ids, spans)
+            return self.decoder(input_ids, kv, position_ids, spans, every=every)
         model = self.loaded.model
         out = model.get_decoder()(input_ids=input_ids, attention_mask=kv.attention_mask(input_ids.shape[1]),
                                   position_ids=position_ids, cache=kv.cache, use_cache=True, spans=spans)
@@ -218,6 +222,10 @@ class LocalEngine(Engine):
         # multi-column forward, torch's matmul takes its batched path, which copies the whole
         # bf16 output matrix once per row when the weights are inference tensors (as they are
         # when loaded under gevent): 0.4 s of a 7-prompt prefill.
+        if every:
+            rows, cols = input_ids.shape
+            return model.get_output_embeddings()(out.last_hidden_state.reshape(rows * cols, -1)).float().view(
+                rows, cols, -1)
         return model.get_output_embeddings()(out.last_hidden_state[:, -1, :]).float()
 
     def _decode(self, kv: KVBuffer, tokens: list, positions: list):
@@ -236,11 +244,25 @@ class LocalEngine(Engine):
         """The prompt ids, history trimmed so the answer has room in the context."""
         max_new = min(gen.params.max_new_tokens, self.settings.max_new_tokens)
         budget = self.settings.context_tokens - min(max_new, self.settings.context_tokens // 2)
-        return prompt.fit(self.loaded.tokenizer, gen.messages, budget)[0]
+        if gen.params.raw_prompt:
+            ids = self.loaded.tokenizer.encode(gen.messages[-1]["content"])
+            if len(ids) > budget:
+                raise PromptTooLong(f"the prompt does not fit in the model's context of {budget} tokens")
+            return ids
+        return prompt.fit(self.loaded.tokenizer, gen.messages, budget, gen.params.tools)[0]
 
-    def new_slot(self, gen: Generation, ids: list) -> Slot:
+    def prepare(self, gen: Generation) -> tuple[list[int], object]:
+        """(prompt ids, the grammar's matcher or None): on the submitting request's thread."""
+        ids = self.fit(gen)
+        params = gen.params
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self.grammars.tokenizer  # noqa: B018 (built on first use, here rather than on the engine thread)
+        return ids, self.grammars.matcher(params.grammar) if params.grammar else None
+
+    def new_slot(self, gen: Generation, ids: list, matcher=None) -> Slot:
         """A request starts: its slot, and ``Started`` to its consumer."""
         slot = Slot(gen, ids, self.loaded.tokenizer, self.settings)
+        slot.matcher = matcher
         self._emit_start(slot)
         return slot
 
@@ -266,6 +288,9 @@ class LocalEngine(Engine):
                 self.kv.add_row(*job.kv.row(r, copy=False))
         slots = [job.slots[r] for r in kept]
         self.rows += slots
+        if job.scores is not None:
+            for r in kept:
+                self._emit_scores(job.slots[r], job.scores[r])
         rows = logits[kept] if len(kept) < job.rows else logits
         self._accept_all(slots, rows)
 
@@ -287,10 +312,39 @@ class LocalEngine(Engine):
         self._accept_all(list(self.rows), logits)
 
     def _accept_all(self, slots: list, logits) -> None:
-        """Sample every row's next token in one pass, then emit each row's text."""
+        """Sample every row's next token in one pass, then emit each row's text.
+
+        Log probabilities come from the raw logits; a grammar's mask (-inf) goes on before either
+        sampler sees them. Rows asked for no tokens (a scored prompt) end here, unsampled.
+        """
+        if any(s.max_new == 0 for s in slots):
+            keep = [j for j, s in enumerate(slots) if s.max_new > 0]
+            for s in slots:
+                if s.max_new == 0:
+                    self._finish(s, "length")
+            slots, logits = [slots[j] for j in keep], logits[keep]
+            if not slots:
+                return
+        scores = grammar.log_probs(logits, slots)
+        failed = grammar.apply_masks(logits, slots)
         tokens = sample(logits, [s.params for s in slots], [s.generator for s in slots], native=self._sampler())
-        for slot, token in zip(slots, tokens):
+        for j, (slot, token) in enumerate(zip(slots, tokens)):
+            if scores is not None and j in scores and token not in self.loaded.eos_ids:
+                slot.pending.append(grammar.entry(self.grammars, scores[j], token, slot.params.logprobs))
             self._accept(slot, token)
+        for slot in failed:
+            if slot in self.rows:
+                log.warning("grammar failed: %s", slot.matcher.get_error())
+                self._finish(slot, "stop")
+
+    def _emit_scores(self, slot: Slot, scores: list) -> None:
+        """Every prompt token's log probability entry, before the answer (the first token's: None)."""
+        out = []
+        for tid, value, top in scores:
+            text, raw = self.grammars.token(tid)
+            alts = [dict(zip(("token", "bytes"), self.grammars.token(t)), logprob=v) for t, v in top]
+            out.append({"token": text, "logprob": value, "bytes": raw, "top_logprobs": alts})
+        slot.gen.emit(Delta("", prompt_logprobs=tuple(out)))
 
     @property
     def _native(self) -> bool:
@@ -313,7 +367,7 @@ class LocalEngine(Engine):
     def _finish(self, slot: Slot, reason: str) -> None:
         """End a row: flush its text, keep its KV for the next turn, emit ``done``."""
         if reason != "error":
-            self._delta(slot, slot.flush())
+            self._delta(slot, slot.flush(), last=True)
         if slot in self.rows:
             r = self.rows.index(slot)
             if slot.gen.key and reason != "error":
@@ -359,12 +413,16 @@ class LocalEngine(Engine):
     def emit_error(self, gen: Generation, exc: EngineError) -> None:
         gen.emit(Refused(exc.code, exc.message))
 
-    def _delta(self, slot: Slot, text: str) -> None:
-        if not text:
+    def _delta(self, slot: Slot, text: str, last: bool = False) -> None:
+        """Emit a piece of text (with the log probabilities of the tokens it covers); ``last``: the
+        answer's end, where entries of tokens that made no text go out too."""
+        if not text and not (last and slot.pending):
             return
-        if slot.first_delta_at is None:
+        if slot.first_delta_at is None and text:
             slot.first_delta_at = time.monotonic()
-        slot.gen.emit(Delta(text))
+        entries = tuple(slot.pending)
+        slot.pending.clear()
+        slot.gen.emit(Delta(text, entries) if entries else Delta(text))
 
     def done(self, gen: Generation, reason: str, slot: Slot | None = None) -> None:
         prompt_tokens, completion_tokens = (len(slot.prompt_ids), len(slot.out_ids)) if slot else (0, 0)

@@ -30,6 +30,7 @@ class Request:
 
     gen: Generation
     prompt_ids: list | None = None  # fitted at submit once the model is ready, else at admission
+    matcher: object = None  # the grammar's matcher (engine/grammar.py), compiled with the prompt ids
     position: int | None = None  # the queue position last told to the consumer
 
 
@@ -119,14 +120,17 @@ class Scheduler:
             request = self.waiting.popleft()
             gen = request.gen
             try:
-                ids = request.prompt_ids or engine.fit(gen)
+                if request.prompt_ids is None:
+                    request.prompt_ids, request.matcher = engine.prepare(gen)
             except EngineError as exc:
                 engine.emit_error(gen, exc)
                 continue
             room -= 1
-            slot = engine.new_slot(gen, ids)
+            ids = request.prompt_ids
+            slot = engine.new_slot(gen, ids, request.matcher)
             reused = engine.prefix.take(gen.key, ids)
-            if reused is None and (gen.params.seed is None or gen.params.temperature == 0):
+            scored = gen.params.prompt_logprobs is not None  # scored alone: every position's logits
+            if reused is None and not scored and (gen.params.seed is None or gen.params.temperature == 0):
                 fresh.append(slot)
                 continue
             # A seeded, sampled prompt is prefilled on its own, as it would be alone: a prompt padded
@@ -148,6 +152,8 @@ class Scheduler:
             slots = last.slots + slots
         job = PrefillJob([s.prompt_ids for s in slots], self.engine.dims, reused)
         job.slots = slots
+        job.score = max((s.params.prompt_logprobs for s in slots if s.params.prompt_logprobs is not None),
+                        default=None)
         job.shared = shared and reused is None
         self.jobs.append(job)
         self.count()
