@@ -74,7 +74,10 @@ class TurnService:
                          top_p=given.get("top_p", s.top_p),
                          max_new_tokens=min(given.get("max_new_tokens", s.max_new_tokens), s.max_new_tokens),
                          top_k=given.get("top_k", 0), min_p=given.get("min_p", 0.0),
-                         seed=given.get("seed"), stop=tuple(given.get("stop", ())), model=model)
+                         seed=given.get("seed"), stop=tuple(given.get("stop", ())), model=model,
+                         grammar=given.get("grammar"), logprobs=given.get("logprobs"),
+                         prompt_logprobs=given.get("prompt_logprobs"), raw_prompt=given.get("raw_prompt", False),
+                         tools=tuple(given.get("tools", ())))
 
     def model(self, wanted: str | None, rid: str | None = None) -> str | None:
         """``wanted`` when the engine serves it (None: its default); bad_message when it does not."""

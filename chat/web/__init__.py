@@ -9,9 +9,11 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
 
     ``engine_only``: only ``/v1`` and health, for web workers that use this process as their backend.
     """
-    from . import conversations_api, error_responses, health, openai_api, pages, request_body, ws
+    from . import (conversations_api, error_responses, health, openai_api, openai_completions, pages, request_body,
+                   ws)
     app.register_blueprint(health.bp)
     app.register_blueprint(openai_api.bp)
+    app.register_blueprint(openai_completions.bp)
     if engine_only:  # the page's app-wide hooks (hardening headers, proxy warning), without the page
         app.before_request(pages.warn_about_untrusted_proxy)
         app.after_request(pages.security_headers)
