@@ -13,6 +13,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
+from . import structured
 from .concurrency import cooperate, spawn
 from .engine import Generation
 from .engine.events import Delta, Done, Event, Queued, Refused, Started
@@ -196,6 +197,10 @@ class Run:
                             prompt=self.gen.messages[-1]["content"], text=text)
         frame = {"type": "done", "id": self.id, "reason": event.reason, "usage": event.usage,
                  "timings": event.timings}
+        if self.gen.params.tools:  # the answer's <tool_call> blocks, read back (the text keeps them)
+            calls = structured.parse_calls(text)[1]
+            if calls:
+                frame["tool_calls"] = calls
         with self.lock:
             self.done_frame = frame
             self.forward(frame)

@@ -44,6 +44,8 @@ class TurnRequest(Protocol):
     @property
     def params(self) -> dict: ...
     @property
+    def structured(self) -> dict: ...
+    @property
     def attachments(self) -> list: ...
     @property
     def model(self) -> str | None: ...
@@ -243,6 +245,7 @@ class TurnService:
             raise ProtocolError("busy", "this conversation is already answering", req.id)
         try:
             params, model = self._options(conv_id, req)  # a new conversation: not stored yet, no settings
+            params = {**params, **getattr(req, "structured", {})}  # never stored with the conversation
             gen = self._submit(address, client, req.id, messages, self.params(params, model), key=conv_id)
         except BaseException:
             self.runs.unclaim(conv_id, client, req.id)

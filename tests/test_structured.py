@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from fakes import AppServer
-from helpers import make_app, make_engine
+from helpers import WS, make_app, make_engine, text_of
 
 openai = pytest.importorskip("openai")
 
@@ -49,10 +49,15 @@ def client(app):
 
 
 @pytest.fixture(scope="module")
-def sdk(app):
+def live(app):
     server = AppServer(app)
-    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    yield server
     server.close()
+
+
+@pytest.fixture(scope="module")
+def sdk(live):
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
@@ -274,3 +279,48 @@ def test_bad_structured_requests(client, extra, param):
 def test_bad_completions_requests(client, body, param):
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 400 and response.get_json()["error"]["param"] == param
+
+
+# ---- over the WebSocket: the same fields in ``chat`` params
+
+def test_ws_chat_with_a_schema(live):
+    client = WS(live.ws_url)
+    frames = client.chat("Describe a pet.", params={"temperature": 0, "max_new_tokens": 120, "response_format": FORMAT})
+    client.close()
+    assert frames[-1]["type"] == "done" and frames[-1]["reason"] == "stop", frames[-1]
+    jsonschema.validate(json.loads(text_of(frames)), PERSON)
+
+
+def test_ws_tool_call_in_done_frame(live):
+    client = WS(live.ws_url)
+    frames = client.chat("Weather?", params={"temperature": 0, "max_new_tokens": 120, "tools": [WEATHER],
+                                             "tool_choice": "required", "parallel_tool_calls": False})
+    client.close()
+    done = frames[-1]
+    assert done["type"] == "done" and "<tool_call>" in text_of(frames)
+    (call,) = done["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.parametrize("params", [{"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+                                    {"tools": [{"type": "function"}]}, {"tool_choice": "required"}])
+def test_ws_bad_structured_params(live, params):
+    client = WS(live.ws_url)
+    frames = client.chat("hi", params=params)
+    assert frames[-1]["type"] == "error" and frames[-1]["code"] == "bad_message" and "params" in frames[-1]["message"]
+    assert client.ping()["type"] == "pong"  # the connection keeps working
+    client.close()
+
+
+# ---- the real server (gunicorn + gevent, tiny model)
+
+def test_live_server_schema_and_tools(server):
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    out = sdk.chat.completions.create(model="m", messages=HELLO, response_format=FORMAT, temperature=0,
+                                      max_tokens=200)
+    jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    chunks = list(sdk.chat.completions.create(model="m", messages=HELLO, tools=[WEATHER], tool_choice="required",
+                                              temperature=0, max_tokens=120, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
