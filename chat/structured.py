@@ -56,7 +56,7 @@ def check_schema(schema: Any, name: str) -> dict:
 
 # JSON written as people write it ({"a": 1, "b": [2, 3]}), with no other whitespace: a small model
 # left free to add whitespace can fill its whole answer with it.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_STYLE: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def schema_grammar(schema: dict) -> str:
@@ -115,7 +115,7 @@ def tools(value: Any, name: str = "tools") -> list[dict]:
     return out
 
 
-def tool_choice(value: Any, listed: list[dict], name: str = "tool_choice") -> str | None:
+def tool_choice(value: Any, listed: list[dict], name: str = "tool_choice") -> str:
     """``auto``, ``none``, ``required`` or the name of the one function to call."""
     if value in ("auto", "none", "required"):
         return value
@@ -123,7 +123,7 @@ def tool_choice(value: Any, listed: list[dict], name: str = "tool_choice") -> st
         wanted = value["function"].get("name")
         if wanted not in {t["function"]["name"] for t in listed}:
             raise _bad(f"{name}.function.name", f"names no tool in 'tools': {wanted!r}")
-        return wanted
+        return str(wanted)
     raise _bad(name, "must be auto, none, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")
 
 

@@ -6,22 +6,27 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from flask import Blueprint, Response, jsonify
 
 from ..app_state import app_state
+from ..config import Settings
+from ..engine import Generation
 from ..engine.events import Delta, Done, Refused
 from ..errors import RequestError
 from . import guard
 from . import openai_api as api
+
+if TYPE_CHECKING:
+    from ..turns import TurnService
 
 bp = Blueprint("openai_completions", __name__, url_prefix="/v1")
 bp.before_request(api._authorize)
 MAX_LOGPROBS = 20
 
 
-def _prompt(value: Any, name: str, settings) -> str:
+def _prompt(value: Any, name: str, settings: Settings) -> str:
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
     if not isinstance(value, str) or not value:
@@ -50,7 +55,7 @@ FIELDS = {
 }
 
 
-def parse(body: Any, settings) -> dict:
+def parse(body: Any, settings: Settings) -> dict:
     """Validate a completions body; null counts as absent, unknown fields are ignored."""
     if not isinstance(body, dict):
         raise RequestError("invalid_request", "the request body must be a JSON object")
@@ -93,7 +98,8 @@ def completions() -> Response:
     model = values.get("model") if values.get("model") in engine.models() else engine.model_name
     gen = state.turns.answer(guard.address(state.settings), [{"role": "user", "content": values["prompt"]}],
                              _params(values), model)
-    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model,
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    meta = {"id": rid, "created": int(time.time()), "model": model,
             "object": "text_completion"}
     echo = values["prompt"] if values.get("echo") else ""
     if values.get("stream"):
@@ -113,17 +119,17 @@ def completions() -> Response:
         gen.cancel()
         gen.close()
     assert end is not None
-    state.turns.record(end, "v1", meta["id"])
+    state.turns.record(end, "v1", rid)
     if not isinstance(end, Done) or end.reason not in api._FINISH:
-        raise api._failure(end, meta["id"])
+        raise api._failure(end, rid)
     logprobs = _legacy(entries, 0) if "logprobs" in values else None
     return jsonify({**meta, "choices": [{"index": 0, "text": echo + "".join(texts), "logprobs": logprobs,
                                          "finish_reason": api._FINISH[end.reason]}],
                     "usage": api._usage(end)})
 
 
-def _stream(gen, meta: dict, echo: str, logprobs: bool, turns) -> Iterator[str]:
-    def chunk(text: str, entries=(), offset: int = 0, finish: str | None = None) -> str:
+def _stream(gen: Generation, meta: dict, echo: str, logprobs: bool, turns: TurnService) -> Iterator[str]:
+    def chunk(text: str, entries: Any = (), offset: int = 0, finish: str | None = None) -> str:
         return api._sse({**meta, "choices": [{"index": 0, "text": text, "finish_reason": finish,
                                               "logprobs": _legacy(list(entries), offset) if logprobs else None}]})
 
@@ -143,7 +149,7 @@ def _stream(gen, meta: dict, echo: str, logprobs: bool, turns) -> Iterator[str]:
                 if text or entries:
                     yield chunk(text, entries, offset)
                 offset += len(text)
-            else:
+            elif isinstance(event, (Done, Refused)):
                 end = event
         assert end is not None
         turns.record(end, "v1", meta["id"])

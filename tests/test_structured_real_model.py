@@ -1,0 +1,32 @@
+"""The real bundled model (SmolLM2-135M-Instruct) asked for JSON: with a schema every answer parses and
+validates; a tool call's arguments follow the tool's schema."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from bench.schemas import SCHEMAS, prompts
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.mark.real_model
+def test_bundled_model_answers_follow_the_schema(server_factory):
+    srv = server_factory("real-structured", CHAT_MODEL="", CHAT_DTYPE="auto")
+    sdk = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    for name, question in prompts()[::5]:  # two per schema
+        schema = SCHEMAS[name]
+        out = sdk.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=300,
+            response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}})
+        assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                "parameters": SCHEMAS["weather"]}}
+    out = sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                      tools=[weather], tool_choice="required", temperature=0, max_tokens=200)
+    (call,) = out.choices[0].message.tool_calls[:1]
+    assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["weather"])
