@@ -84,7 +84,8 @@ def apply_masks(logits: torch.Tensor, slots: list) -> list:
         m = slots[i].matcher
         v = bits[j]
         m.unsafe_compute_mask_ptr(v.data_ptr(), words * 4)
-        if m.is_error():
+        if m.is_error():  # this step unconstrained (never a row of -inf); the engine ends the row
+            v.fill_(-1)
             failed.append(slots[i])
     allowed = ((bits[:, :, None] >> _SHIFTS) & 1).view(len(rows), -1)[:, :vocab].bool()
     index = torch.tensor(rows)
