@@ -324,3 +324,23 @@ def test_live_server_schema_and_tools(server):
                                               temperature=0, max_tokens=120, stream=True))
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+
+
+def test_a_failed_matcher_never_masks_its_whole_row(engine):
+    import torch
+
+    from chat import structured
+    from chat.engine import grammar
+
+    class Row:
+        def __init__(self, matcher):
+            self.matcher = matcher
+
+    ok = engine.grammars.matcher(structured.schema_grammar(PERSON))
+    broken = engine.grammars.matcher(structured.schema_grammar(PERSON))
+    broken.consume_token(engine.loaded.tokenizer.encode("x")[0])  # not JSON: the matcher fails
+    assert broken.is_error()
+    logits = torch.zeros(3, engine.grammars.vocab)
+    failed = grammar.apply_masks(logits, [Row(ok), Row(None), Row(broken)])
+    assert [r.matcher for r in failed] == [broken]
+    assert torch.isinf(logits[0]).sum() > 0 and not torch.isinf(logits[1]).any() and not torch.isinf(logits[2]).any()

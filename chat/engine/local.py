@@ -289,8 +289,8 @@ class LocalEngine(Engine):
         slots = [job.slots[r] for r in kept]
         self.rows += slots
         if job.scores is not None:
-            for r in kept:
-                self._emit_scores(job.slots[r], job.scores[r])
+            for r in kept:  # every prompt token's log probability, before the answer
+                job.slots[r].gen.emit(Delta("", prompt_logprobs=grammar.prompt_entries(self.grammars, job.scores[r])))
         rows = logits[kept] if len(kept) < job.rows else logits
         self._accept_all(slots, rows)
 
@@ -336,15 +336,6 @@ class LocalEngine(Engine):
             if slot in self.rows:
                 log.warning("grammar failed: %s", slot.matcher.get_error())
                 self._finish(slot, "stop")
-
-    def _emit_scores(self, slot: Slot, scores: list) -> None:
-        """Every prompt token's log probability entry, before the answer (the first token's: None)."""
-        out = []
-        for tid, value, top in scores:
-            text, raw = self.grammars.token(tid)
-            alts = [dict(zip(("token", "bytes"), self.grammars.token(t)), logprob=v) for t, v in top]
-            out.append({"token": text, "logprob": value, "bytes": raw, "top_logprobs": alts})
-        slot.gen.emit(Delta("", prompt_logprobs=tuple(out)))
 
     @property
     def _native(self) -> bool:
