@@ -147,6 +147,19 @@ def test_tool_call(sdk, choice):
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_tool_choice_auto_is_text_or_valid_calls(sdk, seed):
+    out = sdk.chat.completions.create(model="m", messages=HELLO, tools=[WEATHER, TIME], temperature=1.0, seed=seed,
+                                      max_tokens=60)
+    choice = out.choices[0]
+    if choice.finish_reason == "tool_calls":
+        for call in choice.message.tool_calls:
+            tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    else:
+        assert not choice.message.tool_calls and not choice.message.content.startswith("<")
+
+
 def test_tool_call_streamed(sdk):
     kwargs = dict(model="m", messages=HELLO, tools=[WEATHER], tool_choice="required", temperature=0,
                   max_tokens=120, parallel_tool_calls=False)
