@@ -357,3 +357,12 @@ def test_a_failed_matcher_never_masks_its_whole_row(engine):
     failed = grammar.apply_masks(logits, [Row(ok), Row(None), Row(broken)])
     assert [r.matcher for r in failed] == [broken]
     assert torch.isinf(logits[0]).sum() > 0 and not torch.isinf(logits[1]).any() and not torch.isinf(logits[2]).any()
+
+    # row 0's mask is the matcher's own answer, token by token (a sample of the vocabulary)
+    for prefix in ('{"name": "Ad', '{"name": "Ada", "age": 3'):
+        m = engine.grammars.matcher(structured.schema_grammar(PERSON))
+        assert m.consume_tokens(engine.loaded.tokenizer.encode(prefix))
+        logits = torch.zeros(1, engine.grammars.vocab)
+        grammar.apply_masks(logits, [Row(m)])
+        sample = [t for t in range(0, engine.grammars.vocab, 97) if t not in engine.loaded.eos_ids]
+        assert [not torch.isinf(logits[0, t]).item() for t in sample] == [m.validate_tokens([t]) == 1 for t in sample]
