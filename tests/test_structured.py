@@ -326,6 +326,17 @@ def test_ws_bad_structured_params(live, params):
     client.close()
 
 
+def test_ws_continue_refuses_a_schema(live):
+    client = WS(live.ws_url)
+    frames = client.chat("Describe a pet.", params={"temperature": 0, "max_new_tokens": 3})
+    conv = next(f for f in frames if f["type"] == "start")["conversation_id"]
+    client.send({"type": "continue", "id": "r2", "conversation_id": conv, "params": {"response_format": FORMAT}})
+    frames = client.until(lambda f: f.get("id") == "r2" and f["type"] in ("done", "error"))
+    assert frames[-1]["type"] == "error" and frames[-1]["code"] == "bad_message"
+    assert "response_format" in frames[-1]["message"]
+    client.close()
+
+
 # ---- the real server (gunicorn + gevent, tiny model)
 
 def test_live_server_schema_and_tools(server):

@@ -131,7 +131,7 @@ def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int) -> Requ
     problem = sampling.problem(params, max_new_tokens)  # unknown extra fields are ignored
     if problem:
         raise ProtocolError("bad_message", problem, rid)
-    structured = _structured(params, rid) if "params" in spec else {}
+    structured = _structured(params, rid, kind) if "params" in spec else {}
     params = sampling.clean(params)
     attached = files.clean(msg.get("attachments")) if "attachments" in spec else []
     if isinstance(msg.get("system"), str) and len(msg["system"]) > max_content_chars:
@@ -149,11 +149,13 @@ def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int) -> Requ
 STRUCTURED = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
 
 
-def _structured(params: dict, rid: str | None) -> dict:
+def _structured(params: dict, rid: str | None, kind: str) -> dict:
     """The engine parameters of ``params``' structured fields (as on /v1: openai_tools.plan)."""
     wanted = {k: params[k] for k in STRUCTURED if params.get(k) is not None}
     if not wanted:
         return {}
+    if kind == "continue":  # a grammar would start over in the middle of the answer
+        raise ProtocolError("bad_message", f"params: {', '.join(wanted)} cannot be used to continue an answer", rid)
     from .openai_tools import plan
     try:
         out = plan(wanted)
