@@ -24,6 +24,7 @@ MAX_TOOLS = 32
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+HEAD = re.compile(r'\s*\{"name":\s*"([A-Za-z0-9_-]*)",\s*"arguments":\s*(?=\S)')  # how the grammar writes a call
 
 
 def _bad(name: str, message: str, code: str = "invalid_value") -> RequestError:
@@ -168,10 +169,22 @@ def parse_calls(text: str) -> tuple[str, list[dict]]:
         kept.append(text[last:match.start()])
         last = match.end()
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": body["name"],
-                                   "arguments": json.dumps(body.get("arguments", {}), ensure_ascii=False)}})
+                      "function": {"name": body["name"], "arguments": raw_arguments(match.group(1), body)}})
     kept.append(text[last:])
     return "".join(kept).strip() if calls else text, calls
+
+
+def raw_arguments(text: str, body: dict) -> str:
+    """A call's arguments as the model wrote them (what streaming sent), else re-serialized."""
+    head = HEAD.match(text)
+    if head:
+        raw = text[head.end():].rstrip()[:-1].rstrip()  # without the call object's closing brace
+        try:
+            if json.loads(raw) == body.get("arguments"):
+                return raw
+        except ValueError:
+            pass
+    return json.dumps(body.get("arguments", {}), ensure_ascii=False)
 
 
 def history(messages: list, name: str = "messages") -> list:

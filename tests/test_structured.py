@@ -195,6 +195,34 @@ def test_tools_prompt_reaches_the_model(engine):
     assert "get_weather" in text and "<tool_call>" in text
 
 
+CALLS = ('Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (CALLS, "Sure.", [("get_weather", '{"city": "Oslo", "unit": "c"}'), ("get_time", '{"zone": "utc"}')]),
+    (CALLS[:75], "Sure.", [("get_weather", '{"city": "Oslo", "uni')]),  # cut short by length
+    ("a <b> c <tool_call>\n{\"x\": 1}\n</tool_call>", "a <b> c <tool_call>\n{\"x\": 1}\n</tool_call>", []),
+    ("<tool_c", "<tool_c", []),
+])
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_call_stream_is_the_same_however_the_text_is_cut(text, content, calls, step):
+    from chat.web.openai_tools import CallStream
+    stream, out = CallStream(), []
+    for i in range(0, len(text), step):
+        out += stream.push(text[i:i + step])
+    out += stream.flush()
+    got: dict = {}
+    for delta in out:
+        for call in delta.get("tool_calls", []):
+            entry = got.setdefault(call["index"], ["", ""])
+            entry[0] += call["function"].get("name", "")
+            entry[1] += call["function"].get("arguments", "")
+    assert "".join(d.get("content", "") for d in out) == content
+    assert [tuple(got[i]) for i in sorted(got)] == calls
+    assert len([d for d in out if d.get("tool_calls") and "id" in d["tool_calls"][0]]) == len(calls)
+
+
 # ---- log probabilities
 
 def test_logprobs_streamed_and_whole(sdk):

@@ -4,6 +4,7 @@ probabilities in OpenAI's shapes (whole and streamed). The rules live in ``chat/
 """
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from .. import structured
@@ -78,17 +79,31 @@ def message(text: str, tool_mode: str | None) -> tuple[dict, str | None]:
 
 
 class CallStream:
-    """Streamed text in, OpenAI chunk deltas out: plain text as ``content``; ``<tool_call>`` blocks held
-    until whole, then sent as ``tool_calls`` deltas (index, id, name, then the arguments)."""
+    """Streamed text in, OpenAI chunk deltas out: plain text as ``content``; a ``<tool_call>`` block as
+    ``tool_calls`` deltas: first the index, id and name, then the arguments in fragments as the model
+    writes them (the grammar writes ``{"name": ..., "arguments": ...}`` in that order)."""
+
+    HOLD = len("}\n" + structured.CLOSE) + 8  # never send what may be the end of the call
 
     def __init__(self) -> None:
         self.buf = ""
         self.calls = 0
+        self.call: dict | None = None  # the call being streamed: its index, whether its head went out
+        self.after = False  # a call ended: the newlines between calls are not text
 
     def push(self, text: str) -> list[dict]:
         self.buf += text
         out: list[dict] = []
         while self.buf:
+            if self.call is not None:
+                if not self._in_call(out):
+                    break
+                continue
+            if self.after:
+                self.buf = self.buf.lstrip("\n")
+                if not self.buf:
+                    break
+                self.after = False
             start = self.buf.find(structured.OPEN)
             if start < 0:
                 # keep what could be the start of a call marker
@@ -100,27 +115,68 @@ class CallStream:
                 break
             if start > 0:
                 out.append({"content": self.buf[:start]})
-                self.buf = self.buf[start:]
-            end = self.buf.find(structured.CLOSE)
-            if end < 0:
-                break
-            block = self.buf[:end + len(structured.CLOSE)]
-            self.buf = self.buf[end + len(structured.CLOSE):].lstrip("\n")
-            out += self._call(block)
+            self.buf = self.buf[start:]
+            self.call = {"index": self.calls, "head": None, "sent": 0}
         return out
 
-    def _call(self, block: str) -> list[dict]:
-        rest, calls = structured.parse_calls(block)
+    def _in_call(self, out: list[dict]) -> bool:
+        """Send what the call's text allows; True when the call ended (the rest is in ``buf``)."""
+        call, body = self.call, self.buf[len(structured.OPEN):]
+        assert call is not None
+        end = body.find(structured.CLOSE)
+        if call["head"] is None:
+            head = structured.HEAD.match(body)
+            if head is None or (end >= 0 and head.end() > end):
+                if end < 0:
+                    return False
+                out += self._whole(self.buf[:len(structured.OPEN) + end + len(structured.CLOSE)])
+                self._close(len(structured.OPEN) + end)
+                return True
+            call["head"] = head.end()
+            call["id"] = f"call_{uuid.uuid4().hex[:24]}"
+            out.append({"tool_calls": [{"index": call["index"], "id": call["id"], "type": "function",
+                                        "function": {"name": head.group(1), "arguments": ""}}]})
+        args = body[call["head"]:end] if end >= 0 else body[call["head"]:]
+        if end >= 0:
+            args = args.rstrip()[:-1].rstrip()  # the call object's closing brace
+            upto = len(args)
+        else:
+            upto = max(call["sent"], len(args) - self.HOLD)
+        if upto > call["sent"]:
+            out.append({"tool_calls": [{"index": call["index"], "function": {"arguments": args[call["sent"]:upto]}}]})
+            call["sent"] = upto
+        if end < 0:
+            return False
+        self._close(len(structured.OPEN) + end)
+        return True
+
+    def _close(self, end: int) -> None:
+        self.buf = self.buf[end + len(structured.CLOSE):]
+        self.call = None
+        self.calls += 1
+        self.after = True
+
+    def _whole(self, block: str) -> list[dict]:
+        """A block not written as the grammar writes calls: read whole, or text when unreadable."""
+        _, calls = structured.parse_calls(block)
         if not calls:
+            self.calls -= 1  # _close counts it; it was text
             return [{"content": block}]
         fn = calls[0]["function"]
         index = self.calls
-        self.calls += 1
         return [{"tool_calls": [{"index": index, "id": calls[0]["id"], "type": "function",
                                  "function": {"name": fn["name"], "arguments": ""}}]},
                 {"tool_calls": [{"index": index, "function": {"arguments": fn["arguments"]}}]}]
 
     def flush(self) -> list[dict]:
-        out = [{"content": self.buf}] if self.buf else []
-        self.buf = ""
+        """At the end: the rest of a call cut short (by length) as its last fragment; other text as it is."""
+        call = self.call
+        out: list[dict] = []
+        if call is not None and call["head"] is not None:
+            args = self.buf[len(structured.OPEN) + call["head"]:]
+            if len(args) > call["sent"]:
+                out.append({"tool_calls": [{"index": call["index"], "function": {"arguments": args[call["sent"]:]}}]})
+        elif self.buf and not self.after:
+            out.append({"content": self.buf})
+        self.buf, self.call = "", None
         return out
