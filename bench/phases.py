@@ -163,6 +163,19 @@ def run_quality(env: dict, args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def run_structured(env: dict, args) -> dict:
+    """``bench.structured`` in a subprocess: schema answers with and without json_schema, the masks'
+    cost at 8 rows, compile times, prompt scoring."""
+    out = subprocess.run([sys.executable, "-m", "bench.structured", str(max(1, min(args.reps, 3)))], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=max(args.timeout, 1800))
+    if out.returncode != 0 or not out.stdout.strip():
+        raise RuntimeError(f"structured run failed ({out.returncode}): {out.stderr[-2000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if "error" in result:
+        raise RuntimeError(result["error"])
+    return result
+
+
 def run_concurrency(srv: BenchServer, args, memory: dict) -> list[dict]:
     """The sweep, sampling the workers' resident memory at every level."""
     sweep = []

@@ -29,7 +29,7 @@ from .server import ROOT, BenchServer, Client, http_get
 
 # Every phase, in the order a full run takes them; --only picks some.
 PHASES = ("inprocess", "single", "sampled", "prefill", "concurrency", "healthz", "cancel", "join", "multiturn",
-          "v1-big", "quality", "webtier", "peer")
+          "v1-big", "quality", "structured", "webtier", "peer")
 # --only peer: this server and llama.cpp's on the comparison's workloads, nothing else (a few minutes).
 PRESETS = {"peer": ("single", "concurrency", "multiturn", "peer")}
 
@@ -196,6 +196,8 @@ def main(argv=None) -> int:
             run_server_phases(res, workdir, env, args)
         if "quality" in on:
             phase(res, "quality", phases.run_quality, env, args)
+        if "structured" in on:
+            phase(res, "structured", phases.run_structured, env, args)
         if "peer" in on:  # alone on the machine, like this server's phases
             phase(res, "peer", peer.run_peer, workdir, args, res["machine"], "multiturn" in on)
         if "webtier" in on:

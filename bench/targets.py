@@ -73,8 +73,25 @@ def targets(res: dict) -> list[dict]:
         row("a 1000-token message's prefill: in the server ÷ a plain process (median of pairs)",
             prefill.get("ratio_p50"), "≤ 1.15", lambda v: v <= 1.15),
         row("start-up to /readyz, empty data folder (s)", start.get("ready_s"), "≤ 10", lambda v: v <= 10),
-    ] + quality_targets(res.get("quality") or {}, row) + peer.targets(res, row) + webtier.targets(
+    ] + quality_targets(res.get("quality") or {}, row) + structured_targets(res.get("structured") or {}, row) \
+        + peer.targets(res, row) + webtier.targets(
         res.get("webtier") or {}, row)
+
+
+def structured_targets(s: dict, row) -> list[dict]:
+    """Issue 31's goals: schema answers, the masks' cost, compile time, prompt scoring."""
+    if not s.get("validity"):
+        return []
+    valid, mask, scoring = s["validity"], s.get("mask") or {}, s.get("scoring") or {}
+    # the summed log probability's difference, per token (single tokens differ more: bench/structured.py)
+    return [row(f"50 schema prompts valid with json_schema, % (without: {valid['free']['percent']:.0f}%)",
+                valid["json_schema"]["percent"], "= 100", lambda v: v >= 100),
+            row("8 constrained rows' aggregate tok/s ÷ 8 free rows'", mask.get("ratio_p50"), "≥ 0.9",
+                lambda v: v >= 0.9),
+            row("first compile of the 5 schemas, slowest (ms)", (s.get("compile") or {}).get("max_first_ms"),
+                "≤ 50", lambda v: v <= 50),
+            row("echo + logprobs: summed log probability against quality.py's token-by-token run, difference per token",
+                scoring.get("sum_diff_per_token"), "≤ 1e-3", lambda v: v <= 1e-3)]
 
 
 def quality_targets(q: dict, row) -> list[dict]:

@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Callable, Protocol
 
+from . import structured
 from .concurrency import cooperate, spawn
 from .engine import Generation
 from .engine.events import Delta, Done, Event, Queued, Refused, Started
@@ -265,6 +266,10 @@ class Run:
                  "timings": event.timings}
         if event.notice:
             frame["message"] = event.notice
+        if self.gen.params.tools:  # the answer's <tool_call> blocks, read back (the text keeps them)
+            calls = structured.parse_calls(text)[1]
+            if calls:
+                frame["tool_calls"] = calls
         with self.lock:
             self.done_frame = frame
             self.forward(frame)

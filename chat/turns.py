@@ -44,6 +44,8 @@ class TurnRequest(Protocol):
     @property
     def params(self) -> dict: ...
     @property
+    def structured(self) -> dict: ...
+    @property
     def attachments(self) -> list: ...
     @property
     def model(self) -> str | None: ...
@@ -79,7 +81,10 @@ class TurnService:
                          top_p=given.get("top_p", s.top_p),
                          max_new_tokens=min(given.get("max_new_tokens", s.max_new_tokens), s.max_new_tokens),
                          top_k=given.get("top_k", 0), min_p=given.get("min_p", 0.0),
-                         seed=given.get("seed"), stop=tuple(given.get("stop", ())), model=model)
+                         seed=given.get("seed"), stop=tuple(given.get("stop", ())), model=model,
+                         grammar=given.get("grammar"), logprobs=given.get("logprobs"),
+                         prompt_logprobs=given.get("prompt_logprobs"), raw_prompt=given.get("raw_prompt", False),
+                         tools=tuple(given.get("tools", ())))
 
     def model(self, wanted: str | None, rid: str | None = None) -> str | None:
         """``wanted`` when the engine serves it (None: its default); bad_message when it does not."""
@@ -245,6 +250,7 @@ class TurnService:
             raise ProtocolError("busy", "this conversation is already answering", req.id)
         try:
             params, model = self._options(conv_id, req)  # a new conversation: not stored yet, no settings
+            params = {**params, **getattr(req, "structured", {})}  # never stored with the conversation
             gen = self._submit(address, client, req.id, messages, self.params(params, model), key=conv_id)
         except BaseException:
             self.runs.unclaim(conv_id, client, req.id)

@@ -98,8 +98,9 @@ def test_phase_selection():
     assert parse().phases == list(run.PHASES) and parse().concurrency == [1, 2, 4, 8, 16]
     a = parse("--only", "peer", "--quick")
     assert a.phases == ["single", "concurrency", "multiturn", "peer"] and a.concurrency == [8] and a.tokens == 16
-    assert parse("--skip-peer", "--skip-webtier").phases[-1] == "quality"
-    assert parse("--skip-peer", "--skip-webtier", "--skip-quality").phases[-1] == "v1-big"
+    assert parse("--skip-peer", "--skip-webtier").phases[-1] == "structured"
+    assert parse("--skip-peer", "--skip-webtier", "--skip-structured").phases[-1] == "quality"
+    assert parse("--skip-peer", "--skip-webtier", "--skip-structured", "--skip-quality").phases[-1] == "v1-big"
     assert parse("--only-webtier").only_webtier and parse("--only-webtier").name == "webtier"
     assert parse("--only", "single,inprocess").phases == ["inprocess", "single"]
     with pytest.raises(SystemExit):
@@ -155,3 +156,14 @@ def test_run_peer_skips_without_the_binary(monkeypatch, tmp_path):
     monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "missing"))
     with pytest.raises(RuntimeError, match="not an executable"):
         peer.run_peer(tmp_path, args(), {"gguf": "/x/model.gguf"})
+
+
+def test_the_structured_phase_has_its_targets():
+    res = result(False)
+    res["structured"] = {"compile": {"max_first_ms": 4.9},
+                         "validity": {"free": {"percent": 20.0}, "json_schema": {"percent": 100.0}},
+                         "mask": {"ratio_p50": 0.95}, "scoring": {"sum_diff_per_token": 4e-4}}
+    rows = {t["metric"]: t for t in targets.targets(res) if "schema" in t["metric"] or "constrained" in t["metric"]
+            or "echo" in t["metric"]}
+    assert len(rows) == 4 and all(t["ok"] for t in rows.values()), rows
+    assert any("without: 20%" in m for m in rows)

@@ -50,4 +50,4 @@ def test_submit_fits_the_prompt_through_run_in_thread(tiny_model, tmp_path, monk
         collect(eng.submit(ask("hello"), GenParams(temperature=0, max_new_tokens=3)))
     finally:
         eng.shutdown()
-    assert calls == ["fit"]
+    assert calls == ["prepare"]  # fit the prompt and compile its grammar, if any

@@ -131,7 +131,7 @@ BAD = [
     ({"messages": []}, 400, "messages"),
     ({"messages": "hi"}, 400, "messages"),
     ({"messages": ["hi"]}, 400, "messages[0]"),
-    ({"messages": _msgs("tool")}, 400, "messages[0].role"),
+    ({"messages": _msgs("function")}, 400, "messages[0].role"),
     ({"messages": [{"content": "x"}]}, 400, "messages[0].role"),
     ({"messages": [*_msgs("user"), {"role": "user"}]}, 400, "messages[1].content"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
@@ -161,8 +161,8 @@ BAD = [
     ({"messages": _msgs("user"), "stream": "yes"}, 400, "stream"),
     ({"messages": _msgs("user"), "stream_options": {"include_usage": 1}}, 400, "stream_options.include_usage"),
     ({"messages": _msgs("user"), "model": 3}, 400, "model"),
-    ({"messages": _msgs("user"), "tools": [{"type": "function"}]}, 400, "tools"),
-    ({"messages": _msgs("user"), "logprobs": True}, 400, "logprobs"),
+    ({"messages": _msgs("user"), "tools": [{"type": "function"}]}, 400, "tools[0]"),
+    ({"messages": _msgs("user"), "logprobs": "yes"}, 400, "logprobs"),
     ([1, 2], 400, None),
 ]
 

@@ -26,6 +26,11 @@ class GenParams:
     seed: int | None = None
     stop: tuple = ()
     model: str | None = None  # one of Engine.models(); None: the engine's default (model_name)
+    grammar: str | None = None  # an llguidance grammar the answer must follow (chat/structured.py)
+    logprobs: int | None = None  # None: none; else each token's log probability and this many alternatives
+    prompt_logprobs: int | None = None  # likewise for every prompt token (/v1/completions with echo)
+    raw_prompt: bool = False  # the one message's content is the prompt as is, no chat template
+    tools: tuple = ()  # OpenAI function tools the prompt lists (the template's own way, else a generic one)
 
 
 _ids = itertools.count(1)

@@ -133,9 +133,11 @@ class Decoder:
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.eps).to(self.dtype)
 
     def forward(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans: list | None = None,
-                native: Callable[..., torch.Tensor] | Literal[False] | None = None) -> torch.Tensor:
+                native: Callable[..., torch.Tensor] | Literal[False] | None = None,
+                every: bool = False) -> torch.Tensor:
         """Float logits of each row's last column after feeding ``input_ids`` (rows, columns). A decode
-        step runs in C++ once ``native`` is set (``native=False``: on torch ops all the same)."""
+        step runs in C++ once ``native`` is set (``native=False``: on torch ops all the same).
+        ``every``: every column's logits (rows, columns, vocab), for scoring a prompt."""
         s = self.shape
         rows, cols = input_ids.shape
         cos, sin = self._rope(position_ids)
@@ -154,6 +156,8 @@ class Decoder:
             h = h + layer.o(a.transpose(1, 2).reshape(rows * cols, -1), decode)
             gate, up = layer.gate_up(self._norm(h, layer.mlp_norm), decode).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up, decode)
+        if every:
+            return self._logits(h).view(rows, cols, -1)
         return self._logits(h.view(rows, cols, -1)[:, -1])
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,11 @@ class Started:
 
 @dataclass(frozen=True)
 class Delta:
-    """A piece of the answer's text."""
+    """A piece of the answer's text; with log probabilities asked for, one entry per token it covers."""
 
     text: str
+    logprobs: tuple = ()  # OpenAI's entries: {"token", "logprob", "bytes", "top_logprobs"}
+    prompt_logprobs: tuple = ()  # once, before the answer: one per prompt token (the first's logprob None)
 
 
 @dataclass(frozen=True)

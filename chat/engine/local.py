@@ -18,8 +18,8 @@ import time
 import torch
 
 from ..concurrency import run_in_thread, start_real_thread
-from ..errors import EngineError, EngineUnavailable, Overloaded
-from . import attention, cpu, native, prompt
+from ..errors import EngineError, EngineUnavailable, Overloaded, PromptTooLong
+from . import attention, cpu, grammar, native, prompt
 from . import model as model_loader
 from .base import Engine, GenParams, Generation
 from .events import Delta, Done, Queued, Refused, Started
@@ -87,7 +87,7 @@ class LocalEngine(Engine):
             if self.ready:
                 # Fit now, so a message too long for the context is refused instead of queued;
                 # on a real thread, so a long history never holds up the event loop.
-                request.prompt_ids = run_in_thread(self.fit, gen)
+                request.prompt_ids, request.matcher = run_in_thread(self.prepare, gen)
             queue.put(request)
         finally:
             queue.arriving.add(-1)  # before the wake-up, so a gathering engine sees it landed
@@ -195,6 +195,7 @@ class LocalEngine(Engine):
             self.formats = decoder.formats() if decoder is not None else None
             self.vocab_size = (decoder.shape.vocab if decoder is not None
                                else self.loaded.model.get_output_embeddings().weight.shape[0])
+            self.grammars = grammar.Grammars(self.loaded.tokenizer, self.loaded.eos_ids, self.vocab_size)
             self.chores = model_loader.finish(self.loaded, self.settings)
             # the default system prompt's preamble first, so the first user after a start reuses it too
             self._want_preamble([{"role": "system", "content": self.settings.system_prompt}]
@@ -221,10 +222,11 @@ class LocalEngine(Engine):
             logits = self._decode(job.kv, [token], [len(ids) + i])
         log.info("warm-up took %.2f s", time.monotonic() - started)
 
-    def forward(self, input_ids, kv: KVBuffer, position_ids, spans=None):
-        """The next-token logits of every row after feeding ``input_ids`` (rows, columns)."""
+    def forward(self, input_ids, kv: KVBuffer, position_ids, spans=None, every: bool = False):
+        """The next-token logits of every row after feeding ``input_ids`` (rows, columns); ``every``:
+        of every column (rows, columns, vocab)."""
         if self.decoder is not None:
-            return self.decoder(input_ids, kv, position_ids, spans)
+            return self.decoder(input_ids, kv, position_ids, spans, every=every)
         model = self.loaded.model
         out = model.get_decoder()(input_ids=input_ids, attention_mask=kv.attention_mask(input_ids.shape[1]),
                                   position_ids=position_ids, cache=kv.cache, use_cache=True, spans=spans)
@@ -232,6 +234,10 @@ class LocalEngine(Engine):
         # multi-column forward, torch's matmul takes its batched path, which copies the whole
         # bf16 output matrix once per row when the weights are inference tensors (as they are
         # when loaded under gevent): 0.4 s of a 7-prompt prefill.
+        if every:
+            rows, cols = input_ids.shape
+            return model.get_output_embeddings()(out.last_hidden_state.reshape(rows * cols, -1)).float().view(
+                rows, cols, -1)
         return model.get_output_embeddings()(out.last_hidden_state[:, -1, :]).float()
 
     def _decode(self, kv: KVBuffer, tokens: list, positions: list):
@@ -250,8 +256,14 @@ class LocalEngine(Engine):
         """The prompt ids, history trimmed so the answer has room in the context."""
         max_new = min(gen.params.max_new_tokens, self.settings.max_new_tokens)
         budget = self.settings.context_tokens - min(max_new, self.settings.context_tokens // 2)
-        ids = prompt.fit(self.loaded.tokenizer, gen.messages, budget)[0]
-        self._want_preamble(gen.messages)
+        if gen.params.raw_prompt:
+            ids = self.loaded.tokenizer.encode(gen.messages[-1]["content"])
+            if len(ids) > budget:
+                raise PromptTooLong(f"the prompt does not fit in the model's context of {budget} tokens")
+            return ids
+        ids = prompt.fit(self.loaded.tokenizer, gen.messages, budget, gen.params.tools)[0]
+        if not gen.params.tools:
+            self._want_preamble(gen.messages)
         return ids
 
     def _want_preamble(self, messages: list) -> None:
@@ -268,9 +280,18 @@ class LocalEngine(Engine):
         job.step(self.forward, len(ids))
         self.prefix.share(ids, *job.kv.row(0, copy=True))
 
-    def new_slot(self, gen: Generation, ids: list) -> Slot:
+    def prepare(self, gen: Generation) -> tuple[list[int], object]:
+        """(prompt ids, the grammar's matcher or None): on the submitting request's thread."""
+        ids = self.fit(gen)
+        params = gen.params
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self.grammars.tokenizer  # noqa: B018 (built on first use, here rather than on the engine thread)
+        return ids, self.grammars.matcher(params.grammar) if params.grammar else None
+
+    def new_slot(self, gen: Generation, ids: list, matcher=None) -> Slot:
         """A request starts: its slot, and ``Started`` to its consumer."""
         slot = Slot(gen, ids, self.loaded.tokenizer, self.settings)
+        slot.matcher = matcher
         self._emit_start(slot)
         return slot
 
@@ -296,6 +317,9 @@ class LocalEngine(Engine):
                 self.kv.add_row(*job.kv.row(r, copy=False))
         slots = [job.slots[r] for r in kept]
         self.rows += slots
+        if job.scores is not None:
+            for r in kept:  # every prompt token's log probability, before the answer
+                job.slots[r].gen.emit(Delta("", prompt_logprobs=grammar.prompt_entries(self.grammars, job.scores[r])))
         rows = logits[kept] if len(kept) < job.rows else logits
         self._accept_all(slots, rows)
 
@@ -321,7 +345,19 @@ class LocalEngine(Engine):
 
         A pass that fails is redone row by row, each row's generator first put back where it was (a
         seeded answer stays the same), and a row that fails alone ends alone with ``error``.
+        Log probabilities come from the raw logits; a grammar's mask (-inf) goes on before either
+        sampler sees them. Rows asked for no tokens (a scored prompt) end here, unsampled.
         """
+        if any(s.max_new == 0 for s in slots):
+            keep = [j for j, s in enumerate(slots) if s.max_new > 0]
+            for s in slots:
+                if s.max_new == 0:
+                    self._finish(s, "length")
+            slots, logits = [slots[j] for j in keep], logits[keep]
+            if not slots:
+                return
+        scores = grammar.log_probs(logits, slots)
+        failed = grammar.apply_masks(logits, slots)
         params, generators = [s.params for s in slots], [s.generator for s in slots]
         states = [g.get_state() if p.temperature else None for p, g in zip(params, generators)]
         try:
@@ -329,11 +365,17 @@ class LocalEngine(Engine):
         except Exception:
             log.exception("sampling %d rows failed: sampling them one by one", len(slots))
             tokens = [self._sample_alone(slot, logits[r:r + 1], states[r]) for r, slot in enumerate(slots)]
-        for slot, token in zip(slots, tokens):
+        for j, (slot, token) in enumerate(zip(slots, tokens)):
             if isinstance(token, str):
                 self._finish(slot, "error", token)
-            else:
-                self._accept(slot, token)
+                continue
+            if scores is not None and j in scores and token not in self.loaded.eos_ids:
+                slot.pending.append(grammar.entry(self.grammars, scores[j], token, slot.params.logprobs))
+            self._accept(slot, token)
+        for slot in failed:
+            if slot in self.rows:
+                log.warning("grammar failed: %s", slot.matcher.get_error())
+                self._finish(slot, "stop")
 
     def _sample_alone(self, slot: Slot, logits, state) -> int | str:
         """One row's next token, or what went wrong with its sampling."""
@@ -366,7 +408,7 @@ class LocalEngine(Engine):
     def _finish(self, slot: Slot, reason: str, message: str | None = None) -> None:
         """End a row: flush its text, keep its KV for the next turn, emit ``done``."""
         if reason != "error":
-            self._delta(slot, slot.flush())
+            self._delta(slot, slot.flush(), last=True)
         if slot in self.rows:
             r = self.rows.index(slot)
             if slot.gen.key and reason != "error":
@@ -412,12 +454,16 @@ class LocalEngine(Engine):
     def emit_error(self, gen: Generation, exc: EngineError) -> None:
         gen.emit(Refused(exc.code, exc.message))
 
-    def _delta(self, slot: Slot, text: str) -> None:
-        if not text:
+    def _delta(self, slot: Slot, text: str, last: bool = False) -> None:
+        """Emit a piece of text (with the log probabilities of the tokens it covers); ``last``: the
+        answer's end, where entries of tokens that made no text go out too."""
+        if not text and not (last and slot.pending):
             return
-        if slot.first_delta_at is None:
+        if slot.first_delta_at is None and text:
             slot.first_delta_at = time.monotonic()
-        slot.gen.emit(Delta(text))
+        entries = tuple(slot.pending)
+        slot.pending.clear()
+        slot.gen.emit(Delta(text, entries) if entries else Delta(text))
 
     def done(self, gen: Generation, reason: str, slot: Slot | None = None, message: str | None = None) -> None:
         prompt_tokens, completion_tokens = (len(slot.prompt_ids), len(slot.out_ids)) if slot else (0, 0)

@@ -41,6 +41,8 @@ class PrefillJob:
         self.real = (torch.arange(self.tokens.shape[1], device=device)[None, :]
                      >= torch.tensor(self.pads, device=device)[:, None]).long()
         self.done = 0
+        self.score: int | None = None  # set: score every prompt token (this many alternatives each)
+        self.scores: list | None = None  # per row: (token id, logprob or None, [(id, logprob)...])
         self.columns = 0  # this job's next chunk size from its last chunk's cost (0: not measured yet)
 
     @property
@@ -71,7 +73,12 @@ class PrefillJob:
         q = end - begin
         kv.reserve(q)
         kv.mask[:kv.n, kv.length:kv.length + q] = self.real[:, begin:end]
-        logits = forward(self.tokens[:, begin:end], kv, self.positions[:, begin:end])
+        if self.score is None:
+            logits = forward(self.tokens[:, begin:end], kv, self.positions[:, begin:end])
+        else:
+            logits = forward(self.tokens[:, begin:end], kv, self.positions[:, begin:end], every=True)
+            self._score(logits, begin, end)
+            logits = logits[:, -1]
         for r, pad in enumerate(self.pads):
             if pad > begin:  # padding attends to nothing; keep its never-read KV finite
                 for t in kv.keys + kv.values:
@@ -79,3 +86,22 @@ class PrefillJob:
         kv.length += q
         self.done = end
         return logits if self.done == self.tokens.shape[1] else None
+
+    def _score(self, logits: torch.Tensor, begin: int, end: int) -> None:
+        """Each prompt token's log probability given the ones before it (columns begin..end predict
+        the tokens after them), from the unmodified distribution."""
+        width = self.tokens.shape[1]
+        if self.scores is None:
+            self.scores = [[(int(self.tokens[r, pad]), None, [])] for r, pad in enumerate(self.pads)]
+        targets = self.tokens[:, begin + 1:min(end + 1, width)]
+        q = targets.shape[1]
+        if q == 0:
+            return
+        lp = torch.log_softmax(logits[:, :q].float(), dim=-1)
+        chosen = lp.gather(2, targets[:, :, None]).squeeze(2).tolist()
+        top = lp.topk(self.score, dim=-1) if self.score else None
+        ids = targets.tolist()
+        for r, pad in enumerate(self.pads):
+            for c in range(max(0, pad - begin), q):
+                alts = list(zip(top.indices[r, c].tolist(), top.values[r, c].tolist())) if top is not None else []
+                self.scores[r].append((ids[r][c], chosen[r][c], alts))

@@ -20,12 +20,13 @@ def _marker(i: int) -> str:
     return f"\ue000M{i}\ue001"
 
 
-def _template(tokenizer, messages: list) -> str:
-    """The chat template rendered for ``messages`` (left open for ``continue``, else ready for the answer)."""
+def _template(tokenizer, messages: list, extra: dict) -> str:
+    """The chat template rendered for ``messages`` (left open for ``continue``, else ready for the answer);
+    ``extra``: the template's own arguments (``tools``)."""
     if messages and messages[-1]["role"] == "assistant" and messages[-1].get("prefix"):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
-                                             continue_final_message=True)
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                                             continue_final_message=True, **extra)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
 
 def text_ids(tokenizer, text: str) -> list[int]:
@@ -33,15 +34,37 @@ def text_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
-def render(tokenizer, messages: list) -> list[int]:
+def renders_tools(tokenizer) -> bool:
+    """Whether the model's chat template lists tools itself (Qwen2.5's does)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def with_tools(tokenizer, messages: list, tools: tuple) -> tuple[list, dict]:
+    """(messages, template arguments) listing ``tools``: the template's own way where it has one,
+    else the generic tool prompt added to the system message."""
+    if not tools:
+        return messages, {}
+    if renders_tools(tokenizer):
+        return messages, {"tools": list(tools)}
+    from ..structured import tools_prompt
+    head = tools_prompt(list(tools))
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{head}"}, *messages[1:]], {}
+    return [{"role": "system", "content": head}, *messages], {}
+
+
+def render(tokenizer, messages: list, tools: tuple = ()) -> list[int]:
     """Token ids of ``messages`` in the model's chat template, ready for the answer; when the
     last message is an assistant message marked ``"prefix": True`` (``continue``), its turn is
     left open so the model extends that text instead of starting a new answer."""
-    marked = [{**m, "content": _PAD + _marker(i) + _PAD} for i, m in enumerate(messages)]
+    messages, extra = with_tools(tokenizer, messages, tools)
+    marked = [{**m, "content": _PAD + _marker(i) + _PAD} if isinstance(m.get("content"), str) else m
+              for i, m in enumerate(messages)]
     open_turn = bool(messages) and messages[-1]["role"] == "assistant" and bool(messages[-1].get("prefix"))
     if open_turn:  # the open turn ends right after its text (transformers cuts the rest)
         marked[-1]["content"] = _PAD + _marker(len(messages) - 1)
-    pieces = _MARK.split(_template(tokenizer, marked))
+    pieces = _MARK.split(_template(tokenizer, marked, extra))
     templates, which = pieces[0::3], [int(i) for i in pieces[2::3]]
     texts = []
     for k, i in enumerate(which):
@@ -59,15 +82,15 @@ def render(tokenizer, messages: list) -> list[int]:
     return ids
 
 
-def _overheads(tokenizer, system: list) -> tuple[int, int]:
+def _overheads(tokenizer, system: list, tools: tuple = ()) -> tuple[int, int]:
     """(tokens of the system part plus the answer prompt, template tokens around one message)."""
     empty = [{"role": "user", "content": ""}]
-    fixed = len(render(tokenizer, system + empty))
-    three = len(render(tokenizer, system + empty + [{"role": "assistant", "content": ""}] + empty))
+    fixed = len(render(tokenizer, system + empty, tools))
+    three = len(render(tokenizer, system + empty + [{"role": "assistant", "content": ""}] + empty, tools))
     return fixed, -(-(three - fixed) // 2)
 
 
-def fit(tokenizer, messages: list, budget: int) -> tuple[list[int], int]:
+def fit(tokenizer, messages: list, budget: int, tools: tuple = ()) -> tuple[list[int], int]:
     """(prompt ids, turns dropped): the system prompt and the newest turn are kept, whole turns go oldest first.
 
     Linear in the history: each message is tokenized at most once, newest first,
@@ -78,7 +101,7 @@ def fit(tokenizer, messages: list, budget: int) -> tuple[list[int], int]:
     turns = messages[len(system):]
     # Start each candidate at a user message so the template always sees user/assistant pairs.
     starts = [i for i, m in enumerate(turns) if m["role"] == "user"] or [0]
-    fixed, per_message = _overheads(tokenizer, system)
+    fixed, per_message = _overheads(tokenizer, system, tools)
     used, counted = fixed, len(turns)
     for i in range(len(turns) - 1, -1, -1):
         used += per_message + len(text_ids(tokenizer, turns[i]["content"]))
@@ -88,7 +111,7 @@ def fit(tokenizer, messages: list, budget: int) -> tuple[list[int], int]:
     # The oldest turn start whose messages were all counted; the newest turn is always tried.
     candidates = [s for s in starts if s >= counted] or starts[-1:]
     for start in candidates:  # counting is an estimate; the rendered length decides
-        ids = render(tokenizer, system + turns[start:])
+        ids = render(tokenizer, system + turns[start:], tools)
         if len(ids) <= budget:
             return ids, start
     raise PromptTooLong(f"the message does not fit in the model's context of {budget} tokens")

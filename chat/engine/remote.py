@@ -10,7 +10,7 @@ import time
 from urllib.parse import urlsplit
 
 from ..concurrency import real_lock, receiver, spawn
-from ..errors import BackendError, ConfigError, Overloaded
+from ..errors import BackendError, ConfigError, EngineError, Overloaded
 from .base import Engine, GenParams, Generation
 from .events import Delta, Done, Refused, Started
 from .sse import Body
@@ -166,6 +166,9 @@ class RemoteEngine(Engine):
         """Start one upstream call; events arrive on the returned Generation."""
         if self._closed:
             raise Overloaded("the server is shutting down")
+        if params.grammar or params.logprobs is not None or params.prompt_logprobs is not None or params.tools:
+            raise EngineError("structured answers, tools and log probabilities need the local engine",
+                              "bad_message", 400)
         with self._lock:
             if len(self._active) >= self.settings.max_batch + self.settings.max_queue:
                 raise Overloaded("too many requests in flight to the backend; retry shortly")

@@ -44,6 +44,7 @@ class Request:
 
     gen: Generation
     prompt_ids: list | None = None  # fitted at submit once the model is ready, else at admission
+    matcher: object = None  # the grammar's matcher (engine/grammar.py), compiled with the prompt ids
     position: int | None = None  # the queue position last told to the consumer
 
 
@@ -158,21 +159,24 @@ class Scheduler:
                 engine.emit_error(gen, EngineError(wrong, "bad_message", 400))
                 continue
             try:
-                ids = request.prompt_ids or engine.fit(gen)
+                if request.prompt_ids is None:
+                    request.prompt_ids, request.matcher = engine.prepare(gen)
             except EngineError as exc:
                 engine.emit_error(gen, exc)
                 continue
             room -= 1
-            started.append(engine.new_slot(gen, ids))
+            started.append(engine.new_slot(gen, request.prompt_ids, request.matcher))
         # Several newcomers without a conversation's KV arriving together share their chunks (one forward
         # for all: cheaper than a forward each, even from a shared preamble); a lone one starts from its
         # system prompt's shared preamble. A seeded, sampled prompt never takes a preamble: whether one is
-        # held when it arrives must not change its answer (its KV, prefilled alone, rounds apart).
-        burst = sum(not _seeded(s) and s.gen.key not in engine.prefix.entries for s in started) > 1
+        # held when it arrives must not change its answer (its KV, prefilled alone, rounds apart); a scored
+        # prompt (every position's log probability) reuses nothing.
+        burst = sum(not _alone(s) and s.gen.key not in engine.prefix.entries for s in started) > 1
         for slot in started:
             gen, seeded = slot.gen, _seeded(slot)
-            reused = engine.prefix.take(gen.key, slot.prompt_ids, shared=not seeded and not burst)
-            if reused is None and not seeded:
+            scored = gen.params.prompt_logprobs is not None
+            reused = None if scored else engine.prefix.take(gen.key, slot.prompt_ids, shared=not seeded and not burst)
+            if reused is None and not _alone(slot):
                 fresh.append(slot)
                 continue
             # A seeded, sampled prompt is prefilled on its own, as it would be alone: a prompt padded
@@ -194,6 +198,8 @@ class Scheduler:
             slots = last.slots + slots
         job = PrefillJob([s.prompt_ids for s in slots], self.engine.dims, reused)
         job.slots = slots
+        job.score = max((s.params.prompt_logprobs for s in slots if s.params.prompt_logprobs is not None),
+                        default=None)
         job.shared = shared and reused is None
         self.jobs.append(job)
         self.count()
@@ -275,3 +281,8 @@ class Scheduler:
 def _seeded(slot: Slot) -> bool:
     """A seeded, sampled answer: prefilled as it would be alone, whoever else arrives."""
     return slot.params.seed is not None and slot.params.temperature > 0
+
+
+def _alone(slot: Slot) -> bool:
+    """Prefilled in a job of its own: a seeded, sampled answer, or a scored prompt (every position's logits)."""
+    return _seeded(slot) or slot.params.prompt_logprobs is not None

@@ -31,9 +31,13 @@ class Slot:
         self.first_delta_at = None
         self.reused = 0
         self.hit_stop = False
+        self.matcher = None  # the grammar's llguidance matcher, when the answer has one
+        self.pending: list = []  # log probability entries of tokens whose text is not out yet
 
     def take(self, token: int, eos_ids) -> tuple[str, str | None]:
         """(text this token completes, reason the answer ends or None)."""
+        if self.matcher is not None:
+            self.matcher.consume_token(token)
         if token in eos_ids:
             return "", "stop"
         self.out_ids.append(token)
@@ -42,6 +46,8 @@ class Slot:
         if hit:
             self.hit_stop = True
             return text, "stop"
+        if self.matcher is not None and self.matcher.is_stopped():
+            return text, "stop"  # the grammar is complete and allows nothing more
         if len(self.out_ids) >= self.max_new or self.pos + 1 >= self.context:
             return text, "length"
         return text, None

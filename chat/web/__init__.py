@@ -9,11 +9,12 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
 
     ``engine_only``: only ``/v1`` and health, for web workers that use this process as their backend.
     """
-    from . import (conversations_api, error_responses, health, hosts, openai_api, pages, presets_api, request_body,
-                   sharing, ws)
+    from . import (conversations_api, error_responses, health, hosts, openai_api, openai_completions, pages,
+                   presets_api, request_body, sharing, ws)
     hosts.init_app(app, app.extensions["chat"].settings)
     app.register_blueprint(health.bp)
     app.register_blueprint(openai_api.bp)
+    app.register_blueprint(openai_completions.bp)
     if engine_only:  # the page's app-wide hooks (hardening headers, proxy warning), without the page
         app.before_request(pages.warn_about_untrusted_proxy)
         app.after_request(pages.security_headers)

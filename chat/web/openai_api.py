@@ -17,7 +17,7 @@ from ..config import Settings
 from ..engine import Generation
 from ..engine.events import Delta, Done, Refused
 from ..errors import PROTOCOL_STATUS, ChatError, EngineError, RequestError
-from . import guard, json_input
+from . import guard, json_input, openai_tools
 
 if TYPE_CHECKING:
     from ..turns import TurnService
@@ -177,11 +177,11 @@ FIELDS = {
     "n": _n,
     "stream": _boolean,
     "stream_options": _stream_options,
-    "tools": _unsupported("this server has no tool calling"),
-    "functions": _unsupported("this server has no function calling"),
-    "logprobs": _unsupported("this server returns no log probabilities"),
-    "response_format": _unsupported("only plain text answers"),
+    "functions": _unsupported("use 'tools'"),
 }
+# checked together, by openai_tools.plan: tools, tool_choice, parallel_tool_calls, response_format,
+# logprobs, top_logprobs
+FIELDS["messages"] = lambda value, name, settings: _messages(openai_tools.messages(value), name, settings)
 REQUIRED = ("messages",)
 
 
@@ -247,17 +247,21 @@ def get_model(model_id: str) -> Response:
 def chat_completions() -> Response:
     """Answer a conversation, streamed as SSE chunks or as one JSON object."""
     state = app_state()
-    values = parse_request(_read_json(), state.settings, state.engine.vocab_size)
+    body = _read_json()
+    values = parse_request(body, state.settings, state.engine.vocab_size)
+    extra = openai_tools.plan(body)
+    tool_mode = extra.pop("tool_mode", None)
     engine = _engine_ready()
     # A model this server does not serve gets the default, as before there were several.
     model = values.get("model") if values.get("model") in engine.models() else engine.model_name
-    gen = state.turns.answer(guard.address(state.settings), values["messages"], gen_params(values), model)
+    gen = state.turns.answer(guard.address(state.settings), values["messages"], {**gen_params(values), **extra},
+                             model)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     if values.get("stream"):
         include_usage = values.get("stream_options", {}).get("include_usage", False)
-        return Response(_stream(gen, meta, include_usage, state.turns), mimetype="text/event-stream",
+        return Response(_stream(gen, meta, include_usage, state.turns, tool_mode), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return _complete(gen, meta, state.turns)
+    return _complete(gen, meta, state.turns, tool_mode, "logprobs" in extra)
 
 
 def _usage(done: Done) -> dict:
@@ -280,15 +284,18 @@ def _failure(end: Done | Refused, request_id: str) -> ChatError:
     return ChatError(f"the engine failed while generating (request id {request_id})")
 
 
-def _complete(gen: Generation, meta: dict, turns: TurnService) -> Response:
+def _complete(gen: Generation, meta: dict, turns: TurnService, tool_mode: str | None = None,
+              logprobs: bool = False) -> Response:
     """Wait for the whole answer; one ``chat.completion`` object."""
     texts: list[str] = []
+    entries: list[dict] = []
     end: Done | Refused | None = None
     try:
         for event in gen.events():
             match event:
                 case Delta(text=text):
                     texts.append(text)
+                    entries += event.logprobs
                 case Done() | Refused():
                     end = event
     finally:
@@ -298,9 +305,11 @@ def _complete(gen: Generation, meta: dict, turns: TurnService) -> Response:
     turns.record(end, "v1", meta["id"])
     if not isinstance(end, Done) or end.reason not in _FINISH:
         raise _failure(end, meta["id"])
+    message, called = openai_tools.message("".join(texts), tool_mode)
     return jsonify({**meta, "object": "chat.completion",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(texts)},
-                                 "logprobs": None, "finish_reason": _FINISH[end.reason]}],
+                    "choices": [{"index": 0, "message": message,
+                                 "logprobs": {"content": entries} if logprobs else None,
+                                 "finish_reason": called or _FINISH[end.reason]}],
                     "usage": _usage(end)})
 
 
@@ -308,11 +317,12 @@ def _sse(data: object) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _stream(gen: Generation, meta: dict, include_usage: bool, turns: TurnService) -> Iterator[str]:
+def _stream(gen: Generation, meta: dict, include_usage: bool, turns: TurnService,
+            tool_mode: str | None = None) -> Iterator[str]:
     """SSE chunks as the engine makes them; leaving early (client gone) cancels the generation."""
-    def chunk(delta: dict, finish: str | None = None) -> str:
+    def chunk(delta: dict, finish: str | None = None, logprobs: object = None) -> str:
         out = {**meta, "object": "chat.completion.chunk",
-               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+               "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if include_usage:
             out["usage"] = None
         return _sse(out)
@@ -321,12 +331,18 @@ def _stream(gen: Generation, meta: dict, include_usage: bool, turns: TurnService
     # (byte for byte what ``chunk`` writes) instead of building and dumping a dict each time.
     head, _, tail = chunk({"content": _MARK}).rpartition(json.dumps(_MARK))
     end: Done | Refused | None = None
+    calls = openai_tools.CallStream() if tool_mode else None
     try:
         yield chunk({"role": "assistant", "content": ""})
         for event in gen.events(KEEPALIVE_S):
             match event:
                 case None:
                     yield ": keep-alive\n\n"
+                case Delta(text=text) if calls is not None:
+                    for delta in calls.push(text):
+                        yield chunk(delta)
+                case Delta(text=text, logprobs=entries) if entries:
+                    yield chunk({"content": text}, None, {"content": list(entries)})
                 case Delta(text=text) if text:
                     yield head + encode_basestring(text) + tail
                 case Done() | Refused():
@@ -334,7 +350,9 @@ def _stream(gen: Generation, meta: dict, include_usage: bool, turns: TurnService
         assert end is not None  # events() ends with Done or Refused
         turns.record(end, "v1", meta["id"])
         if isinstance(end, Done) and end.reason in _FINISH:
-            yield chunk({}, _FINISH[end.reason])
+            for delta in calls.flush() if calls is not None else ():
+                yield chunk(delta)
+            yield chunk({}, "tool_calls" if calls is not None and calls.calls else _FINISH[end.reason])
             if include_usage:
                 yield _sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage(end)})
         else:

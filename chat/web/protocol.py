@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from .. import attachments as files
 from .. import params as sampling
-from ..errors import PROTOCOL_STATUS, ChatError, ProtocolError
+from ..errors import PROTOCOL_STATUS, ChatError, ProtocolError, RequestError
 from . import json_input
 
 PROTOCOL = "chat.v1"
@@ -29,6 +29,7 @@ class Request:
     model: str | None = None
     from_index: int = 0
     t: object = None
+    structured: dict = field(default_factory=dict)  # grammar and tools from params (response_format, tools)
 
 
 def _is_int(v: Any) -> bool:
@@ -131,6 +132,7 @@ def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int, vocab: 
     problem = sampling.problem(params, max_new_tokens, vocab=vocab)  # unknown extra fields are ignored
     if problem:
         raise ProtocolError("bad_message", problem, rid)
+    structured = _structured(params, rid, kind) if "params" in spec else {}
     params = sampling.clean(params)
     attached = files.clean(msg.get("attachments")) if "attachments" in spec else []
     if isinstance(msg.get("system"), str) and len(msg["system"]) > max_content_chars:
@@ -142,7 +144,26 @@ def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int, vocab: 
                    conversation_id=msg.get("conversation_id"), system=msg.get("system"),
                    params=params, message_id=msg.get("message_id"), attachments=attached,
                    model=msg.get("model") if "model" in spec else None,
-                   from_index=msg.get("from", 0), t=msg.get("t"))
+                   from_index=msg.get("from", 0), t=msg.get("t"), structured=structured)
+
+
+STRUCTURED = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
+
+
+def _structured(params: dict, rid: str | None, kind: str) -> dict:
+    """The engine parameters of ``params``' structured fields (as on /v1: openai_tools.plan)."""
+    wanted = {k: params[k] for k in STRUCTURED if params.get(k) is not None}
+    if not wanted:
+        return {}
+    if kind == "continue":  # a grammar would start over in the middle of the answer
+        raise ProtocolError("bad_message", f"params: {', '.join(wanted)} cannot be used to continue an answer", rid)
+    from .openai_tools import plan
+    try:
+        out = plan(wanted)
+    except RequestError as exc:
+        raise ProtocolError("bad_message", f"params: {exc.message}", rid) from None
+    out.pop("tool_mode", None)
+    return out
 
 
 def error_frame(exc: ChatError, id: str | None = None) -> dict:

@@ -51,9 +51,33 @@ function codeBlock(text, lang, live) {
     + `<pre><code class="hljs${cls}">${html}</code></pre></div>`;
 }
 
+// A tool call the model made (<tool_call>{"name", "arguments"}</tool_call>): a collapsible block
+// showing the function's name, its arguments inside; still open at the end while it streams.
+const TOOL_CALL = {
+  name: 'toolCall',
+  level: 'block',
+  start(src) { const i = src.indexOf('<tool_call>'); return i < 0 ? undefined : i; },
+  tokenizer(src) {
+    const m = /^<tool_call>[ \t]*\n?([\s\S]*?)(?:\n?<\/tool_call>[ \t]*(?:\n+|$)|$)/.exec(src);
+    if (m) return { type: 'toolCall', raw: m[0], body: m[1] };
+    return undefined;
+  },
+  renderer({ body }) {
+    let name = '…';
+    let args = body;
+    try {
+      const call = JSON.parse(body);
+      name = String(call.name);
+      args = JSON.stringify(call.arguments ?? {}, null, 2);
+    } catch { /* still streaming, or not JSON: shown as written */ }
+    return `<details class="tool-call"><summary>Tool call: <code>${escapeHtml(name)}</code></summary>`
+      + `<pre><code>${escapeHtml(args)}</code></pre></details>`;
+  },
+};
+
 function makeMarked(live) {
   return new Marked({
-    extensions: mathExtensions,
+    extensions: [...mathExtensions, TOOL_CALL],
     gfm: true,
     breaks: false,
     async: false,
