@@ -87,14 +87,14 @@ def test_a_new_conversation_reuses_its_system_prompts_shared_preamble(tiny_model
     try:
         tokenizer = eng.loaded.tokenizer
         default = prompt.preamble(tokenizer, [{"role": "system", "content": "You are the default."}])
-        until(lambda: eng.prefix.has_preamble(default))  # warmed while idle after start-up
+        assert until(lambda: eng.prefix.has_preamble(default), timeout=60)  # warmed while idle after start-up
         params = GenParams(temperature=0, max_new_tokens=16)
         system = "You are a pirate who answers in one line."
         chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in QUESTIONS[:3]]
         cold, cold_events = collect(eng.submit(chats[0], params, key="c0"))
         assert cold_events[-1].reused_tokens == 0  # this system prompt was not seen before
         mine = prompt.preamble(tokenizer, chats[0])
-        until(lambda: eng.prefix.has_preamble(mine))  # prefilled alone while idle, then shared
+        assert until(lambda: eng.prefix.has_preamble(mine), timeout=60)  # prefilled alone while idle, then shared
         warm, warm_events = collect(eng.submit(chats[0], params, key="c1"))
         assert warm_events[-1].reused_tokens == len(mine) and warm == cold
         other, other_events = collect(eng.submit(chats[1], params))  # another question, no conversation
