@@ -122,3 +122,20 @@ def test_a_close_never_waits_past_the_linger_bound(srv, monkeypatch):
         pass  # cut
     assert time.monotonic() - started < 20
     raw.close()
+
+
+def test_live_gunicorn_delivers_the_1009_of_a_2_mib_frame(server_factory):
+    """The finding as it was made: gunicorn's gevent worker, default limits, a fresh connection."""
+    live = server_factory("ws-limits")
+    for _ in range(2):  # and again on a new connection
+        conn = websocket.create_connection(live.ws_url, timeout=30)
+        try:
+            conn.recv()
+            try:
+                conn.send("x" * (2 * 1024 * 1024))
+            except OSError:
+                pass
+            assert close_code(conn) == 1009
+        finally:
+            conn.close()
+    assert WS(live.ws_url).ping()["type"] == "pong"
