@@ -2,7 +2,6 @@
 a message in endless fragments is bounded in count and in time (issue 33, items 4 and 6)."""
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
