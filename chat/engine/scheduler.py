@@ -236,6 +236,11 @@ class Scheduler:
             # Nobody decoding means nobody to stall: the whole prompt at once (memory allowing).
             columns = job.chunk(budget) if decoding else min(job.remaining,
                                                              max(1, PREFILL_FORWARD_TOKENS // job.rows))
+            if decoding and self.token_s:
+                # The job's rows share the tokens the time target allows (at least MIN_CHUNK a share):
+                # an owner's seven prompts in one job advance together no faster than one would.
+                allowed = max(MIN_CHUNK * share, int((target - engine.step_s) / self.token_s))
+                columns = min(columns, max(1, allowed // job.rows))
             started = time.monotonic()
             logits = job.step(engine.forward, columns)
             spent = time.monotonic() - started
