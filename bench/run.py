@@ -93,7 +93,8 @@ def resolve(args, parser) -> None:
     """The phases to run (``args.phases``) and every size, from the full or the --quick defaults."""
     only = ["webtier"] if args.only_webtier else args.only
     if only:
-        picked = [p for name in only for p in PRESETS.get(name, (name,))]
+        # a preset stands alone (--only peer); beside other phases a name is just its phase
+        picked = list(PRESETS.get(only[0], only)) if len(only) == 1 else list(only)
         unknown = [p for p in picked if p not in PHASES]
         if unknown:
             parser.error(f"unknown phase(s) {', '.join(unknown)}: choose from {', '.join(PHASES)}")

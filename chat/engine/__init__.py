@@ -5,14 +5,19 @@ loads: the model, its weights, kernels and KV); importing the package itself sta
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .base import Engine, GenParams, Generation
 from .events import Delta, Done, Queued, Refused, Started
+
+if TYPE_CHECKING:
+    from ..config import Settings
 
 __all__ = ["Engine", "GenParams", "Generation", "Queued", "Started", "Delta", "Done", "Refused",
            "make_engine"]
 
 
-def make_engine(settings) -> Engine:
+def make_engine(settings: Settings) -> Engine:
     """The engine named by the settings: the local model, or a remote OpenAI-compatible one."""
     if settings.backend == "openai":
         from .remote import RemoteEngine

@@ -9,6 +9,7 @@ ids are the same turn after turn (prefix-cache reuse).
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from ..errors import PromptTooLong
 
@@ -20,7 +21,7 @@ def _marker(i: int) -> str:
     return f"\ue000M{i}\ue001"
 
 
-def _template(tokenizer, messages: list, extra: dict) -> str:
+def _template(tokenizer: Any, messages: list, extra: dict) -> str:
     """The chat template rendered for ``messages`` (left open for ``continue``, else ready for the answer);
     ``extra``: the template's own arguments (``tools``)."""
     if messages and messages[-1]["role"] == "assistant" and messages[-1].get("prefix"):
@@ -29,18 +30,18 @@ def _template(tokenizer, messages: list, extra: dict) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
 
-def text_ids(tokenizer, text: str) -> list[int]:
+def text_ids(tokenizer: Any, text: str) -> list[int]:
     """Ids of user-controlled text: special tokens' spellings stay text."""
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
-def renders_tools(tokenizer) -> bool:
+def renders_tools(tokenizer: Any) -> bool:
     """Whether the model's chat template lists tools itself (Qwen2.5's does)."""
     template = getattr(tokenizer, "chat_template", None)
     return isinstance(template, str) and "tools" in template
 
 
-def with_tools(tokenizer, messages: list, tools: tuple) -> tuple[list, dict]:
+def with_tools(tokenizer: Any, messages: list, tools: tuple) -> tuple[list, dict]:
     """(messages, template arguments) listing ``tools``: the template's own way where it has one,
     else the generic tool prompt added to the system message."""
     if not tools:
@@ -54,7 +55,7 @@ def with_tools(tokenizer, messages: list, tools: tuple) -> tuple[list, dict]:
     return [{"role": "system", "content": head}, *messages], {}
 
 
-def render(tokenizer, messages: list, tools: tuple = ()) -> list[int]:
+def render(tokenizer: Any, messages: list, tools: tuple = ()) -> list[int]:
     """Token ids of ``messages`` in the model's chat template, ready for the answer; when the
     last message is an assistant message marked ``"prefix": True`` (``continue``), its turn is
     left open so the model extends that text instead of starting a new answer."""
@@ -82,7 +83,7 @@ def render(tokenizer, messages: list, tools: tuple = ()) -> list[int]:
     return ids
 
 
-def _overheads(tokenizer, system: list, tools: tuple = ()) -> tuple[int, int]:
+def _overheads(tokenizer: Any, system: list, tools: tuple = ()) -> tuple[int, int]:
     """(tokens of the system part plus the answer prompt, template tokens around one message)."""
     empty = [{"role": "user", "content": ""}]
     fixed = len(render(tokenizer, system + empty, tools))
@@ -90,7 +91,7 @@ def _overheads(tokenizer, system: list, tools: tuple = ()) -> tuple[int, int]:
     return fixed, -(-(three - fixed) // 2)
 
 
-def fit(tokenizer, messages: list, budget: int, tools: tuple = ()) -> tuple[list[int], int]:
+def fit(tokenizer: Any, messages: list, budget: int, tools: tuple = ()) -> tuple[list[int], int]:
     """(prompt ids, turns dropped): the system prompt and the newest turn are kept, whole turns go oldest first.
 
     Linear in the history: each message is tokenized at most once, newest first,
@@ -120,7 +121,7 @@ def fit(tokenizer, messages: list, budget: int, tools: tuple = ()) -> tuple[list
 _PREAMBLES: dict = {}  # (tokenizer id, system prompt) -> its preamble ids; a few system prompts in a process
 
 
-def preamble(tokenizer, messages: list) -> list[int]:
+def preamble(tokenizer: Any, messages: list) -> list[int]:
     """The ids every prompt of ``messages``' system prompt starts with, whatever the conversation: the system
     turn and the template up to the first user message's text (the common start of two probes' ids)."""
     system = [m for m in messages[:1] if m["role"] == "system"]

@@ -11,9 +11,12 @@ generator, so a seeded answer does not depend on who else is in the batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+
+from .base import GenParams
 
 NARROW = 64  # topk of 64 of 49,152 logits x 8 rows: ~1.3 ms here; of 256: ~6 ms
 # Below this a row is greedy: logits ÷ 1e-300 overflow to inf and NaN (noise, not the likeliest text);
@@ -21,7 +24,7 @@ NARROW = 64  # topk of 64 of 49,152 logits x 8 rows: ~1.3 ms here; of 256: ~6 ms
 MIN_TEMPERATURE = 1e-5
 
 
-def problem(p) -> str | None:
+def problem(p: GenParams) -> str | None:
     """Why a row's parameters cannot be sampled with (None when they can): the engine's own last check,
     for whatever slipped past the transports' rules (chat/params.py)."""
     if not isinstance(p.temperature, (int, float)) or not 0 <= p.temperature < math.inf:
@@ -35,7 +38,7 @@ def problem(p) -> str | None:
     return None
 
 
-def _safe(p, vocab: int):
+def _safe(p: GenParams, vocab: int) -> GenParams:
     """``p`` as the filters take it: a temperature under the floor is greedy, a top_k past the
     vocabulary is off (the same draw), so no huge or tiny number reaches a tensor."""
     cold = p.temperature != 0 and not MIN_TEMPERATURE <= p.temperature < math.inf
@@ -45,7 +48,8 @@ def _safe(p, vocab: int):
     return p
 
 
-def sample(logits, params: list, generators: list, narrow: int = NARROW, native=None) -> list[int]:
+def sample(logits: torch.Tensor, params: list, generators: list, narrow: int = NARROW,
+           native: Callable | None = None) -> list[int]:
     """Next token of every row: ``logits`` (rows, vocab), one GenParams and torch.Generator per row.
     ``native``: the same draw in one C++ call (``native.sample``), given each row's uniform number."""
     params = [_safe(p, logits.shape[-1]) for p in params]
@@ -70,7 +74,7 @@ def sample(logits, params: list, generators: list, narrow: int = NARROW, native=
     return tokens
 
 
-def _untruncated(p) -> bool:
+def _untruncated(p: GenParams) -> bool:
     return p.top_p >= 1.0 and not p.top_k and not p.min_p
 
 
@@ -79,7 +83,7 @@ def _fill(tokens: list, rows: list, chosen: list) -> None:
         tokens[i] = token
 
 
-def _scaled(logits, params, rows):
+def _scaled(logits: torch.Tensor, params: list, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits ÷ temperature, log of each row's normalizer over the whole vocabulary)."""
     index = torch.tensor(rows, device=logits.device)
     temps = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=logits.dtype)
@@ -87,24 +91,24 @@ def _scaled(logits, params, rows):
     return x, torch.logsumexp(x, dim=-1, keepdim=True)
 
 
-def _uniforms(draws: dict, rows, device):
+def _uniforms(draws: dict, rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.cat([draws[i] for i in rows]).to(device)[:, None]
 
 
-def _pick(weights, u):
+def _pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index of each row's choice by inverse CDF (zero weights are never picked)."""
     cdf = torch.cumsum(weights, dim=-1)
     choice = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return choice.clamp_(max=weights.shape[1] - 1)
 
 
-def _sample_full(logits, params, draws, rows) -> list[int]:
+def _sample_full(logits: torch.Tensor, params: list, draws: dict, rows: list[int]) -> list[int]:
     """Temperature only: the whole vocabulary, unsorted."""
     x, lse = _scaled(logits, params, rows)
     return _pick(torch.exp(x - lse), _uniforms(draws, rows, x.device)).squeeze(1).tolist()
 
 
-def _sample_truncated(logits, params, draws, rows, narrow) -> list[int]:
+def _sample_truncated(logits: torch.Tensor, params: list, draws: dict, rows: list[int], narrow: int) -> list[int]:
     """Top-k / top-p / min-p among the most likely candidates; rows they cannot settle get a full sort."""
     x, lse = _scaled(logits, params, rows)
     vocab = x.shape[1]

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from ..concurrency import Counter, Wakeup
 from ..errors import EngineError
@@ -26,6 +30,9 @@ from . import sampling
 from .base import Generation
 from .prefill import MIN_CHUNK, PrefillJob
 from .slot import Slot
+
+if TYPE_CHECKING:
+    from .local import LocalEngine
 
 STALL = 2.0  # a prefill chunk between two decode steps takes at most about this many decode steps
 GATHER_S = 0.05  # the most an idle engine waits for requests being submitted along with the first
@@ -56,7 +63,7 @@ class Scheduler:
     ``forward``, ``new_slot`` and the event emitters.
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine: LocalEngine) -> None:
         self.engine = engine
         self.settings = engine.settings
         self.inbox: collections.deque = collections.deque()  # producers append, the engine pops
@@ -100,7 +107,7 @@ class Scheduler:
         self.waiting.extend(self.drain_inbox())
         if any(r.gen.cancel_reason for r in self.waiting):
             # One pass: a cancel landing between two scans would lose the generation.
-            kept = collections.deque()
+            kept: collections.deque = collections.deque()
             for request in self.waiting:
                 reason = request.gen.cancel_reason
                 if reason:
@@ -264,11 +271,11 @@ class Scheduler:
 
     def _next_job(self):
         """The job of the owner that has had the least prefill (the oldest job among equals)."""
-        def served(job) -> int:
+        def served(job: PrefillJob) -> int:
             return min(self.spent.get(owner(s.gen), 0) for s in job.slots)
         return min(self.jobs, key=served)  # min keeps the first (oldest) of equals
 
-    def take_joining(self):
+    def take_joining(self) -> Iterator[tuple[PrefillJob, torch.Tensor]]:
         """Prefilled jobs, oldest first, each with its last position's logits."""
         while self.joining:
             yield self.joining.popleft()

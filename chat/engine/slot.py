@@ -4,7 +4,11 @@ from __future__ import annotations
 import random
 import time
 
+from typing import Any
+
 import torch
+
+from ..config import Settings
 
 from .base import Generation
 from .decoding import IncrementalDecoder, StopMatcher
@@ -13,13 +17,13 @@ from .decoding import IncrementalDecoder, StopMatcher
 class Slot:
     """One request being prefilled or decoded."""
 
-    def __init__(self, gen: Generation, ids: list[int], tokenizer, settings):
+    def __init__(self, gen: Generation, ids: list[int], tokenizer: Any, settings: Settings) -> None:
         self.gen = gen
         self.params = gen.params
         self.prompt_ids = ids
         self.out_ids: list[int] = []
         self.pos = len(ids)  # position id of the next token fed to the model
-        self.last = None  # last sampled token, fed at the next step
+        self.last: int | None = None  # last sampled token, fed at the next step
         self.decoder = IncrementalDecoder(tokenizer)
         self.stopper = StopMatcher(self.params.stop)
         self.generator = torch.Generator()
@@ -34,7 +38,7 @@ class Slot:
         self.matcher = None  # the grammar's llguidance matcher, when the answer has one
         self.pending: list = []  # log probability entries of tokens whose text is not out yet
 
-    def take(self, token: int, eos_ids) -> tuple[str, str | None]:
+    def take(self, token: int, eos_ids: frozenset) -> tuple[str, str | None]:
         """(text this token completes, reason the answer ends or None)."""
         if self.matcher is not None:
             self.matcher.consume_token(token)

@@ -7,6 +7,9 @@ one pass over whatever one ``recv`` returned, and the payload split into lines.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 READ_BYTES = 65536
 MAX_LINE_BYTES = 1 << 20
 MAX_SIZE_LINE = 1024  # a chunk-size line, extensions included
@@ -15,7 +18,7 @@ MAX_SIZE_LINE = 1024  # a chunk-size line, extensions included
 class Body:
     """Lines of ``response``'s body; ``recv(n)`` reads the connection (see ``concurrency.receiver``)."""
 
-    def __init__(self, response, recv):
+    def __init__(self, response: Any, recv: Callable[[int], bytes]) -> None:
         self._fp = response.fp  # what http.client has buffered past the headers is read from it first
         self._recv = recv
         self._chunked = bool(response.chunked)
