@@ -20,7 +20,7 @@ import collections
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -31,8 +31,6 @@ from .base import Generation
 from .prefill import MIN_CHUNK, PrefillJob
 from .slot import Slot
 
-if TYPE_CHECKING:
-    from .local import LocalEngine
 
 STALL = 2.0  # a prefill chunk between two decode steps takes at most about this many decode steps
 GATHER_S = 0.05  # the most an idle engine waits for requests being submitted along with the first
@@ -63,7 +61,7 @@ class Scheduler:
     ``forward``, ``new_slot`` and the event emitters.
     """
 
-    def __init__(self, engine: LocalEngine) -> None:
+    def __init__(self, engine: Any) -> None:  # the LocalEngine (which imports this module)
         self.engine = engine
         self.settings = engine.settings
         self.inbox: collections.deque = collections.deque()  # producers append, the engine pops

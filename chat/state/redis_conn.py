@@ -23,6 +23,8 @@ from ..concurrency import Channel, spawn
 from ..errors import ProtocolError
 
 log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 512  # Redis connections of one worker at once (each greenlet or thread holds one per call)
 F = TypeVar("F", bound=Callable[..., Any])
 
 HEARTBEAT_S = 2.0
@@ -71,8 +73,12 @@ class RedisConn:
 
     def __init__(self, url: str, prefix: str = "chat:") -> None:
         self.url, self.prefix = url, prefix
-        self.redis = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2,
-                                          health_check_interval=30, decode_responses=True)
+        # redis-py 8 caps a pool at 100 connections and then raises "Too many connections"; a worker's
+        # greenlets and threads can hold more at once: a larger pool that waits for a free connection.
+        pool = redis.BlockingConnectionPool.from_url(url, max_connections=MAX_CONNECTIONS, timeout=5,
+                                                     socket_timeout=5, socket_connect_timeout=2,
+                                                     health_check_interval=30, decode_responses=True)
+        self.redis = redis.Redis(connection_pool=pool)
         self.worker = f"{process_key()}:{uuid.uuid4().hex[:8]}"
         self.handlers: dict = {}  # control op -> fn(message)
         self.renewers: list = []  # fn(pipeline, now), called on every heartbeat
