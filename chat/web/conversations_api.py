@@ -36,17 +36,7 @@ def _found(value: T | None) -> T:
     return value
 
 
-@bp.before_request
-def _same_origin_json() -> None:
-    """Writes come from the page (or a program), never from another site's form."""
-    guard.check_write(app_state().settings)
-
-
-@bp.after_request
-def _private(response: Response) -> Response:
-    """Keep conversations out of shared caches."""
-    response.headers["Cache-Control"] = "no-store"
-    return response
+guard.private_api(bp)
 
 
 @bp.get("/conversations")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from flask import request
+from flask import Blueprint, Response, request
 
 from ..config import Settings
 from ..errors import RequestError
@@ -70,3 +70,18 @@ def remote_ip(settings: Settings) -> str:
 def address(settings: Settings) -> str:
     """The address the caller's limits count against (IPv6 by its /64)."""
     return address_of(remote_ip(settings))
+
+
+def private_api(bp: Blueprint) -> None:
+    """Hooks of a blueprint serving one client's own data: writes only as same-origin JSON (never from
+    another site's form), answers kept out of shared caches."""
+    from ..app_state import app_state  # the app's state: reached per request
+
+    @bp.before_request
+    def _same_origin_json() -> None:
+        check_write(app_state().settings)
+
+    @bp.after_request
+    def _private(response: Response) -> Response:
+        response.headers["Cache-Control"] = "no-store"
+        return response

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Blueprint, Response, jsonify, request
+from flask import Blueprint, jsonify, request
 from flask.typing import ResponseReturnValue
 
 from .. import params as sampling
@@ -23,17 +23,7 @@ def _store():
     return app_state().store
 
 
-@bp.before_request
-def _same_origin_json() -> None:
-    """Writes come from the page (or a program), never from another site's form."""
-    guard.check_write(app_state().settings)
-
-
-@bp.after_request
-def _private(response: Response) -> Response:
-    """A client's presets stay out of shared caches."""
-    response.headers["Cache-Control"] = "no-store"
-    return response
+guard.private_api(bp)
 
 
 def _parsed(body: Any) -> tuple[str, str | None, dict]:
