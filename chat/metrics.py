@@ -93,7 +93,8 @@ class Metrics:
             self.rate.observe(done.timings["tokens_per_s"])
 
     def render(self) -> bytes:
-        if self.engine.weights:
+        if self.engine.weights:  # one label: the weights may move (onto the block products, once built)
+            self.weights.clear()
             self.weights.labels(self.engine.weights).set(1)
         if self.engine.cpu:
             self.cpu.labels(self.engine.cpu).set(1)

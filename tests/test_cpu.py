@@ -89,15 +89,15 @@ os._exit(0)  # not through the interpreter's exit while the engine's thread wind
 @pytest.mark.slow
 @pytest.mark.skipif(cpu.CLASSES.index(cpu.detect().machine) < cpu.CLASSES.index("avx2"), reason="no AVX2 here")
 def test_the_engine_runs_the_avx2_class_on_a_better_cpu(tmp_path):
-    """int4 weights, bf16 activations and the C++ step built with AVX2 flags, torch's kernels at AVX2; a seeded
-    answer the same alone and in a batch."""
+    """The block products with 8-bit activations (maddubs: no VNNI in this class) and the C++ step built with
+    AVX2 flags, torch's kernels at AVX2; a seeded answer the same alone and in a batch."""
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
     out = subprocess.run([sys.executable, "-c", ENGINE_ON_AVX2, str(tiny_gguf(hidden=256, qtype="mix", arch="qwen2")),
                           str(tmp_path)], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     facts = json.loads(out.stdout.strip().splitlines()[-1])
-    assert facts["weights"] == "int4" and facts["cpu"] == "avx2" and facts["decode"] == "native", facts
+    assert facts["weights"] == "blocks" and facts["cpu"] == "avx2" and facts["decode"] == "native", facts
     assert facts["capability"] == "AVX2" and facts["onednn"] == "AVX2"
     assert facts["text"]
     alone, batched = facts["seeded"]

@@ -18,20 +18,25 @@ def test_bundled_model_knows_the_capital_of_france(server_factory):
     client.close()
     assert frames[-1]["type"] == "done" and frames[-1]["reason"] == "stop", frames[-1]
     assert "Paris" in text_of(frames)
-    # The GGUF's own 4-bit blocks run the decode steps on every x86 class with AVX2 (engine/cpu.py).
+    # The GGUF's own 4-bit blocks run the decode steps on every x86 class with AVX2 (engine/cpu.py): on the
+    # C++ library's block products from the start when its build is kept, else on torch's int4 kernel until
+    # it is built (while idle).
     isa = cpu.detect().isa
-    weights = "int4" if quant.quantized(isa) else "float32"
+    quantized = quant.quantized(isa)
     ready = json.loads(http_get(srv.url + "/readyz")[2])
-    assert ready["weights"] == weights and ready["cpu"] == isa
+    assert ready["weights"] in (("int4", "blocks") if quantized else ("float32",)) and ready["cpu"] == isa
     products = ("qkv", "o", "gate_up", "down", "output")
-    assert ready["formats"] == ({**dict.fromkeys(products, "int4"), "output": "int4x2"} if weights == "int4"
-                                else dict.fromkeys(products, "float32"))
-    assert f'chat_model_weights{{weights="{weights}"}} 1.0' in http_get(srv.url + "/metrics")[2].decode()
-    # While idle it measures where int4 and dense products each pay and builds its C++ decode step
-    # (on bf16 activations: with the int4 weights; the tests install g++), then says so.
+    forms = {"int4": {**dict.fromkeys(products, "int4"), "output": "int4x2"},
+             "blocks": {**dict.fromkeys(products, "q4"), "output": "q8"}, "float32": dict.fromkeys(products, "float32")}
+    assert ready["formats"] == forms[ready["weights"]]
+    assert f'chat_model_weights{{weights="{ready["weights"]}"}} 1.0' in http_get(srv.url + "/metrics")[2].decode()
+    # While idle it builds its C++ decode step (the tests install g++) and moves the weights onto its block
+    # products, then says so.
     assert wait_for(lambda: not json.loads(http_get(srv.url + "/readyz")[2])["finishing"], timeout=180)
     ready = json.loads(http_get(srv.url + "/readyz")[2])
-    assert ready["decode"] == ("native" if weights == "int4" else "torch")
+    assert ready["decode"] == ("native" if quantized else "torch")
+    assert ready["weights"] == ("blocks" if quantized else "float32") and ready["formats"] == forms[ready["weights"]]
+    assert f'chat_model_weights{{weights="{ready["weights"]}"}} 1.0' in http_get(srv.url + "/metrics")[2].decode()
     client = WS(srv.ws_url)
     frames = client.chat("What is the capital of France?", params={"temperature": 0, "max_new_tokens": 40})
     client.close()

@@ -63,13 +63,15 @@ class Embedding:
         if self.dense is not None:
             return F.embedding(ids, self.dense)
         assert self.rows is not None
-        q, s, z = self.rows  # (vocab, hidden) uint8, (vocab, hidden / 32) float32 twice
-        rows = q[ids].float().unflatten(-1, (s.shape[1], -1)) * s[ids][..., None] + z[ids][..., None]
+        q, s, z = self.rows  # (vocab, hidden) uint8 or int8, (vocab, hidden / 32) float32 (or f16) s; z or None
+        rows = q[ids].float().unflatten(-1, (s.shape[1], -1)) * s[ids].float()[..., None]
+        if z is not None:
+            rows = rows + z[ids][..., None]
         return rows.flatten(-2).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
-        parts = [self.dense] if self.dense is not None else list(self.rows or ())
+        parts = [self.dense] if self.dense is not None else [t for t in self.rows or () if t is not None]
         return sum(t.numel() * t.element_size() for t in parts)
 
 
@@ -115,7 +117,10 @@ class Decoder:
         norms = sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.attn_norm, layer.mlp_norm))
         shared = (self.head.quant is None and self.embed.dense is not None
                   and self.head.dense is not None and self.head.dense.data_ptr() == self.embed.dense.data_ptr())
-        return (sum(lin.nbytes for lin in self.linears()) + norms + self.embed.nbytes
+        head = self.head.quant
+        looked_up = (isinstance(head, quant.Blocks) and self.embed.rows is not None  # lookups read the head's blocks
+                     and self.embed.rows[0].data_ptr() == head.qs.data_ptr())
+        return (sum(lin.nbytes for lin in self.linears()) + norms + (0 if looked_up else self.embed.nbytes)
                 + (0 if shared else self.head.nbytes))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,6 +172,8 @@ class Decoder:
 
 
 def _form(part: Any) -> str:
+    if isinstance(part, quant.Blocks):
+        return part.form
     if isinstance(part, quant.Int4):
         return "int4"
     if isinstance(part, quant.Sum):

@@ -188,6 +188,9 @@ def dequantize(t: Tensor) -> torch.Tensor:
     if t.kind in AFFINE:
         q, s, z = affine(t)
         return (q.reshape(t.rows, -1, BLOCK).float() * s[..., None] + z[..., None]).reshape(t.rows, -1)
+    if t.kind == Q6_K:
+        q, s = signed(t)
+        return (s[..., None] * q.reshape(t.rows, s.shape[1], -1).float()).reshape(t.rows, -1)
     from gguf import GGMLQuantizationType, quants  # the other block types (Q6_K, Q2_K, Q3_K)
     dense = quants.dequantize(np.asarray(t.raw), GGMLQuantizationType(t.kind)).reshape(t.rows, -1)
     return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32))
@@ -205,6 +208,27 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
     return sc, mn
+
+
+SIGNED = (Q8_0, Q6_K)  # w = s * q with signed q: see ``signed``
+
+
+def signed(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 or Q6_K tensor as (q (rows, cols) int8, s (rows, cols / 32 for Q8_0, cols / 16 for Q6_K)
+    float32) with w = s * q: each weight exactly as gguf-py dequantizes it (same float32 operations)."""
+    if t.kind == Q8_0:
+        return int8_parts(t)
+    if t.kind != Q6_K:
+        raise ValueError(f"{t.name}: {type_name(t.kind)} is not Q8_0 or Q6_K")
+    blocks = _blocks(t)
+    rows, n = blocks.shape[0], blocks.shape[1]
+    ql, qh = blocks[..., :128], blocks[..., 128:192]
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    d = _halves(blocks, 208)[..., None]
+    low = (ql.reshape(rows, n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]) & 0x0F
+    high = (qh.reshape(rows, n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 0x03
+    q = (low.reshape(rows, n, 256) | (high.reshape(rows, n, 256) << 4)).to(torch.int8) - 32
+    return q.reshape(rows, -1), (d * scales).reshape(rows, -1)
 
 
 def affine(t: Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -168,6 +168,8 @@ class LocalEngine(Engine):
             if self.chores is not None and not queue.waiting:
                 if next(self.chores, _DONE) is _DONE:
                     self.chores = None
+                    if self.loaded.decoder is not None:  # the chores may have moved the weights (block products)
+                        self.weights, self.formats = self.loaded.weights, self.loaded.decoder.formats()
                 return  # one step of idle work at a time, then look for requests again
             if not self.trimmed:
                 _release_memory()

@@ -208,14 +208,17 @@ def _load_direct(settings: Settings, device: torch.device, dtype: torch.dtype) -
         mode = "off"
     if mode != "off":
         dtype = torch.bfloat16  # the int4 kernel's activations, on every class (emulated without native bf16)
+    # the C++ library's block products from the start when a build of it is kept (else once it is built: ``finish``)
+    blocks = mode != "off" and settings.native and native.kept(settings.model_cache_dir, machine)
     try:
-        decoder = weights.from_gguf(f, mode, dtype, dense_copies=quant.dense_copies(machine.isa))
+        decoder = weights.from_gguf(f, mode, dtype, dense_copies=quant.dense_copies(machine.isa, blocks),
+                                   blocks=blocks)
     except weights.Unsupported as exc:
         log.info("%s: %s; converting it for transformers' forward", file.name, exc)
         return None
-    if decoder.weights == "int4" and not weights.verify(f, decoder):
-        log.warning("the int4 kernel disagrees with the dense weights on this machine: using dense weights "
-                    "(CHAT_QUANT=off)")
+    if decoder.weights in ("int4", "blocks") and not weights.verify(f, decoder):
+        log.warning("the %s disagrees with the dense weights on this machine: using dense weights "
+                    "(CHAT_QUANT=off)", "int4 kernel" if decoder.weights == "int4" else "block kernel")
         decoder = weights.from_gguf(f, "off", pick_dtype(settings.dtype, device, settings.cpu_isa))
     log.info("CPU class %s: %s weights (%s), %s", machine.describe(), decoder.weights,
              ", ".join(f"{k} {v}" for k, v in decoder.formats().items()),
@@ -232,15 +235,22 @@ def finish(loaded: LoadedModel, settings: Settings) -> Iterator[None]:
     decoder, source = loaded.decoder, loaded.source
     if decoder is None:
         return
+    machine = cpu.detect(settings.cpu_isa)
+    built = False
+    if settings.native and decoder.dtype == torch.bfloat16 and loaded.device.type == "cpu":
+        built = yield from native.library(settings.model_cache_dir, machine)
+    if built and decoder.weights == "int4" and source is not None and source.suffix == ".gguf":
+        yield
+        weights.to_blocks(gguf.read(source), decoder, quant.dense_copies(machine.isa, blocks=True))
     if source is not None and quant.by_shape(decoder.linears()):
         yield from _crossovers(decoder, source, settings)
-    if settings.native and decoder.dtype == torch.bfloat16 and loaded.device.type == "cpu":
-        yield from native.attach(decoder, settings.model_cache_dir, cpu.detect(settings.cpu_isa))
+    if built:
+        native.use(decoder)
 
 
 def _crossovers(decoder: Decoder, source: Path, settings: Settings) -> Iterator[None]:
     store = Path(settings.model_cache_dir) / "crossovers.json"
-    key = f"{source.name}:{source.stat().st_size}:{torch.__version__}:{torch.get_num_threads()}"
+    key = f"{source.name}:{source.stat().st_size}:{decoder.weights}:{torch.__version__}:{torch.get_num_threads()}"
     try:
         saved = json.loads(store.read_text())
     except (OSError, ValueError):
@@ -276,9 +286,11 @@ def _load_transformers(settings: Settings, device: torch.device, dtype: torch.dt
         except weights.Unsupported as exc:
             log.info("%s: %s; using transformers' forward", name, exc)
     if decoder is not None and quantize:
-        if weights.quantize(decoder, quant.dense_copies(machine.isa) and settings.quant == "auto"):
-            log.info("CPU class %s: %s quantized on load to Q8_0 on the int4 kernel (%s)", machine.describe(), name,
-                     quant.POLICY[machine.isa])
+        blocks = settings.native and native.kept(settings.model_cache_dir, machine)
+        copies = quant.dense_copies(machine.isa, blocks) and settings.quant == "auto"
+        if weights.quantize(decoder, copies, blocks=blocks):
+            log.info("CPU class %s: %s quantized on load to Q8_0 on the %s (%s)", machine.describe(), name,
+                     "block products" if blocks else "int4 kernel", quant.POLICY[machine.isa])
             return tokenizer, _Config(model), decoder, name, None  # the model's dense weights go
         log.warning("the int4 kernel disagrees with the dense weights on this machine: keeping dense weights")
     return tokenizer, model, decoder, name, None

@@ -10,6 +10,8 @@
 // attention in float32, the same roundings to bf16 between operations. Sums run in a fixed
 // order over a row's own columns only, so a row's result does not depend on the other rows of
 // the batch or on the padding before its tokens.
+#include "blocks.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -79,13 +81,15 @@ inline void widen(const uint16_t* in, float* out, int64_t n) {
 
 inline uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
-// A run of a product's outputs: int4 products summed (one for 4-bit weights, two for 5 to 8 bits), or a
-// dense matrix (a type the int4 kernel cannot take).
+// A run of a product's outputs: blocks with 8-bit activations (blocks.cpp), int4 products summed (one for
+// 4-bit weights, two for 5 to 8 bits), or a dense matrix (a type neither kernel takes).
 struct Segment {
   std::vector<std::pair<at::Tensor, at::Tensor>> terms;  // (packed, scales and zeros)
   at::Tensor dense;
+  std::shared_ptr<const blocks::Matrix> matrix;
 
   at::Tensor operator()(const at::Tensor& x) const {
+    if (matrix) return blocks::multiply(*matrix, x);
     if (dense.defined()) return at::linear(x, dense);
     at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, terms[0].first, 32, terms[0].second);
     for (size_t i = 1; i < terms.size(); ++i)
@@ -254,8 +258,8 @@ int64_t keep(at::TensorList norms, at::TensorList tensors, at::IntArrayRef layou
              at::IntArrayRef crossovers, int64_t heads, int64_t kv_heads, int64_t dim, double eps) {
   // Per layer: norms [attn, mlp]; then for each of its products [qkv, o, gate_up, down] a bias (empty:
   // none), a crossover, and in ``layout``: [has a dense copy, segments, then each segment's int4 terms
-  // (0: a dense segment)], whose tensors come in that order from ``tensors``: the dense copy, then per
-  // segment its dense matrix or its terms' (packed, scales) pairs.
+  // (0: a dense segment; -1: a block matrix, whose id follows)], whose tensors come in that order from
+  // ``tensors``: the dense copy, then per segment its dense matrix or its terms' (packed, scales) pairs.
   Model m;
   m.heads = heads, m.kv_heads = kv_heads, m.dim = dim, m.eps = eps;
   const int64_t n = norms.size() / 2;
@@ -287,6 +291,11 @@ int64_t keep(at::TensorList norms, at::TensorList tensors, at::IntArrayRef layou
       for (int64_t i = 0; i < segments; ++i) {
         Segment segment;
         const int64_t terms = next_int();
+        if (terms < 0) {
+          const int64_t matrix = next_int();
+          segment.matrix = blocks::find(matrix);
+          TORCH_CHECK(segment.matrix, "no block matrix ", matrix);
+        }
         if (terms == 0) segment.dense = next_tensor();
         for (int64_t j = 0; j < terms; ++j) {
           at::Tensor packed = next_tensor();

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.cpp")
+SOURCES = (SOURCE, SOURCE.with_name("blocks.cpp"), SOURCE.with_name("blocks.h"))  # compiled into one library
 _loaded: set[str] = set()
 
 
@@ -61,7 +62,8 @@ def compiler() -> str | None:
 def library_path(cache_dir: str | Path, cxx: str, version: str, cpu: Cpu) -> Path:
     """Where the build for this source, torch, compiler (``version``: what it says of itself), CPU and
     CPU class is kept."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, cxx, version, " ".join(sorted(cpu.flags)),
+    sources = [s.read_text() for s in SOURCES]
+    key = hashlib.sha256("\0".join([*sources, torch.__version__, cxx, version, " ".join(sorted(cpu.flags)),
                                     *cpu.cxx_flags()]).encode()).hexdigest()[:16]
     return Path(cache_dir) / "native" / f"decode-{key}.so"
 
@@ -84,17 +86,23 @@ def command(cxx: str, target: Path, cpu: Cpu) -> list[str]:
     """The compiler's command line: the library against the running torch, for this CPU class."""
     torch_dir = Path(torch.__file__).parent
     lib = torch_dir / "lib"
-    return [cxx, "-O3", *cpu.cxx_flags(), "-fno-trapping-math", "-std=c++20", "-shared", "-fPIC", "-w",
+    # -fopenmp: at::parallel_for on torch's own OpenMP threads (the libgomp torch loaded serves the library)
+    return [cxx, "-O3", *cpu.cxx_flags(), "-fno-trapping-math", "-std=c++20", "-shared", "-fPIC", "-w", "-fopenmp",
             f"-I{torch_dir / 'include'}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            str(SOURCE), "-o", str(target), f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
+            *(str(s) for s in SOURCES if s.suffix == ".cpp"), "-o", str(target), f"-L{lib}", f"-Wl,-rpath,{lib}",
+            "-lc10", "-ltorch_cpu"]
 
 
-def build(cache_dir: str | Path, cpu: Cpu | None = None, poll_s: float = 0.05) -> Generator[None, None, Path | None]:
+def build(cache_dir: str | Path, cpu: Cpu | None = None, poll_s: float = 0.05,
+          compile: bool = True) -> Generator[None, None, Path | None]:
     """Compile the library unless it is already kept; a generator that yields while the compiler
-    runs (so the engine can serve between polls) and returns its path, or None (logged why)."""
+    runs (so the engine can serve between polls) and returns its path, or None (logged why; quietly when
+    not ``compile`` and none is kept)."""
     cpu = cpu or detect()
     cxx = compiler()
     if cxx is None:
+        if not compile:
+            return None
         log.info("no C++ compiler (c++, g++ or $CXX): decode steps stay on torch ops (install g++ for a "
                  "step about twice as fast)")
         return None
@@ -107,6 +115,8 @@ def build(cache_dir: str | Path, cpu: Cpu | None = None, poll_s: float = 0.05) -
         target = library_path(cache_dir, cxx, version, cpu)
         if target.exists():
             return target
+        if not compile:
+            return None
         partial = scratch / "decode.so"
         nice = ["nice", "-n", "10"] if shutil.which("nice") else []  # serving goes first
         code, output = yield from _run([*nice, *command(cxx, partial, cpu)], scratch, poll_s)
@@ -147,7 +157,9 @@ class Step:
                 segments = quant.parts(linear.quant) if linear.quant is not None else []
                 layout.append(len(segments))
                 for segment in segments:
-                    if isinstance(segment, quant.Dense):
+                    if isinstance(segment, quant.Blocks):
+                        layout += [-1, segment.id]
+                    elif isinstance(segment, quant.Dense):
                         layout.append(0)
                         tensors.append(segment.weight)
                     else:
@@ -204,22 +216,39 @@ def agrees(decoder: Decoder, step: Step) -> bool:
     return ok
 
 
-def attach(decoder: Decoder, cache_dir: str | Path, cpu: Cpu | None = None) -> Generator[None, None, None]:
-    """Build (or find) the library, check it, and give ``decoder`` the C++ step; yields while building."""
+def library(cache_dir: str | Path, cpu: Cpu | None = None, compile: bool = True) -> Generator[None, None, bool]:
+    """Build (or find) the library and load it; yields while building. False (logged why) when it cannot
+    be; with ``compile`` False, unless a build is already kept."""
     try:
-        path = yield from build(cache_dir, cpu)
+        path = yield from build(cache_dir, cpu, compile=compile)
     except OSError as exc:  # the cache folder cannot be written, no /bin/sh, ...
         log.warning("could not build the C++ decode step under %s: %s; decode steps stay on torch ops",
                     cache_dir, exc)
-        return
+        return False
     if path is None:
-        return
+        return False
     try:
         load(path)
     except OSError as exc:
         log.warning("could not load the C++ decode step from %s (removed, built again next start): %s", path, exc)
         path.unlink(missing_ok=True)
-        return
+        return False
+    return True
+
+
+def kept(cache_dir: str | Path, cpu: Cpu | None = None) -> bool:
+    """Load the library now if a build for this source, compiler and CPU is kept (no compiling): whether
+    the block products (``quant.Blocks``) can be made from the start."""
+    steps = library(cache_dir, cpu, compile=False)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return bool(done.value)
+
+
+def use(decoder: Decoder) -> None:
+    """Give ``decoder`` the C++ step (the library loaded) once it agrees with the eager step."""
     try:
         step = Step(decoder)
         ok = agrees(decoder, step)
@@ -228,4 +257,10 @@ def attach(decoder: Decoder, cache_dir: str | Path, cpu: Cpu | None = None) -> G
         return
     if ok:
         decoder.native = step
-        log.info("decode steps run in C++ (%s)", path.name)
+        log.info("decode steps run in C++ (%s)", ", ".join(sorted(Path(p).name for p in _loaded)))
+
+
+def attach(decoder: Decoder, cache_dir: str | Path, cpu: Cpu | None = None) -> Generator[None, None, None]:
+    """Build (or find) the library, check it, and give ``decoder`` the C++ step; yields while building."""
+    if (yield from library(cache_dir, cpu)):
+        use(decoder)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -30,28 +31,35 @@ log = logging.getLogger(__name__)
 
 GROUP = gguf.BLOCK
 
-# What each CPU class (``cpu.py``) keeps besides the int4 weights under CHAT_QUANT=auto, from products
-# measured with torch 2.13 at 2 threads (µs; M rows; the int4 kernel with bf16 inputs):
+# What each CPU class (``cpu.py``) keeps besides the quantized weights under CHAT_QUANT=auto, from products
+# measured with torch 2.13 at 2 threads (µs; M rows; the int4 kernel with bf16 inputs; ``Blocks``: the C++
+# library's blocks with 8-bit activations, Q4_1):
 #
-# | class       | product    | M  | fp32 dense | bf16 dense | int4  |
-# |-------------|------------|----|------------|------------|-------|
-# | avx512_bf16 | 576->1536  | 1  | 96         | 110        | 64    |
-# | avx512_bf16 | 576->1536  | 64 | 900        | 385        | 1026  |
-# | avx512_bf16 | 576->49152 | 1  | 9,923      | 4,159      | 1,709 |
-# | avx2        | 576->1536  | 1  | 132        | 139        | 75    |
-# | avx2        | 576->1536  | 8  | 328        | 939        | 335   |
-# | avx2        | 576->49152 | 8  | 33,465     | 30,827     | 11,136|
+# | class       | product    | M  | fp32 dense | bf16 dense | int4  | blocks |
+# |-------------|------------|----|------------|------------|-------|--------|
+# | avx512_bf16 | 576->1536  | 1  | 96         | 56-70      | 64    | 32-52  |
+# | avx512_bf16 | 576->1536  | 8  |            | 82-95      |       | 123-131|
+# | avx512_bf16 | 576->1536  | 64 | 900        | 302-385    | 1026  | 998    |
+# | avx512_bf16 | 576->49152 | 1  | 9,923      | 4,159      | 1,709 |        |
+# | avx2        | 576->1536  | 1  | 132        | 139        | 75    |        |
+# | avx2        | 576->1536  | 8  | 328        | 939        | 335   |        |
+# | avx2        | 576->49152 | 8  | 33,465     | 30,827     | 11,136|        |
 #
 # With native bf16, dense bf16 beats int4 past ~16 rows (prefill): dense copies, picked by a measured
-# crossover. Without it, dense bf16 is ~3x slower than fp32 at 8+ rows and int4 is on par with fp32 at
-# many rows and far ahead at few: int4 alone (a float32 dense copy would quadruple the memory for no gain).
-# ``generic`` (no AVX2, or not x86) has only the kernel's reference path: dense float32 weights.
-POLICY = {"avx512_bf16": "int4 + dense bf16 copies", "avx512": "int4", "avx2": "int4", "generic": "dense float32"}
+# crossover, when the products are on the int4 kernel. On the block products they are not kept: a decode
+# step of one row is twice as fast as dense there, and a 0.5B model's copies would be 1 GB (prefill of
+# many rows pays ~3x; the whole model stays within 1.5x its file). Without native bf16, dense bf16 is ~3x
+# slower than fp32 at 8+ rows and int4 is on par with fp32 at many rows and far ahead at few: int4 alone (a
+# float32 dense copy would quadruple the memory for no gain). ``generic`` (no AVX2, or not x86) has only
+# the kernel's reference path: dense float32 weights.
+POLICY = {"avx512_bf16": "int4 + dense bf16 copies, or blocks alone", "avx512": "int4 or blocks",
+          "avx2": "int4 or blocks", "generic": "dense float32"}
 
 
-def dense_copies(isa: str) -> bool:
-    """Whether ``CHAT_QUANT=auto`` keeps dense copies of the int4 products on this CPU class."""
-    return isa == "avx512_bf16"
+def dense_copies(isa: str, blocks: bool = False) -> bool:
+    """Whether ``CHAT_QUANT=auto`` keeps dense copies of the quantized products on this CPU class (``blocks``:
+    the products are the C++ library's blocks)."""
+    return isa == "avx512_bf16" and not blocks
 
 
 def quantized(isa: str) -> bool:
@@ -117,6 +125,82 @@ def from_affine(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) ->
     return Int4(q, s, z + 8 * s) if bits == 4 else Sum(q, s, z, bits)
 
 
+class Blocks:
+    """A matrix (out, in) kept as blocks of 32 weights for the C++ library's product with 8-bit activations
+    (``blocks.cpp``; it must be loaded: ``native.load``): 4-bit weights as nibbles (``U4``), 5-bit ones with
+    a plane of fifth bits (``U5``), 8-bit ones signed (``S8``; two scales a block for Q6_K's 16-weight
+    sub-blocks), each block with its scale and, unless the type is symmetric, its min: w = s * q + z, the
+    file's numbers unchanged (scales and mins in f16 where they are exactly f16, else float32)."""
+
+    U4, U5, S8 = 0, 1, 2
+    KINDS = {U4: "q4", U5: "q5", S8: "q8"}
+
+    def __init__(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, bits: int) -> None:
+        """``q``: (out, in) uint8 in 0 .. 2^bits - 1 with w = s * q + z per 32 weights (``gguf.affine``), or
+        for ``bits`` 8 with ``z`` None, int8 with w = s * q per 32 or 16 weights (``gguf.signed``)."""
+        rows, cols = q.shape
+        blocks = q.reshape(rows, cols // GROUP, GROUP)
+        centre = float(1 << (bits - 1))
+        symmetric = z is None or bool((z == -centre * s).all())
+        mins = torch.empty(0)
+        if bits == 8:
+            if not symmetric:
+                raise ValueError("8-bit blocks must be symmetric")
+            self.kind = self.S8
+            signed = q.to(torch.int8) if z is None else (q.to(torch.int16) - 128).to(torch.int8)
+            qs, qh = signed.view(torch.uint8).reshape(rows, -1, GROUP).contiguous(), torch.empty(0, dtype=torch.uint8)
+        else:
+            self.kind = self.U4 if bits == 4 else self.U5
+            low = blocks & 15
+            qs = (low[..., :16] | (low[..., 16:] << 4)).contiguous()
+            qh = torch.empty(0, dtype=torch.uint8)
+            if bits == 5:
+                word = ((blocks >> 4).to(torch.int64) << torch.arange(GROUP)).sum(-1).to(torch.int32)
+                qh = word.contiguous().view(torch.uint8).reshape(rows, -1, 4)
+            if not symmetric:
+                mins = z
+        exact = all(bool((t.half().float() == t).all()) for t in (s, mins))
+        kind = torch.float16 if exact else torch.float32
+        self.scales, self.mins = s.to(kind).contiguous(), mins.to(kind).contiguous()
+        self.qs, self.qh = qs, qh
+        self.sub = s.shape[1] // (cols // GROUP)
+        self.centre = centre if symmetric and self.kind != self.S8 else 0.0
+        self.out_features, self.in_features = rows, cols
+        self.id = torch.ops.chat_native.blocks_keep(self.kind, self.sub, self.centre, self.qs, self.qh,
+                                                    self.scales.reshape(-1), self.mins)
+        weakref.finalize(self, torch.ops.chat_native.blocks_forget, self.id)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.chat_native.blocks_mm(self.id, x)
+
+    def dense(self) -> torch.Tensor:
+        """The weights as float32 (out, in), w = s * q + z from what is stored (tests: nothing was lost)."""
+        rows, blocks = self.out_features, self.in_features // GROUP
+        if self.kind == self.S8:
+            q = self.qs.view(torch.int8).reshape(rows, blocks * self.sub, -1).float()
+            return (self.scales.float().reshape(rows, -1, 1) * q).reshape(rows, -1)
+        q = torch.cat([self.qs & 15, self.qs >> 4], dim=-1)
+        if self.kind == self.U5:
+            bits = self.qh.reshape(rows, blocks, 4).contiguous().view(torch.int32)
+            q = q | (((bits >> torch.arange(GROUP, dtype=torch.int32)) & 1) << 4).to(torch.uint8)
+        s = self.scales.float().reshape(rows, blocks, 1)
+        z = self.mins.float().reshape(rows, blocks, 1) if self.mins.numel() else -self.centre * s
+        return (q.float() * s + z).reshape(rows, -1)
+
+    def signed_rows(self) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """An ``S8`` matrix's (q (out, in) int8, s (out, in / 32)) as views of its blocks, for lookups."""
+        assert self.kind == self.S8 and self.sub == 1
+        return self.qs.view(torch.int8).reshape(self.out_features, -1), self.scales, None
+
+    @property
+    def form(self) -> str:
+        return self.KINDS[self.kind]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.qh, self.scales, self.mins))
+
+
 class Dense:
     """A dense part of a product whose other parts are int4 (a type the int4 kernel cannot take)."""
 
@@ -148,7 +232,7 @@ class Concat:
         return sum(p.nbytes for p in self.parts)
 
 
-Product = Union["Int4", "Sum", "Dense", "Concat"]  # what a Linear's quantized side may be
+Product = Union["Int4", "Sum", "Blocks", "Dense", "Concat"]  # what a Linear's quantized side may be
 
 
 def parts(product: Product) -> list:

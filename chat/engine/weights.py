@@ -84,10 +84,23 @@ class _Reader:
         rows = self.rows.get(name.split(".")[-2])
         return a if rows is None else a[rows]
 
-    def form(self, name: str) -> int | None:
-        """How the int4 kernel takes this tensor: 4 (one product), 8 (two: 5 to 8 bits), None (dense)."""
+    def form(self, name: str, blocks: bool = False) -> int | None:
+        """How the int4 kernel takes this tensor: 4 (one product), 8 (two: 5 to 8 bits), None (dense). With
+        ``blocks`` (the C++ library's block products): the GGUF type itself, None for a dense one."""
         kind = self.tensor(name).kind
+        if blocks:
+            return kind if kind in gguf.AFFINE or kind in gguf.SIGNED else None
         return None if kind not in gguf.AFFINE else 4 if gguf.BITS[kind] == 4 else 8
+
+    def blocks(self, names: list[str]) -> quant.Blocks:
+        """Tensors of one type stacked along the outputs, as a block product."""
+        parts = [tuple(self._order(n, a) for a in _block_parts(self.tensor(n))) for n in names]
+        return _block_product(self.tensor(names[0]).kind, [torch.cat(p) for p in zip(*parts)])
+
+    def vector(self, name: str) -> torch.Tensor | None:
+        if name not in self.f.tensors:
+            return None
+        return self.dense(name).reshape(-1)
 
     def affine(self, name: str) -> tuple:
         return tuple(self._order(name, a) for a in gguf.affine(self.tensor(name)))
@@ -95,18 +108,30 @@ class _Reader:
     def dense(self, name: str) -> torch.Tensor:
         return self._order(name, gguf.dequantize(self.tensor(name))).to(self.dtype)
 
-    def vector(self, name: str) -> torch.Tensor | None:
-        if name not in self.f.tensors:
-            return None
-        return self.dense(name).reshape(-1)
+
+def _block_parts(t: gguf.Tensor) -> tuple:
+    return gguf.signed(t) if t.kind in gguf.SIGNED else gguf.affine(t)
 
 
-def _quantized(r: _Reader, names: list[str]):
-    """The int4 kernel's form of a (fused) product: runs of tensors of one form stacked along the outputs,
-    a type the kernel cannot take as a dense part; None when every part is dense."""
+def _block_product(kind: int, parts: list) -> quant.Blocks:
+    if kind in gguf.SIGNED:
+        return quant.Blocks(parts[0], parts[1], None, 8)
+    q, s, z = parts
+    return quant.Blocks(q, s, z, gguf.BITS[kind])
+
+
+def blocks(t: gguf.Tensor) -> quant.Blocks:
+    """One tensor of a type in ``gguf.AFFINE`` or ``gguf.SIGNED`` as a block product (the library loaded)."""
+    return _block_product(t.kind, list(_block_parts(t)))
+
+
+def _quantized(r: _Reader, names: list[str], blocks: bool = False):
+    """The int4 kernel's form of a (fused) product (with ``blocks``: the C++ library's block products):
+    runs of tensors of one form stacked along the outputs, a type the kernel cannot take as a dense part;
+    None when every part is dense."""
     runs: list[tuple[int | None, list[str]]] = []
     for name in names:
-        form = r.form(name)
+        form = r.form(name, blocks)
         if runs and runs[-1][0] == form:
             runs[-1][1].append(name)
         else:
@@ -117,39 +142,48 @@ def _quantized(r: _Reader, names: list[str]):
     for form, group in runs:
         if form is None:
             built.append(quant.Dense(_dense(r, group)))
+        elif blocks:
+            built.append(r.blocks(group))
         else:
             q, s, z = (torch.cat(part) for part in zip(*(r.affine(n) for n in group)))
             built.append(quant.from_affine(q, s, z, form))
     return built[0] if len(built) == 1 else quant.Concat(built)
 
 
-def _linear(r: _Reader, names: list[str], mode: str, dense_copies: bool, biases: list | None = None) -> Linear:
-    packed = _quantized(r, names) if mode != "off" else None
+def _linear(r: _Reader, names: list[str], mode: str, dense_copies: bool, biases: list | None = None,
+            blocks: bool = False) -> Linear:
+    packed = _quantized(r, names, blocks) if mode != "off" else None
     dense = _dense(r, names) if packed is None or (mode == "auto" and dense_copies) else None
     bias = torch.cat(biases) if biases and all(b is not None for b in biases) else None
     return Linear(dense, packed, bias)
 
 
-def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, dense_copies: bool = True) -> Decoder:
+def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, dense_copies: bool = True,
+              blocks: bool = False) -> Decoder:
     """The decoder of a GGUF file's weights (see the module's docstring for ``mode``). ``dense_copies``:
-    whether ``auto`` keeps dense copies of the int4 products for long prefills (``quant.POLICY``)."""
+    whether ``auto`` keeps dense copies of the int4 products for long prefills (``quant.POLICY``);
+    ``blocks``: the file's blocks on the C++ library's products (loaded: ``native.load``) instead of the
+    int4 kernel."""
     shape, arch = gguf_shape(f), gguf_architecture(f)
     if dtype != torch.bfloat16:
         mode = "off"  # the int4 kernel takes bf16 activations only
     r = _Reader(f, shape, dtype)
     layers = []
     for i in range(shape.layers):
-        qkv, o, gate_up, down = (_linear(r, names, mode, dense_copies, [r.vector(b) for b in biases])
+        qkv, o, gate_up, down = (_linear(r, names, mode, dense_copies, [r.vector(b) for b in biases], blocks)
                                  for names, biases in zip(arch.products(i), arch.biases(i)))
         attn_norm, mlp_norm = (r.vector(n) for n in arch.norms(i))
         layers.append(Layer(attn_norm=attn_norm, qkv=qkv, o=o, mlp_norm=mlp_norm, gate_up=gate_up, down=down))
     table = "token_embd.weight"
     head_name = "output.weight" if "output.weight" in f.tensors else table
-    if mode != "off" and r.form(table) is not None:
+    head_quant = _quantized(r, [head_name], blocks) if mode != "off" else None
+    if isinstance(head_quant, quant.Blocks) and head_name == table and head_quant.kind == quant.Blocks.S8 \
+            and head_quant.sub == 1:  # a tied Q8_0 table: lookups read the head's blocks
+        embed = Embedding(rows=head_quant.signed_rows(), dtype=dtype)
+    elif mode != "off" and r.form(table) is not None:
         embed = Embedding(rows=gguf.affine(r.tensor(table)), dtype=dtype)  # looked up row by row
     else:
         embed = Embedding(dense=r.dense(table), dtype=dtype)
-    head_quant = _quantized(r, [head_name]) if mode != "off" else None
     if head_quant is not None:
         head = Linear(quant=head_quant)
     elif head_name == table and embed.dense is not None:
@@ -157,8 +191,27 @@ def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, 
     else:
         head = Linear(r.dense(head_name))
     quantized = mode != "off" and any(lin.quant is not None for lin in (layers[0].qkv, layers[0].gate_up))
-    weights = "int4" if quantized else str(dtype).removeprefix("torch.")
+    weights = ("blocks" if blocks else "int4") if quantized else str(dtype).removeprefix("torch.")
     return Decoder(shape, embed, layers, r.vector("output_norm.weight"), head, weights, dtype, arch)
+
+
+def to_blocks(f: gguf.GGUFFile, decoder: Decoder, dense_copies: bool) -> bool:
+    """Move a decoder read from ``f`` onto the C++ library's block products (once it is loaded), checked
+    first (``verify``); the dense copies stay where ``dense_copies``. False (and nothing changed) when the
+    check fails."""
+    fresh = from_gguf(f, "int4", decoder.dtype, dense_copies=False, blocks=True)
+    if fresh.weights != "blocks" or not verify(f, fresh):
+        log.warning("the block products disagree with the dense weights on this machine: staying on the int4 kernel")
+        return False
+    for linear, new in zip([*decoder.linears(), decoder.head], [*fresh.linears(), fresh.head]):
+        if new.quant is None:
+            continue
+        if not dense_copies or linear is decoder.head:
+            linear.dense = None
+        linear.quant, linear.crossover = new.quant, Linear.ALWAYS
+    decoder.embed, decoder.weights = fresh.embed, "blocks"
+    log.info("weights on the block products: %s", ", ".join(f"{k} {v}" for k, v in decoder.formats().items()))
+    return True
 
 
 def _dense(r: _Reader, names: list[str]) -> torch.Tensor:
@@ -214,13 +267,14 @@ def q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return q.to(torch.uint8).reshape(weight.shape), d, -128 * d
 
 
-def quantize(decoder: Decoder, dense_copies: bool, tolerance: float = 0.02) -> bool:
+def quantize(decoder: Decoder, dense_copies: bool, tolerance: float = 0.02, blocks: bool = False) -> bool:
     """Put a dense decoder's layers and output layer on the int4 kernel as Q8_0 (two int4 products each:
     ``quant.Sum``), keeping the dense weights only where ``dense_copies`` (``quant.POLICY``). Checked on the
     first and last layers and the output layer before the dense weights go; False (and nothing changed)
     when the check fails. The token table stays dense (lookups)."""
     linears = [*decoder.linears(), decoder.head]
-    built = [quant.from_affine(*q8_0(linear.dense), 8) for linear in linears]
+    made = quant.Blocks if blocks else quant.from_affine  # the C++ library's block products, once loaded
+    built = [made(*q8_0(linear.dense), 8) for linear in linears]
     last = len(decoder.layers) - 1
     sample = {0, 1, 2, 3, 4 * last, 4 * last + 1, 4 * last + 2, 4 * last + 3, len(linears) - 1}
     checks = [(Linear(quant=built[i]), lambda i=i: linears[i].dense.float(), f"product {i}") for i in sorted(sample)]
@@ -234,7 +288,7 @@ def quantize(decoder: Decoder, dense_copies: bool, tolerance: float = 0.02) -> b
             linear.quant = q
             linear.dense = linear.dense if keep else None
             linear.crossover = Linear.ALWAYS
-    decoder.weights = "int4"
+    decoder.weights = "blocks" if blocks else "int4"
     return True
 
 

@@ -1,0 +1,32 @@
+// Matrices kept as GGUF-style blocks of 32 weights, multiplied with 8-bit activations (blocks.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+
+namespace blocks {
+
+// How a block's 32 weights are stored (each with a scale s, and for the unsigned kinds a min z: w = s * q + z).
+enum Kind : int64_t {
+  U4 = 0,  // 16 bytes: byte i holds weight i (low nibble) and weight i + 16 (high nibble), q in 0..15
+  U5 = 1,  // as U4, plus 4 bytes of fifth bits (bit i: weight i's), q in 0..31
+  S8 = 2,  // 32 signed bytes, w = s * q (no min)
+};
+
+struct Matrix {
+  int64_t kind = U4, rows = 0, cols = 0, blocks = 0;
+  int64_t sub = 1;      // scales per 32 weights: 1, or 2 (S8 with 16-weight sub-blocks, Q6_K)
+  bool wide = false;    // scales and mins as float32 (else f16)
+  float centre = 0.f;   // U4/U5 without stored mins: z = -centre * s
+  at::Tensor qs, qh, scales, mins;  // (rows, blocks, 16 | 32) u8; (rows, blocks, 4) u8; (rows, blocks * sub); (rows, blocks)
+};
+
+// y = x W^T for bf16 x (rows, cols) -> bf16 (rows, W.rows). Each row of x is quantized to 8 bits per 32
+// values (scale max|x| / 127); a row's result does not depend on the other rows.
+at::Tensor multiply(const Matrix& w, const at::Tensor& x);
+
+std::shared_ptr<const Matrix> find(int64_t id);
+
+}  // namespace blocks

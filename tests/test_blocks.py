@@ -1,0 +1,83 @@
+"""The C++ library's block products (chat/engine/blocks.cpp): every GGUF block type kept as the file has
+it (nothing re-quantized), multiplied with 8-bit activations within rounding of the dense product, a row's
+bits independent of its batch; the engine on them. Needs a C++ compiler (`make test` installs g++)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from chat.engine import gguf, quant, weights
+from test_native import FILES, library  # noqa: F401  (the library fixture)
+from test_quant import blocks_of, int4_cpu, on_thread
+from tinygguf import tiny_gguf
+
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+pytestmark = pytest.mark.usefixtures("library")  # built (or found) and loaded once
+FORMS = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q5_0": "q5", "Q5_1": "q5", "Q5_K": "q5", "Q8_0": "q8", "Q6_K": "q8"}
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_blocks_keep_the_files_weights_bit_for_bit(kind):
+    tensor, reference = blocks_of(kind)
+    matrix = on_thread(lambda: weights.blocks(tensor))
+    assert matrix.form == FORMS[kind]
+    assert np.array_equal(matrix.dense().numpy(), reference)
+    # 32-weight blocks keep the file's f16 scales: at most its size and a min a block; K-quants' sub-block
+    # scales become float32 (exact), and Q6_K's 6 bits a byte: 6 -> 10 bits a weight there
+    assert matrix.nbytes <= tensor.raw.nbytes * {"Q4_K": 1.34, "Q5_K": 1.28, "Q6_K": 1.53}.get(kind, 1.12)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_product_is_the_dense_product_and_each_row_its_own(kind):
+    tensor, reference = blocks_of(kind, rows=80)
+
+    def product():
+        matrix = weights.blocks(tensor)
+        x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        batch = matrix(x)
+        alone = torch.cat([matrix(x[i:i + 1]) for i in range(9)])
+        return batch, alone, x.float() @ torch.from_numpy(reference).T
+    batch, alone, want = on_thread(product)
+    assert torch.equal(batch, alone)  # 9 rows: two passes of four and one alone, each row as when alone
+    # 8-bit activations (llama.cpp's Q8 dot products) and a bf16 output: within ~0.6 % of the dense product
+    assert float((batch.float() - want).norm() / want.norm()) < 0.015
+
+
+def test_bad_shapes_are_refused():
+    tensor, _ = blocks_of("Q4_0")
+    matrix = on_thread(lambda: weights.blocks(tensor))
+    for bad in (torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 256), torch.zeros(256, dtype=torch.bfloat16)):
+        with pytest.raises(RuntimeError):
+            on_thread(lambda bad=bad: matrix(bad))
+
+
+@int4_cpu
+@pytest.mark.parametrize("file", list(FILES))
+def test_a_decoder_on_blocks_answers_as_on_the_int4_kernel(file):
+    f = gguf.read(tiny_gguf(**FILES[file]))
+
+    def both():
+        out = {}
+        for name, blocks in (("int4", False), ("blocks", True)):
+            decoder = weights.from_gguf(f, "int4", blocks=blocks)
+            kv = decoder.cache(1, 16)
+            kv.reserve(8)
+            kv.mask[0, :8] = 1
+            out[name] = (decoder, decoder.forward(torch.arange(3, 11)[None], kv, torch.arange(8)[None])[0, -1])
+        return out
+    out = on_thread(both)
+    decoder, logits = out["blocks"]
+    assert decoder.weights == "blocks" and on_thread(lambda: weights.verify(f, decoder))
+    assert all(isinstance(p, (quant.Blocks, quant.Dense)) for lin in decoder.linears() for p in quant.parts(lin.quant))
+    cosine = torch.nn.functional.cosine_similarity(logits, out["int4"][1], dim=0)
+    assert cosine > 0.995 and logits.argmax() == out["int4"][1].argmax()
+
+
+def test_a_tied_q8_0_table_is_looked_up_in_the_heads_blocks():
+    f = gguf.read(tiny_gguf())  # the token table in Q8_0, shared with the output layer
+    decoder = on_thread(lambda: weights.from_gguf(f, "int4", blocks=True))
+    assert decoder.embed.rows[0].data_ptr() == decoder.head.quant.qs.data_ptr()
+    ids = torch.tensor([0, 5, 77, 300])
+    want = gguf.dequantize(f.tensors["token_embd.weight"])[ids].to(torch.bfloat16)
+    assert torch.equal(on_thread(lambda: decoder.embed(ids)), want)
