@@ -49,10 +49,7 @@ inline float half(uint16_t h) {
 #endif
 }
 
-constexpr int TILE = 8;  // activation rows per pass over a weight row: one float lane each
-
-// Activation rows quantized per 32 values: q (rows, cols) int8; for each tile of TILE rows and each block,
-// the rows' scales d and d * sum(q) side by side (tiles, blocks, TILE), zero past the last row.
+// Activation rows quantized per 32 values: q (rows, cols) int8, d (rows, blocks) its scale, ds = d * sum(q).
 struct Acts {
   int64_t rows = 0, blocks = 0;
   std::vector<int8_t> q;
@@ -65,9 +62,8 @@ Acts quantize(const at::Tensor& x) {
   const int64_t cols = x.size(1);
   a.blocks = cols / 32;
   a.q.resize(a.rows * cols);
-  const int64_t tiles = (a.rows + TILE - 1) / TILE;
-  a.d.assign(tiles * a.blocks * TILE, 0.f);
-  a.ds.assign(tiles * a.blocks * TILE, 0.f);
+  a.d.resize(a.rows * a.blocks);
+  a.ds.resize(a.rows * a.blocks);
   const uint16_t* in = reinterpret_cast<const uint16_t*>(x.data_ptr());
   for (int64_t i = 0; i < a.rows * a.blocks; ++i) {
     float v[32], top = 0.f;
@@ -80,12 +76,20 @@ Acts quantize(const at::Tensor& x) {
       a.q[i * 32 + j] = static_cast<int8_t>(q);
       sum += q;
     }
-    const int64_t row = i / a.blocks, b = i % a.blocks, at = ((row / TILE) * a.blocks + b) * TILE + row % TILE;
-    a.d[at] = d;
-    a.ds[at] = d * static_cast<float>(sum);
+    a.d[i] = d;
+    a.ds[i] = d * static_cast<float>(sum);
   }
   return a;
 }
+
+// The weights are stored in groups of 8 rows (GROUP), each block of a group as chunks of 32 bytes: 4 bytes
+// of each row side by side, so one integer dot product instruction multiplies 4 weights of all 8 rows by the
+// same 4 activations (broadcast), and each float lane holds one weight row's sum.
+//   U4: 4 chunks a block; chunk c holds weights 4c..4c+3 of each row in its low nibbles and 16+4c..
+//       in its high ones. U5: the same, and 8 bytes of fifth bits a chunk (32 for the low nibbles, 32 for
+//       the high ones; bit 4j+k: row j's k-th). S8: 8 chunks a block, chunk c: weights 4c..4c+3, signed.
+// Scales (and mins) per block: the group's 8 side by side (two sets for Q6_K: weights 0-15, 16-31).
+constexpr int64_t GROUP = 8;
 
 template <bool Wide>
 inline float scale_at(const void* p, int64_t i) {
@@ -93,15 +97,17 @@ inline float scale_at(const void* p, int64_t i) {
   return half(static_cast<const uint16_t*>(p)[i]);
 }
 
+inline int64_t chunk_bytes(int64_t kind) { return kind == S8 ? 8 * 32 : 4 * 32; }
+
 #if defined(__AVX2__)
 
-inline __m256i nibbles(const uint8_t* p) {  // 16 bytes -> 32 values: low nibbles, then high ones
-  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i b = _mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
-  return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
+template <bool Wide>
+inline __m256 scales8(const void* p, int64_t i) {  // 8 scales from index i
+  if constexpr (Wide) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
 }
 
-inline __m256i fifth_bits(const uint8_t* p) {  // 4 bytes -> 0x10 in byte i where bit i is set
+inline __m256i bits_to_bytes(const uint8_t* p) {  // 4 bytes -> 0x10 in byte i where bit i is set
   uint32_t bits;
   std::memcpy(&bits, p, 4);
   const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
@@ -110,124 +116,166 @@ inline __m256i fifth_bits(const uint8_t* p) {  // 4 bytes -> 0x10 in byte i wher
   return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
 }
 
-inline __m256i dot_unsigned(__m256i q, __m256i a) {  // 8 int32 sums of 4 products each (no saturation here)
+inline __m256i broadcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, a);
+constexpr bool VNNI = true;
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), _mm256_set1_epi16(1));
+constexpr bool VNNI = false;
 #endif
-}
 
-inline float sum8(__m256 v) {  // a fixed order
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
-// R activation rows (the first R of tile t) times weight row n -> out[0..R). Each row is a lane of the
-// scale and min vectors and has its own accumulator: what it computes does not depend on R.
-template <int64_t K, bool Wide, int R>
-void rows_dot(const Matrix& w, int64_t n, const Acts& a, int64_t t, float* out) {
-  const int64_t nb = w.blocks, stride = K == S8 ? 32 : 16;
-  const uint8_t* qs = w.qs.data_ptr<uint8_t>() + n * nb * stride;
-  const uint8_t* qh = K == U5 ? w.qh.data_ptr<uint8_t>() + n * nb * 4 : nullptr;
-  const void* sc = static_cast<const char*>(w.scales.data_ptr()) + n * nb * w.sub * (Wide ? 4 : 2);
-  const void* mn = w.mins.defined() ? static_cast<const char*>(w.mins.data_ptr()) + n * nb * (Wide ? 4 : 2) : nullptr;
-  const int8_t* xq = a.q.data() + t * TILE * nb * 32;
-  const float* ad = a.d.data() + t * nb * TILE;
-  const float* ads = a.ds.data() + t * nb * TILE;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  __m256 mins = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i q;
-    if constexpr (K == S8) {
-      q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * 32));
+// Sums of unsigned weight bytes times signed activation bytes, 4 a lane: into acc (int32), or without VNNI
+// into 16-bit pairs (acc16) that ``flush`` widens; the bounds of each kind keep the pairs from saturating.
+struct Dot {
+  __m256i acc = _mm256_setzero_si256(), acc16 = _mm256_setzero_si256();
+  inline void add(__m256i w, __m256i x) {
+    if constexpr (VNNI) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      acc = _mm256_dpbusd_epi32(acc, w, x);
+#endif
     } else {
-      q = nibbles(qs + b * 16);
-      if constexpr (K == U5) q = _mm256_or_si256(q, fifth_bits(qh + b * 4));
-    }
-    __m256i magnitude = q;
-    if constexpr (K == S8) magnitude = _mm256_sign_epi8(q, q);
-    const __m256 da = _mm256_loadu_ps(ad + b * TILE);
-    const float s0 = scale_at<Wide>(sc, w.sub * b);
-    const __m256 scale0 = _mm256_mul_ps(_mm256_set1_ps(s0), da);  // row r's block scale in lane r
-    __m256 scale1 = scale0;
-    if (K == S8 && w.sub == 2) scale1 = _mm256_mul_ps(_mm256_set1_ps(scale_at<Wide>(sc, 2 * b + 1)), da);
-    if constexpr (K != S8) {
-      const float z = mn ? scale_at<Wide>(mn, b) : -w.centre * s0;
-      mins = _mm256_fmadd_ps(_mm256_set1_ps(z), _mm256_loadu_ps(ads + b * TILE), mins);
-    }
-    for (int r = 0; r < R; ++r) {
-      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (r * nb + b) * 32));
-      if constexpr (K == S8) x = _mm256_sign_epi8(x, q);
-      const __m256 products = _mm256_cvtepi32_ps(dot_unsigned(magnitude, x));
-      const __m256i lane = _mm256_set1_epi32(r);
-      __m256 scale = _mm256_permutevar8x32_ps(scale0, lane);
-      if (K == S8 && w.sub == 2) scale = _mm256_blend_ps(scale, _mm256_permutevar8x32_ps(scale1, lane), 0xF0);
-      acc[r] = _mm256_fmadd_ps(products, scale, acc[r]);
+      acc16 = _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, x));
     }
   }
-  float m[8];
-  _mm256_storeu_ps(m, mins);
-  for (int r = 0; r < R; ++r) out[r] = sum8(acc[r]) + m[r];
+  inline void flush() {
+    if constexpr (!VNNI) {
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)));
+      acc16 = _mm256_setzero_si256();
+    }
+  }
+  inline __m256 take() {
+    flush();
+    const __m256 f = _mm256_cvtepi32_ps(acc);
+    acc = _mm256_setzero_si256();
+    return f;
+  }
+};
+
+// R activation rows (from r0) times the 8 weight rows of group g -> out[r * 8 + lane]. Each activation row
+// has its own accumulators and the same operations whatever R is: its result does not depend on the batch.
+template <int64_t K, bool Wide, int R>
+void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out) {
+  const int64_t nb = w.blocks, sub = w.sub;
+  const uint8_t* qs = w.qs.data_ptr<uint8_t>() + g * nb * chunk_bytes(K);
+  const uint8_t* qh = K == U5 ? w.qh.data_ptr<uint8_t>() + g * nb * 32 : nullptr;
+  const void* sc = static_cast<const char*>(w.scales.data_ptr()) + g * nb * sub * GROUP * (Wide ? 4 : 2);
+  const void* mn = w.mins.defined() ? static_cast<const char*>(w.mins.data_ptr()) + g * nb * GROUP * (Wide ? 4 : 2)
+                                    : nullptr;
+  __m256 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    Dot dot[R], second[R];  // second: Q6_K's weights 16-31 (their own scale)
+    const uint8_t* chunks = qs + b * chunk_bytes(K);
+    if constexpr (K == S8) {
+      for (int c = 0; c < 8; ++c) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + c * 32));
+        const __m256i magnitude = _mm256_sign_epi8(q, q);
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_sign_epi8(broadcast4(a.q.data() + ((r0 + r) * nb + b) * 32 + 4 * c), q);
+          Dot& d = (sub == 2 && c >= 4) ? second[r] : dot[r];
+          d.add(magnitude, x);
+          d.flush();  // 4 products of up to 127 * 127 a lane: widen each time
+        }
+      }
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + c * 32));
+        __m256i low = _mm256_and_si256(packed, _mm256_set1_epi8(0x0F));
+        __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
+        if constexpr (K == U5) {
+          low = _mm256_or_si256(low, bits_to_bytes(qh + b * 32 + c * 8));
+          high = _mm256_or_si256(high, bits_to_bytes(qh + b * 32 + c * 8 + 4));
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = a.q.data() + ((r0 + r) * nb + b) * 32 + 4 * c;
+          dot[r].add(low, broadcast4(x));
+          dot[r].add(high, broadcast4(x + 16));
+          if (K == U5 && c % 2 == 1) dot[r].flush();  // pairs of up to 2 * 31 * 127: four adds at most
+        }
+      }
+    }
+    const __m256 s0 = scales8<Wide>(sc, b * sub * GROUP);
+    __m256 z = _mm256_setzero_ps();
+    if constexpr (K != S8) z = mn ? scales8<Wide>(mn, b * GROUP) : _mm256_mul_ps(_mm256_set1_ps(-w.centre), s0);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      const __m256 da = _mm256_set1_ps(a.d[i]);
+      total[r] = _mm256_fmadd_ps(dot[r].take(), _mm256_mul_ps(s0, da), total[r]);
+      if (K == S8 && sub == 2)
+        total[r] = _mm256_fmadd_ps(second[r].take(), _mm256_mul_ps(scales8<Wide>(sc, (b * 2 + 1) * GROUP), da),
+                                   total[r]);
+      if constexpr (K != S8) total[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(a.ds[i]), total[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * GROUP, total[r]);
 }
 
 #else  // no AVX2: the same sums in plain loops
 
 template <int64_t K, bool Wide, int R>
-void rows_dot(const Matrix& w, int64_t n, const Acts& a, int64_t t, float* out) {
-  const int64_t nb = w.blocks, stride = K == S8 ? 32 : 16;
-  const uint8_t* qs = w.qs.data_ptr<uint8_t>() + n * nb * stride;
-  const uint8_t* qh = K == U5 ? w.qh.data_ptr<uint8_t>() + n * nb * 4 : nullptr;
-  const void* sc = static_cast<const char*>(w.scales.data_ptr()) + n * nb * w.sub * (Wide ? 4 : 2);
-  const void* mn = w.mins.defined() ? static_cast<const char*>(w.mins.data_ptr()) + n * nb * (Wide ? 4 : 2) : nullptr;
+void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out) {
+  const int64_t nb = w.blocks, sub = w.sub;
+  const uint8_t* qs = w.qs.data_ptr<uint8_t>() + g * nb * chunk_bytes(K);
+  const uint8_t* qh = K == U5 ? w.qh.data_ptr<uint8_t>() + g * nb * 32 : nullptr;
+  const void* sc = static_cast<const char*>(w.scales.data_ptr()) + g * nb * sub * GROUP * (Wide ? 4 : 2);
+  const void* mn = w.mins.defined() ? static_cast<const char*>(w.mins.data_ptr()) + g * nb * GROUP * (Wide ? 4 : 2)
+                                    : nullptr;
   for (int r = 0; r < R; ++r) {
-    float acc = 0.f, mins = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      const int8_t* x = a.q.data() + ((t * TILE + r) * nb + b) * 32;
-      const float da = a.d[(t * nb + b) * TILE + r];
-      int32_t sums[2] = {0, 0};
-      for (int j = 0; j < 32; ++j) {
-        int q;
-        if (K == S8) {
-          q = static_cast<int8_t>(qs[b * 32 + j]);
-        } else {
-          q = j < 16 ? qs[b * 16 + j] & 15 : qs[b * 16 + j - 16] >> 4;
-          if (K == U5) q |= ((qh[b * 4 + j / 8] >> (j % 8)) & 1) << 4;
+    for (int64_t j = 0; j < GROUP; ++j) {
+      float total = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t i = (r0 + r) * nb + b;
+        const int8_t* x = a.q.data() + i * 32;
+        const uint8_t* chunks = qs + b * chunk_bytes(K);
+        int32_t sums[2] = {0, 0};
+        for (int k = 0; k < 32; ++k) {
+          int q;
+          if (K == S8) {
+            q = static_cast<int8_t>(chunks[(k / 4) * 32 + j * 4 + k % 4]);
+          } else {
+            const int c = (k % 16) / 4;
+            const uint8_t byte = chunks[c * 32 + j * 4 + k % 4];
+            q = k < 16 ? byte & 15 : byte >> 4;
+            if (K == U5) q |= ((qh[b * 32 + c * 8 + (k < 16 ? 0 : 4) + (j * 4 + k % 4) / 8] >> ((j * 4 + k % 4) % 8)) & 1) << 4;
+          }
+          sums[sub == 2 && k >= 16] += q * x[k];
         }
-        sums[j / 16] += q * x[j];
+        const float s0 = scale_at<Wide>(sc, b * sub * GROUP + j);
+        total += static_cast<float>(sums[0]) * (s0 * a.d[i]);
+        if (sub == 2) total += static_cast<float>(sums[1]) * (scale_at<Wide>(sc, (b * 2 + 1) * GROUP + j) * a.d[i]);
+        if (K != S8) total += (mn ? scale_at<Wide>(mn, b * GROUP + j) : -w.centre * s0) * a.ds[i];
       }
-      const float s = scale_at<Wide>(sc, w.sub * b);
-      if (K == S8 && w.sub == 2) {
-        acc += sums[0] * (s * da) + sums[1] * (scale_at<Wide>(sc, 2 * b + 1) * da);
-      } else {
-        acc += (sums[0] + sums[1]) * (s * da);
-        if (K != S8) mins += (mn ? scale_at<Wide>(mn, b) : -w.centre * s) * a.ds[(t * nb + b) * TILE + r];
-      }
+      out[r * GROUP + j] = total;
     }
-    out[r] = acc + mins;
   }
 }
 
 #endif
 
+constexpr int ROWS = 4;  // activation rows per pass over a group's blocks
+
 template <int64_t K, bool Wide>
 void run(const Matrix& w, const Acts& a, uint16_t* y) {
-  const int64_t m = a.rows, n = w.rows, tiles = (m + TILE - 1) / TILE;
-  // enough weight rows per task to cover a thread's start-up (~64 KiB of blocks)
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, w.blocks * 20 * std::min<int64_t>(m, 8)));
+  const int64_t m = a.rows, n = w.rows, groups = (n + GROUP - 1) / GROUP;
+  // enough groups per task to cover a thread's start-up (~64 KiB of blocks)
+  const int64_t grain =
+      std::max<int64_t>(1, 65536 / std::max<int64_t>(1, w.blocks * chunk_bytes(K) * std::min<int64_t>(m, ROWS)));
   using Kernel = void (*)(const Matrix&, int64_t, const Acts&, int64_t, float*);
-  static constexpr Kernel kernels[TILE] = {rows_dot<K, Wide, 1>, rows_dot<K, Wide, 2>, rows_dot<K, Wide, 3>,
-                                           rows_dot<K, Wide, 4>, rows_dot<K, Wide, 5>, rows_dot<K, Wide, 6>,
-                                           rows_dot<K, Wide, 7>, rows_dot<K, Wide, 8>};
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    float out[TILE];
-    for (int64_t j = begin; j < end; ++j) {
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t rows = std::min<int64_t>(TILE, m - t * TILE);
-        kernels[rows - 1](w, j, a, t, out);
-        for (int64_t i = 0; i < rows; ++i) y[(t * TILE + i) * n + j] = to_bf(out[i]);
+  static constexpr Kernel kernels[ROWS] = {group_dot<K, Wide, 1>, group_dot<K, Wide, 2>, group_dot<K, Wide, 3>,
+                                           group_dot<K, Wide, 4>};
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    float out[ROWS * GROUP];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t width = std::min<int64_t>(GROUP, n - g * GROUP);
+      for (int64_t r = 0; r < m; r += ROWS) {
+        const int64_t rows = std::min<int64_t>(ROWS, m - r);
+        kernels[rows - 1](w, g, a, r, out);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < width; ++j) y[(r + i) * n + g * GROUP + j] = to_bf(out[i * GROUP + j]);
       }
     }
   });
@@ -236,24 +284,27 @@ void run(const Matrix& w, const Acts& a, uint16_t* y) {
 std::mutex lock;
 std::map<int64_t, std::shared_ptr<const Matrix>> kept;
 
-int64_t keep(int64_t kind, int64_t sub, double centre, const at::Tensor& qs, const at::Tensor& qh,
+int64_t keep(int64_t kind, int64_t rows, int64_t sub, double centre, const at::Tensor& qs, const at::Tensor& qh,
              const at::Tensor& scales, const at::Tensor& mins) {
   auto w = std::make_shared<Matrix>();
   TORCH_CHECK(kind == U4 || kind == U5 || kind == S8, "unknown block kind ", kind);
-  TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.is_contiguous(), "(rows, blocks, bytes) u8 expected");
-  w->kind = kind, w->rows = qs.size(0), w->blocks = qs.size(1), w->cols = 32 * qs.size(1);
+  TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
+              "(groups of 8 rows, blocks, bytes) u8 expected");
+  TORCH_CHECK(rows > 0 && (rows + GROUP - 1) / GROUP == qs.size(0), "rows in groups of ", GROUP);
+  w->kind = kind, w->rows = rows, w->blocks = qs.size(1), w->cols = 32 * qs.size(1);
   w->sub = sub, w->centre = static_cast<float>(centre);
-  TORCH_CHECK(qs.size(2) == (kind == S8 ? 32 : 16), "block bytes");
+  const int64_t groups = qs.size(0), padded = groups * GROUP;
+  TORCH_CHECK(qs.size(2) == chunk_bytes(kind), "block bytes");
   TORCH_CHECK(sub == 1 || (sub == 2 && kind == S8), "two scales a block for S8 only");
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf, "f16 or f32 scales");
   w->wide = scales.scalar_type() == at::kFloat;
-  TORCH_CHECK(scales.is_contiguous() && scales.numel() == w->rows * w->blocks * sub, "a scale per block");
+  TORCH_CHECK(scales.is_contiguous() && scales.numel() == padded * w->blocks * sub, "a scale per block");
   if (kind == U5)
-    TORCH_CHECK(qh.is_contiguous() && qh.scalar_type() == at::kByte && qh.numel() == w->rows * w->blocks * 4,
+    TORCH_CHECK(qh.is_contiguous() && qh.scalar_type() == at::kByte && qh.numel() == padded * w->blocks * 4,
                 "fifth bits");
   if (mins.numel()) {
     TORCH_CHECK(kind != S8 && mins.is_contiguous() && mins.scalar_type() == scales.scalar_type() &&
-                    mins.numel() == w->rows * w->blocks,
+                    mins.numel() == padded * w->blocks,
                 "a min per block, of the scales' type");
     w->mins = mins;
   }
@@ -299,7 +350,8 @@ at::Tensor multiply(const Matrix& w, const at::Tensor& x_in) {
 }  // namespace blocks
 
 TORCH_LIBRARY_FRAGMENT(chat_native, lib) {
-  lib.def("blocks_keep(int kind, int sub, float centre, Tensor qs, Tensor qh, Tensor scales, Tensor mins) -> int",
+  lib.def("blocks_keep(int kind, int rows, int sub, float centre, Tensor qs, Tensor qh, Tensor scales, Tensor mins) "
+          "-> int",
           &blocks::keep);
   lib.def("blocks_forget(int id) -> ()", &blocks::forget);
   lib.def("blocks_mm(int id, Tensor x) -> Tensor", &blocks::mm);

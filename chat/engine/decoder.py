@@ -56,22 +56,22 @@ class Embedding:
     ``gguf.affine``), each looked-up row w = s * q + z in float32, then rounded to the activations' type."""
 
     def __init__(self, dense: torch.Tensor | None = None, rows: tuple | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
-        self.dense, self.rows, self.dtype = dense, rows, dtype
+                 dtype: torch.dtype = torch.bfloat16, blocks: quant.Blocks | None = None) -> None:
+        self.dense, self.rows, self.dtype, self.blocks = dense, rows, dtype, blocks
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
             return F.embedding(ids, self.dense)
+        if self.blocks is not None:  # a tied Q8_0 table: the output layer's blocks
+            return self.blocks.lookup(ids).to(self.dtype)
         assert self.rows is not None
-        q, s, z = self.rows  # (vocab, hidden) uint8 or int8, (vocab, hidden / 32) float32 (or f16) s; z or None
-        rows = q[ids].float().unflatten(-1, (s.shape[1], -1)) * s[ids].float()[..., None]
-        if z is not None:
-            rows = rows + z[ids][..., None]
+        q, s, z = self.rows  # (vocab, hidden) uint8, (vocab, hidden / 32) float32 twice
+        rows = q[ids].float().unflatten(-1, (s.shape[1], -1)) * s[ids][..., None] + z[ids][..., None]
         return rows.flatten(-2).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
-        parts = [self.dense] if self.dense is not None else [t for t in self.rows or () if t is not None]
+        parts = [self.dense] if self.dense is not None else list(self.rows or ())  # blocks: the head's bytes
         return sum(t.numel() * t.element_size() for t in parts)
 
 
@@ -117,10 +117,7 @@ class Decoder:
         norms = sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.attn_norm, layer.mlp_norm))
         shared = (self.head.quant is None and self.embed.dense is not None
                   and self.head.dense is not None and self.head.dense.data_ptr() == self.embed.dense.data_ptr())
-        head = self.head.quant
-        looked_up = (isinstance(head, quant.Blocks) and self.embed.rows is not None  # lookups read the head's blocks
-                     and self.embed.rows[0].data_ptr() == head.qs.data_ptr())
-        return (sum(lin.nbytes for lin in self.linears()) + norms + (0 if looked_up else self.embed.nbytes)
+        return (sum(lin.nbytes for lin in self.linears()) + norms + self.embed.nbytes
                 + (0 if shared else self.head.nbytes))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

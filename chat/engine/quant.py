@@ -130,67 +130,92 @@ class Blocks:
     (``blocks.cpp``; it must be loaded: ``native.load``): 4-bit weights as nibbles (``U4``), 5-bit ones with
     a plane of fifth bits (``U5``), 8-bit ones signed (``S8``; two scales a block for Q6_K's 16-weight
     sub-blocks), each block with its scale and, unless the type is symmetric, its min: w = s * q + z, the
-    file's numbers unchanged (scales and mins in f16 where they are exactly f16, else float32)."""
+    file's numbers unchanged (scales and mins in f16 where they are exactly f16, else float32). Rows go in
+    groups of 8, each block's bytes interleaved 4 by 4 across the group (``blocks.cpp`` draws it)."""
 
     U4, U5, S8 = 0, 1, 2
     KINDS = {U4: "q4", U5: "q5", S8: "q8"}
+    ROWS = 8  # rows a group
 
     def __init__(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, bits: int) -> None:
         """``q``: (out, in) uint8 in 0 .. 2^bits - 1 with w = s * q + z per 32 weights (``gguf.affine``), or
         for ``bits`` 8 with ``z`` None, int8 with w = s * q per 32 or 16 weights (``gguf.signed``)."""
         rows, cols = q.shape
-        blocks = q.reshape(rows, cols // GROUP, GROUP)
+        nb = cols // GROUP
+        groups = -(-rows // self.ROWS)
+        pad = groups * self.ROWS - rows
         centre = float(1 << (bits - 1))
         symmetric = z is None or bool((z == -centre * s).all())
-        mins = torch.empty(0)
+        self.sub = s.shape[1] // nb
         if bits == 8:
             if not symmetric:
                 raise ValueError("8-bit blocks must be symmetric")
             self.kind = self.S8
             signed = q.to(torch.int8) if z is None else (q.to(torch.int16) - 128).to(torch.int8)
-            qs, qh = signed.view(torch.uint8).reshape(rows, -1, GROUP).contiguous(), torch.empty(0, dtype=torch.uint8)
+            # (groups, 8 rows, blocks, 8 chunks, 4) -> (groups, blocks, chunk, row, 4)
+            grouped = F.pad(signed.view(torch.uint8), (0, 0, 0, pad)).reshape(groups, self.ROWS, nb, 8, 4)
+            self.qs = grouped.permute(0, 2, 3, 1, 4).reshape(groups, nb, 256).contiguous()
+            self.qh = torch.empty(0, dtype=torch.uint8)
         else:
             self.kind = self.U4 if bits == 4 else self.U5
-            low = blocks & 15
-            qs = (low[..., :16] | (low[..., 16:] << 4)).contiguous()
-            qh = torch.empty(0, dtype=torch.uint8)
+            grouped = F.pad(q, (0, 0, 0, pad)).reshape(groups, self.ROWS, nb, 2, 4, 4)  # half, chunk, 4
+            low = grouped & 15
+            packed = low[:, :, :, 0] | (low[:, :, :, 1] << 4)  # (groups, row, blocks, chunk, 4)
+            self.qs = packed.permute(0, 2, 3, 1, 4).reshape(groups, nb, 128).contiguous()
+            self.qh = torch.empty(0, dtype=torch.uint8)
             if bits == 5:
-                word = ((blocks >> 4).to(torch.int64) << torch.arange(GROUP)).sum(-1).to(torch.int32)
-                qh = word.contiguous().view(torch.uint8).reshape(rows, -1, 4)
-            if not symmetric:
-                mins = z
+                fifth = (grouped >> 4).permute(0, 2, 4, 3, 1, 5).reshape(groups, nb, 4, 2, 32)  # bit 4 j + k
+                word = (fifth.to(torch.int64) << torch.arange(32)).sum(-1).to(torch.int32)
+                self.qh = word.contiguous().view(torch.uint8).reshape(groups, nb, 32)
+        mins = z if z is not None and not symmetric else torch.empty(0)
         exact = all(bool((t.half().float() == t).all()) for t in (s, mins))
         kind = torch.float16 if exact else torch.float32
-        self.scales, self.mins = s.to(kind).contiguous(), mins.to(kind).contiguous()
-        self.qs, self.qh = qs, qh
-        self.sub = s.shape[1] // (cols // GROUP)
+        self.scales = self._by_group(s.to(kind), groups, pad)
+        self.mins = self._by_group(mins.to(kind), groups, pad) if mins.numel() else mins.to(kind)
         self.centre = centre if symmetric and self.kind != self.S8 else 0.0
         self.out_features, self.in_features = rows, cols
-        self.id = torch.ops.chat_native.blocks_keep(self.kind, self.sub, self.centre, self.qs, self.qh,
-                                                    self.scales.reshape(-1), self.mins)
+        self.id = torch.ops.chat_native.blocks_keep(self.kind, rows, self.sub, self.centre, self.qs, self.qh,
+                                                    self.scales, self.mins)
         weakref.finalize(self, torch.ops.chat_native.blocks_forget, self.id)
+
+    def _by_group(self, t: torch.Tensor, groups: int, pad: int) -> torch.Tensor:
+        """(rows, blocks * sub) -> (groups, blocks * sub, 8): each block's scales of a group side by side."""
+        return F.pad(t, (0, 0, 0, pad)).reshape(groups, self.ROWS, -1).transpose(1, 2).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.chat_native.blocks_mm(self.id, x)
 
     def dense(self) -> torch.Tensor:
         """The weights as float32 (out, in), w = s * q + z from what is stored (tests: nothing was lost)."""
-        rows, blocks = self.out_features, self.in_features // GROUP
-        if self.kind == self.S8:
-            q = self.qs.view(torch.int8).reshape(rows, blocks * self.sub, -1).float()
-            return (self.scales.float().reshape(rows, -1, 1) * q).reshape(rows, -1)
-        q = torch.cat([self.qs & 15, self.qs >> 4], dim=-1)
-        if self.kind == self.U5:
-            bits = self.qh.reshape(rows, blocks, 4).contiguous().view(torch.int32)
-            q = q | (((bits >> torch.arange(GROUP, dtype=torch.int32)) & 1) << 4).to(torch.uint8)
-        s = self.scales.float().reshape(rows, blocks, 1)
-        z = self.mins.float().reshape(rows, blocks, 1) if self.mins.numel() else -self.centre * s
-        return (q.float() * s + z).reshape(rows, -1)
+        groups, nb = self.qs.shape[:2]
+        rows, padded = self.out_features, groups * self.ROWS
 
-    def signed_rows(self) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """An ``S8`` matrix's (q (out, in) int8, s (out, in / 32)) as views of its blocks, for lookups."""
+        def by_row(t: torch.Tensor) -> torch.Tensor:  # (groups, blocks * sub, 8) -> (rows, blocks * sub)
+            return t.float().transpose(1, 2).reshape(padded, -1)[:rows]
+        s = by_row(self.scales)
+        if self.kind == self.S8:
+            q = self.qs.view(torch.int8).reshape(groups, nb, 8, self.ROWS, 4).permute(0, 3, 1, 2, 4)
+            q = q.reshape(padded, nb * self.sub, -1)[:rows].float()
+            return (s[..., None] * q).reshape(rows, -1)
+        packed = self.qs.reshape(groups, nb, 4, self.ROWS, 4).permute(0, 3, 1, 2, 4)  # (groups, row, blocks, c, 4)
+        q = torch.stack([packed & 15, packed >> 4], dim=3)  # (groups, row, blocks, half, chunk, 4)
+        if self.kind == self.U5:
+            word = self.qh.reshape(groups, nb, 4, 2, 4).contiguous().view(torch.int32)[..., 0]  # (g, b, c, half)
+            bits = (word[..., None] >> torch.arange(32, dtype=torch.int32)) & 1  # (g, b, c, half, 4 j + k)
+            bits = bits.reshape(groups, nb, 4, 2, self.ROWS, 4).permute(0, 4, 1, 3, 2, 5)
+            q = q | (bits.to(torch.uint8) << 4)
+        q = q.reshape(padded, nb, GROUP)[:rows].float()
+        z = by_row(self.mins)[..., None] if self.mins.numel() else -self.centre * s[..., None]
+        return (q * s[..., None] + z).reshape(rows, -1)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of an ``S8`` matrix's weights, float32 (len(ids), in): a table's lookups read its blocks."""
         assert self.kind == self.S8 and self.sub == 1
-        return self.qs.view(torch.int8).reshape(self.out_features, -1), self.scales, None
+        groups, nb = self.qs.shape[:2]
+        g, j = ids // self.ROWS, ids % self.ROWS
+        q = self.qs.view(torch.int8).reshape(groups, nb, 8, self.ROWS, 4)[g, :, :, j]  # (ids, blocks, chunk, 4)
+        s = self.scales[g, :, j].float()  # (ids, blocks)
+        return (q.reshape(len(ids), nb, GROUP).float() * s[..., None]).reshape(len(ids), -1)
 
     @property
     def form(self) -> str:

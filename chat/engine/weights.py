@@ -179,7 +179,7 @@ def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, 
     head_quant = _quantized(r, [head_name], blocks) if mode != "off" else None
     if isinstance(head_quant, quant.Blocks) and head_name == table and head_quant.kind == quant.Blocks.S8 \
             and head_quant.sub == 1:  # a tied Q8_0 table: lookups read the head's blocks
-        embed = Embedding(rows=head_quant.signed_rows(), dtype=dtype)
+        embed = Embedding(blocks=head_quant, dtype=dtype)
     elif mode != "off" and r.form(table) is not None:
         embed = Embedding(rows=gguf.affine(r.tensor(table)), dtype=dtype)  # looked up row by row
     else:
