@@ -211,6 +211,43 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 SIGNED = (Q8_0, Q6_K)  # w = s * q with signed q: see ``signed``
+STORED = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # regrouped for the block products straight from their bytes: ``regroup``
+
+
+def raw_blocks(t: Tensor) -> torch.Tensor:
+    """The tensor's blocks as stored, (rows, blocks per row, bytes per block) uint8 (a copy)."""
+    return _blocks(t)
+
+
+def regroup(kind: int, raw: torch.Tensor, rows: int = 8) -> tuple:
+    """Blocks of a type in ``STORED`` (``raw_blocks``, stacked along the rows) in the block products' layout
+    (``quant.Blocks``), moved as stored, not decoded: (qs (groups, blocks, 128 or 256), qh (groups, blocks,
+    32) or empty, scales (groups, blocks, rows) f16, mins likewise or empty, centre). The 16 bytes of 4-bit
+    q hold weights 4c..4c+3 (low nibbles) and 16+4c.. (high) at bytes 4c..4c+3: chunk c as stored."""
+    n, nb, _ = raw.shape
+    groups = -(-n // rows)
+    raw = torch.nn.functional.pad(raw, (0, 0, 0, 0, 0, groups * rows - n)).reshape(groups, rows, nb, -1)
+
+    def halves(at: int) -> torch.Tensor:  # (groups, blocks, rows) f16
+        return raw[..., at:at + 2].contiguous().view(torch.float16)[..., 0].transpose(1, 2).contiguous()
+
+    def chunks(t: torch.Tensor, count: int) -> torch.Tensor:  # (groups, rows, blocks, count * 4) -> by chunk
+        return t.reshape(groups, rows, nb, count, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, -1).contiguous()
+    empty = torch.empty(0, dtype=torch.uint8)
+    if kind == Q8_0:
+        return chunks(raw[..., 2:], 8), empty, halves(0), torch.empty(0, dtype=torch.float16), 0.0
+    qs = chunks(raw[..., -16:], 4)
+    mins = halves(2) if kind in (Q4_1, Q5_1) else torch.empty(0, dtype=torch.float16)
+    centre = 0.0 if kind in (Q4_1, Q5_1) else float(1 << (BITS[kind] - 1))
+    if kind in (Q4_0, Q4_1):
+        return qs, empty, halves(0), mins, centre
+    at = 2 if kind == Q5_0 else 4
+    word = raw[..., at:at + 4].contiguous().view(torch.int32)[..., 0].to(torch.int64)  # (groups, rows, blocks)
+    shifts = torch.tensor([[4 * c, 16 + 4 * c] for c in range(4)])  # (chunk, half)
+    fields = (word[..., None, None] >> shifts) & 0xF  # (groups, rows, blocks, chunk, half): 4 weights' bits
+    packed = (fields << (4 * torch.arange(rows))[:, None, None, None]).sum(1)  # bit 4 j + k: row j's k-th
+    qh = torch.stack([(packed >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
+    return qs, qh.reshape(groups, nb, 32), halves(0), mins, centre
 
 
 def signed(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -125,6 +125,12 @@ def from_affine(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) ->
     return Int4(q, s, z + 8 * s) if bits == 4 else Sum(q, s, z, bits)
 
 
+def by_group(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """(out, n) -> (groups, n, ``rows``): each column's values of a group of rows side by side (zero-padded)."""
+    groups = -(-t.shape[0] // rows)
+    return F.pad(t, (0, 0, 0, groups * rows - t.shape[0])).reshape(groups, rows, -1).transpose(1, 2).contiguous()
+
+
 class Blocks:
     """A matrix (out, in) kept as blocks of 32 weights for the C++ library's product with 8-bit activations
     (``blocks.cpp``; it must be loaded: ``native.load``): 4-bit weights as nibbles (``U4``), 5-bit ones with
@@ -137,50 +143,53 @@ class Blocks:
     KINDS = {U4: "q4", U5: "q5", S8: "q8"}
     ROWS = 8  # rows a group
 
-    def __init__(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, bits: int) -> None:
+    def __init__(self, kind: int, rows: int, qs: torch.Tensor, qh: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor, centre: float = 0.0, sub: int = 1) -> None:
+        """The stored form: ``qs`` (groups, blocks, bytes) u8, ``qh`` the U5 fifth bits (groups, blocks, 32),
+        ``scales`` (groups, blocks * sub, 8) and ``mins`` (groups, blocks, 8, or empty: z = -centre * s),
+        f16 or float32 (see ``from_parts``, ``gguf.regroup``)."""
+        self.kind, self.qs, self.qh, self.scales, self.mins = kind, qs, qh, scales, mins
+        self.centre, self.sub = centre, sub
+        self.out_features, self.in_features = rows, qs.shape[1] * GROUP
+        self.id = torch.ops.chat_native.blocks_keep(kind, rows, sub, centre, qs, qh, scales, mins)
+        weakref.finalize(self, torch.ops.chat_native.blocks_forget, self.id)
+
+    @classmethod
+    def from_parts(cls, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, bits: int) -> "Blocks":
         """``q``: (out, in) uint8 in 0 .. 2^bits - 1 with w = s * q + z per 32 weights (``gguf.affine``), or
         for ``bits`` 8 with ``z`` None, int8 with w = s * q per 32 or 16 weights (``gguf.signed``)."""
         rows, cols = q.shape
         nb = cols // GROUP
-        groups = -(-rows // self.ROWS)
-        pad = groups * self.ROWS - rows
+        groups = -(-rows // cls.ROWS)
+        pad = groups * cls.ROWS - rows
         centre = float(1 << (bits - 1))
         symmetric = z is None or bool((z == -centre * s).all())
-        self.sub = s.shape[1] // nb
+        qh = torch.empty(0, dtype=torch.uint8)
         if bits == 8:
             if not symmetric:
                 raise ValueError("8-bit blocks must be symmetric")
-            self.kind = self.S8
+            kind = cls.S8
             signed = q.to(torch.int8) if z is None else (q.to(torch.int16) - 128).to(torch.int8)
             # (groups, 8 rows, blocks, 8 chunks, 4) -> (groups, blocks, chunk, row, 4)
-            grouped = F.pad(signed.view(torch.uint8), (0, 0, 0, pad)).reshape(groups, self.ROWS, nb, 8, 4)
-            self.qs = grouped.permute(0, 2, 3, 1, 4).reshape(groups, nb, 256).contiguous()
-            self.qh = torch.empty(0, dtype=torch.uint8)
+            grouped = F.pad(signed.view(torch.uint8), (0, 0, 0, pad)).reshape(groups, cls.ROWS, nb, 8, 4)
+            qs = grouped.permute(0, 2, 3, 1, 4).reshape(groups, nb, 256).contiguous()
         else:
-            self.kind = self.U4 if bits == 4 else self.U5
-            grouped = F.pad(q, (0, 0, 0, pad)).reshape(groups, self.ROWS, nb, 2, 4, 4)  # half, chunk, 4
+            kind = cls.U4 if bits == 4 else cls.U5
+            grouped = F.pad(q, (0, 0, 0, pad)).reshape(groups, cls.ROWS, nb, 2, 4, 4)  # half, chunk, 4
             low = grouped & 15
             packed = low[:, :, :, 0] | (low[:, :, :, 1] << 4)  # (groups, row, blocks, chunk, 4)
-            self.qs = packed.permute(0, 2, 3, 1, 4).reshape(groups, nb, 128).contiguous()
-            self.qh = torch.empty(0, dtype=torch.uint8)
+            qs = packed.permute(0, 2, 3, 1, 4).reshape(groups, nb, 128).contiguous()
             if bits == 5:
                 fifth = (grouped >> 4).permute(0, 2, 4, 3, 1, 5).reshape(groups, nb, 4, 2, 32)  # bit 4 j + k
                 word = (fifth.to(torch.int64) << torch.arange(32)).sum(-1).to(torch.int32)
-                self.qh = word.contiguous().view(torch.uint8).reshape(groups, nb, 32)
+                qh = word.contiguous().view(torch.uint8).reshape(groups, nb, 32)
         mins = z if z is not None and not symmetric else torch.empty(0)
         exact = all(bool((t.half().float() == t).all()) for t in (s, mins))
-        kind = torch.float16 if exact else torch.float32
-        self.scales = self._by_group(s.to(kind), groups, pad)
-        self.mins = self._by_group(mins.to(kind), groups, pad) if mins.numel() else mins.to(kind)
-        self.centre = centre if symmetric and self.kind != self.S8 else 0.0
-        self.out_features, self.in_features = rows, cols
-        self.id = torch.ops.chat_native.blocks_keep(self.kind, rows, self.sub, self.centre, self.qs, self.qh,
-                                                    self.scales, self.mins)
-        weakref.finalize(self, torch.ops.chat_native.blocks_forget, self.id)
-
-    def _by_group(self, t: torch.Tensor, groups: int, pad: int) -> torch.Tensor:
-        """(rows, blocks * sub) -> (groups, blocks * sub, 8): each block's scales of a group side by side."""
-        return F.pad(t, (0, 0, 0, pad)).reshape(groups, self.ROWS, -1).transpose(1, 2).contiguous()
+        dtype = torch.float16 if exact else torch.float32
+        scales = by_group(s.to(dtype), cls.ROWS)
+        mins = by_group(mins.to(dtype), cls.ROWS) if mins.numel() else mins.to(dtype)
+        return cls(kind, rows, qs, qh, scales, mins, centre if symmetric and kind != cls.S8 else 0.0,
+                   s.shape[1] // nb)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.chat_native.blocks_mm(self.id, x)

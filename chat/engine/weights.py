@@ -94,8 +94,12 @@ class _Reader:
 
     def blocks(self, names: list[str]) -> quant.Blocks:
         """Tensors of one type stacked along the outputs, as a block product."""
+        kind = self.tensor(names[0]).kind
+        if kind in gguf.STORED:  # moved as stored
+            raw = torch.cat([self._order(n, gguf.raw_blocks(self.tensor(n))) for n in names])
+            return _stored(kind, raw)
         parts = [tuple(self._order(n, a) for a in _block_parts(self.tensor(n))) for n in names]
-        return _block_product(self.tensor(names[0]).kind, [torch.cat(p) for p in zip(*parts)])
+        return _block_product(kind, [torch.cat(p) for p in zip(*parts)])
 
     def vector(self, name: str) -> torch.Tensor | None:
         if name not in self.f.tensors:
@@ -115,13 +119,22 @@ def _block_parts(t: gguf.Tensor) -> tuple:
 
 def _block_product(kind: int, parts: list) -> quant.Blocks:
     if kind in gguf.SIGNED:
-        return quant.Blocks(parts[0], parts[1], None, 8)
+        return quant.Blocks.from_parts(parts[0], parts[1], None, 8)
     q, s, z = parts
-    return quant.Blocks(q, s, z, gguf.BITS[kind])
+    return quant.Blocks.from_parts(q, s, z, gguf.BITS[kind])
 
 
-def blocks(t: gguf.Tensor) -> quant.Blocks:
-    """One tensor of a type in ``gguf.AFFINE`` or ``gguf.SIGNED`` as a block product (the library loaded)."""
+def _stored(kind: int, raw: torch.Tensor) -> quant.Blocks:
+    qs, qh, scales, mins, centre = gguf.regroup(kind, raw, quant.Blocks.ROWS)
+    form = {4: quant.Blocks.U4, 5: quant.Blocks.U5, 8: quant.Blocks.S8}[gguf.BITS[kind]]
+    return quant.Blocks(form, raw.shape[0], qs, qh, scales, mins, centre)
+
+
+def blocks(t: gguf.Tensor, stored: bool = True) -> quant.Blocks:
+    """One tensor of a type in ``gguf.AFFINE`` or ``gguf.SIGNED`` as a block product (the library loaded):
+    types in ``gguf.STORED`` moved as stored unless not ``stored`` (then from their decoded parts)."""
+    if stored and t.kind in gguf.STORED:
+        return _stored(t.kind, gguf.raw_blocks(t))
     return _block_product(t.kind, list(_block_parts(t)))
 
 
@@ -273,7 +286,7 @@ def quantize(decoder: Decoder, dense_copies: bool, tolerance: float = 0.02, bloc
     first and last layers and the output layer before the dense weights go; False (and nothing changed)
     when the check fails. The token table stays dense (lookups)."""
     linears = [*decoder.linears(), decoder.head]
-    made = quant.Blocks if blocks else quant.from_affine  # the C++ library's block products, once loaded
+    made = quant.Blocks.from_parts if blocks else quant.from_affine  # the C++ library's block products, once loaded
     built = [made(*q8_0(linear.dense), 8) for linear in linears]
     last = len(decoder.layers) - 1
     sample = {0, 1, 2, 3, 4 * last, 4 * last + 1, 4 * last + 2, 4 * last + 3, len(linears) - 1}
