@@ -188,6 +188,7 @@ class LocalEngine(Engine):
             if self.chores is not None and not queue.waiting:
                 if next(self.chores, _DONE) is _DONE:
                     self.chores = None
+                    self.weights, self.formats = self.runner.weights, self.runner.formats()  # the chores may move them
                 return  # one step of idle work at a time, then look for requests again
             if not self.trimmed:
                 _release_memory()
@@ -201,9 +202,8 @@ class LocalEngine(Engine):
             runner = self.runner = runner_for(self.loaded)
             if self.settings.warmup:
                 runner.warm_up()
-            self.weights = runner.weights
+            self.weights, self.formats = runner.weights, runner.formats()
             self.cpu = cpu.detect(self.settings.cpu_isa).isa
-            self.formats = runner.formats()
             self.vocab_size = runner.vocab_size
             self.grammars = grammar.Grammars(self.loaded.tokenizer, self.loaded.eos_ids, runner.vocab_size)
             self.chores = runner.chores(self.settings)

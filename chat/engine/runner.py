@@ -33,8 +33,12 @@ class ModelRunner(Protocol):
 
     dims: Dims
     vocab_size: int
-    weights: str  # what a decode step multiplies by: "int4", "bfloat16", ...
     decoder: Decoder | None  # the own decoder, where it runs
+
+    @property
+    def weights(self) -> str:
+        """What a decode step multiplies by: "int4", "bfloat16", ... (the idle chores may change it)."""
+        ...
 
     @property
     def native(self) -> bool:
@@ -126,7 +130,11 @@ class DecoderRunner(_Runner):
         s = decoder.shape
         self.dims = (s.layers, s.kv_heads, s.head_dim, loaded.dtype, loaded.device)
         self.vocab_size = s.vocab
-        self.weights = decoder.weights
+
+    @property
+    def weights(self) -> str:
+        assert self.decoder is not None
+        return self.decoder.weights
 
     @property
     def native(self) -> bool:
