@@ -156,7 +156,7 @@ def test_timeout_and_shutdown_reasons(tiny_model, tmp_path):
 def test_a_failing_step_ends_the_batch_with_error_and_the_engine_goes_on(tiny_model, tmp_path):
     eng = make_engine(tiny_model, tmp_path)
     try:
-        real_forward = eng.forward
+        real_forward = eng.runner.forward
         broken = {"on": True}
 
         def flaky(*args, **kwargs):
@@ -165,7 +165,7 @@ def test_a_failing_step_ends_the_batch_with_error_and_the_engine_goes_on(tiny_mo
                 raise RuntimeError("simulated kernel failure")
             return real_forward(*args, **kwargs)
 
-        eng.forward = flaky
+        eng.runner.forward = flaky
         failed = list(eng.submit(ask("first"), GenParams(temperature=0, max_new_tokens=20)))
         assert failed[-1].reason == "error"
         ok = list(eng.submit(ask("second"), GenParams(temperature=0, max_new_tokens=20)))

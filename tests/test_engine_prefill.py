@@ -51,18 +51,18 @@ def test_chunked_prefill_after_a_prefix_hit_gives_the_fresh_answer(chunked):
 def test_decode_steps_run_between_chunks_of_a_long_prompt(chunked):
     """Between two decode steps of the running batch, at most CHAT_PREFILL_CHUNK prompt tokens go in."""
     calls = []  # (is a decode step of the batch, tokens fed)
-    real = chunked.forward
+    real = chunked.runner.forward
 
     def spy(input_ids, kv, positions, spans=None):
         calls.append((kv is chunked.kv, input_ids.numel()))
         return real(input_ids, kv, positions, spans)
 
     running = busy(chunked)
-    chunked.forward = spy
+    chunked.runner.forward = spy
     try:
         _, events = collect(chunked.submit(ask(LONG + " again"), GREEDY))
     finally:
-        chunked.forward = real
+        chunked.runner.forward = real
         running.cancel()
         collect(running)
     assert events[-1].reason in ("length", "stop")
@@ -89,7 +89,7 @@ def test_requests_sent_together_to_an_idle_engine_share_one_prefill(tiny_model, 
     eng = make_engine(tiny_model, tmp_path)
     count = 4
     entered = threading.Barrier(count)
-    fit, forward = eng.fit, eng.forward
+    fit, forward = eng.fit, eng.runner.forward
     rows = []
 
     def slow_fit(gen):  # every submit is fitting its prompt when the first one lands
@@ -105,7 +105,7 @@ def test_requests_sent_together_to_an_idle_engine_share_one_prefill(tiny_model, 
     def send(i):
         gens[i] = eng.submit(ask(QUESTIONS[i]), GREEDY)
 
-    eng.fit, eng.forward = slow_fit, spy
+    eng.fit, eng.runner.forward = slow_fit, spy
     try:
         in_threads(send, count)
         answers = [collect(g)[0] for g in gens]
@@ -123,7 +123,7 @@ def test_chunks_shrink_when_they_cost_more_than_a_couple_of_decode_steps(tiny_mo
     from chat.engine.prefill import MIN_CHUNK
 
     eng = make_engine(tiny_model, tmp_path, prefill_chunk=64)
-    forward, prefills = eng.forward, []
+    forward, prefills = eng.runner.forward, []
 
     def costly(input_ids, kv, positions, spans=None):  # decode steps 20 ms, prompt tokens 4 ms each
         decode = kv is eng.kv
@@ -134,7 +134,7 @@ def test_chunks_shrink_when_they_cost_more_than_a_couple_of_decode_steps(tiny_mo
 
     try:
         running = busy(eng)
-        eng.forward = costly
+        eng.runner.forward = costly
         for _ in range(20):  # let the measured step time settle
             next(e for e in running if isinstance(e, Delta))
         _, events = collect(eng.submit(ask(LONG), GREEDY))
@@ -144,7 +144,7 @@ def test_chunks_shrink_when_they_cost_more_than_a_couple_of_decode_steps(tiny_mo
         running.cancel()
         collect(running)
     finally:
-        eng.forward = forward
+        eng.runner.forward = forward
         eng.shutdown()
     assert events[-1].reason in ("length", "stop") and again[-1].reason in ("length", "stop")
     assert first_job[0] == 64 and len(first_job) > 4
@@ -167,18 +167,18 @@ def test_rows_of_very_different_lengths_attend_over_their_own_columns(chunked):
     own columns only, and every answer is still the one it gets alone."""
     prompts = QUESTIONS[:3] + [LONG]
     alone = [collect(chunked.submit(ask(q), GREEDY))[0] for q in prompts]
-    real, split = chunked.forward, []
+    real, split = chunked.runner.forward, []
 
     def spy(input_ids, kv, positions, spans=None):
         if spans:
             split.append(spans)
         return real(input_ids, kv, positions, spans)
 
-    chunked.forward = spy
+    chunked.runner.forward = spy
     try:
         gens = [chunked.submit(ask(q), GREEDY) for q in prompts]
         together = [collect(g)[0] for g in gens]
     finally:
-        chunked.forward = real
+        chunked.runner.forward = real
     assert split and all(len(spans) > 1 for spans in split)
     assert together == alone

@@ -25,13 +25,13 @@ def engine(tiny_model, tmp_path):
 def forwards(engine, monkeypatch):
     """(rows, columns, prefilling tokens, a decode step?) of every forward the engine runs from now on."""
     seen: list[tuple[int, int, int, bool]] = []
-    forward = engine.forward
+    forward = engine.runner.forward
 
     def spy(input_ids, kv, position_ids, spans=None):
         held = sum(job.rows * job.tokens.shape[1] for job in engine.queue.jobs)
         seen.append((input_ids.shape[0], input_ids.shape[1], held, kv is engine.kv))
         return forward(input_ids, kv, position_ids, spans)
-    monkeypatch.setattr(engine, "forward", spy)
+    monkeypatch.setattr(engine.runner, "forward", spy)
     return seen
 
 

@@ -36,3 +36,17 @@ def test_the_accessors_read_what_the_libraries_hold():
     assert internals.frame_protocol(Connection(ConnectionType.SERVER)).extensions == []
     assert internals.frame_protocol(wsproto.WSConnection(ConnectionType.SERVER).connection) is None  # no handshake
 
+
+
+def test_no_other_web_module_touches_a_private_part():
+    """What the transport leans on is reached through chat/web/internals.py only: no other module of the web
+    layer names one of the libraries' private members (a method it overrides or an attribute it reads)."""
+    import re
+    from pathlib import Path
+    private = {what.removeprefix("self.") for _, _, what in internals.LEANS_ON}
+    private = {name for name in private if name.startswith("_")}
+    assert {"_thread", "_handle_events", "_proto", "_sock"} <= private
+    pattern = re.compile(r"\b(?:def |\.)(" + "|".join(map(re.escape, sorted(private))) + r")\b")
+    web = Path(internals.__file__).parent
+    found = {p.name: pattern.findall(p.read_text()) for p in web.glob("*.py") if p.name != "internals.py"}
+    assert {name: uses for name, uses in found.items() if uses} == {}

@@ -280,7 +280,8 @@ def test_delta_frames_written_directly_are_what_json_and_wsproto_write():
     from wsproto.connection import Connection, ConnectionType
     from wsproto.events import TextMessage
 
-    from chat.web.ws import encode, text_frame
+    from chat.web.internals import text_frame
+    from chat.web.ws import encode
     for text in ["", "plain", 'quo"te\\ and \n', "ünï\u2028code 😀", "\x00\x1f\x7f", "x" * 120, "y" * 70_000]:
         frame = {"type": "delta", "id": "r-1", "index": 7, "text": text}
         assert encode(frame) == json.dumps(frame, ensure_ascii=False)

@@ -92,9 +92,8 @@ class Decoder:
     def cache(self, rows: int, capacity: int) -> KVBuffer:
         """An empty KV buffer of ``rows`` rows for this decoder (outside the engine: benchmarks, checks)."""
         s = self.shape
-        kv = KVBuffer(s.layers, s.kv_heads, s.head_dim, self.dtype, torch.device("cpu"), rows=rows, capacity=capacity)
-        kv.n = rows
-        return kv
+        return KVBuffer(s.layers, s.kv_heads, s.head_dim, self.dtype, torch.device("cpu"), rows=rows,
+                        capacity=capacity, active=rows)
 
     def formats(self) -> dict[str, str]:
         """What each class of product multiplies by at decode: ``int4`` (4-bit weights), ``int4x2`` (5 to 8

@@ -43,9 +43,10 @@ class KVBuffer:
     """
 
     def __init__(self, layers: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device, rows: int = 1,
-                 capacity: int = 64) -> None:
+                 capacity: int = 64, active: int = 0) -> None:
         self.layers, self.heads, self.dim, self.dtype, self.device = layers, heads, dim, dtype, device
-        self.n = self.start = self.length = 0
+        self.start = self.length = 0
+        self.n = active  # rows taking part; ``active`` rows start empty (a prefill's, written column by column)
         # Whether a decode step reads padding columns (masked, so they must be finite: zeroed). The
         # C++ step reads only each row's own columns: then a long row joining skips zeroing the
         # others' new padding (hundreds of MB at a 2000-token join, most of a second here).
@@ -82,6 +83,21 @@ class KVBuffer:
         if self.length + extra > self.capacity:
             live = self.length - self.start
             self._move(self.mask.shape[0], max(64, 2 * (live + extra)), 0)
+
+    def open(self, count: int, real: torch.Tensor | None = None) -> None:
+        """Make room for the next ``count`` columns of every active row and mark them real (or, where ``real``
+        (rows, count) is 0, padding): what a forward of ``count`` columns needs first."""
+        self.reserve(count)
+        self.mask[:self.n, self.length:self.length + count] = 1 if real is None else real
+
+    def advance(self, count: int) -> None:
+        """A forward wrote the ``count`` columns opened for it: they are the rows' newest."""
+        self.length += count
+
+    def clear(self, r: int, count: int) -> None:
+        """Zero row ``r``'s next ``count`` columns (padding a forward wrote: never read, kept finite)."""
+        for t in self.keys + self.values:
+            t[r, :, self.length:self.length + count] = 0
 
     def write(self, index: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
         """Called by each attention layer during a forward pass."""
@@ -150,6 +166,21 @@ class KVBuffer:
             self.start += int(used.int().argmax())
         else:
             self.start = self.length
+
+
+def joined(batch: KVBuffer | None, source: KVBuffer, rows: list[int], reads_padding: bool) -> KVBuffer:
+    """The batch's buffer with ``source``'s ``rows`` added in place (``source`` itself, no copy, when the batch
+    is empty and they are all of its rows); ``reads_padding``: whether the decode step reads padding."""
+    if batch is None and len(rows) == source.n:
+        batch = source
+    elif batch is None:
+        batch = KVBuffer(source.layers, source.heads, source.dim, source.dtype, source.device, rows=len(rows),
+                         capacity=source.length + 64)
+    batch.reads_padding = reads_padding
+    if batch is not source:
+        for r in rows:
+            batch.add_row(*source.row(r, copy=False))
+    return batch
 
 
 class PrefixCache:

@@ -1,12 +1,13 @@
 """The inference engine: the only place that runs the model.
 
 One real OS thread loads the model, warms it up and then runs a continuous
-batching loop: the scheduler (``scheduler.py``) takes new requests and spends
-the iteration's prefill budget, then one decode step runs for every row. Rows
-join and leave the shared KV buffer in place; each row keeps its own sampling
-parameters and random generator, so a seeded answer does not depend on who
-else is in the batch. Finished conversations leave their KV in a bounded LRU
-so the next turn only prefills what is new.
+batching loop: each iteration the scheduler (``scheduler.py``) plans who starts,
+who prefills how much and who is cut; the model runner (``runner.py``) runs
+those prefill chunks and then one decode step for every row. Rows join and
+leave the shared KV buffer in place; each row keeps its own sampling parameters
+and random generator, so a seeded answer does not depend on who else is in the
+batch. Finished conversations leave their KV in a bounded LRU so the next turn
+only prefills what is new.
 """
 from __future__ import annotations
 
@@ -14,19 +15,23 @@ import ctypes
 import gc
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
 from ..concurrency import run_in_thread, start_real_thread
-from ..errors import EngineError, EngineUnavailable, Overloaded, PromptTooLong
-from . import attention, cpu, grammar, native, prompt
+from ..config import Settings
+from ..errors import EngineUnavailable, Overloaded, PromptTooLong
+from . import cpu, grammar, prompt
 from . import model as model_loader
 from .base import Engine, GenParams, Generation
+from .decoder import Decoder
 from .events import Delta, Done, Queued, Refused, Started
-from .kv import KVBuffer, PrefixCache
+from .kv import KVBuffer, PrefixCache, joined
 from .prefill import PrefillJob
-from .sampling import sample
-from .scheduler import Request, Scheduler
+from .runner import ModelRunner, runner_for
+from .sampling import sample_rows
+from .scheduler import Plan, Request, Scheduler
 from .slot import Slot
 
 log = logging.getLogger(__name__)
@@ -44,22 +49,24 @@ def _release_memory() -> None:
 class LocalEngine(Engine):
     """Runs the model on its own OS thread with continuous batching."""
 
-    def __init__(self, settings):
+    loaded: model_loader.LoadedModel  # these three once loaded (``ready``)
+    runner: ModelRunner
+    grammars: grammar.Grammars
+
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.model_name = settings.model_name or "loading"
         self.ready = False
-        self.error = None
-        self.loaded = None
-        self.decoder = None  # the own forward (decoder.py), or None for transformers'
+        self.error: str | None = None
         self.rows: list[Slot] = []  # decoding; row i is row i of self.kv
         self.kv: KVBuffer | None = None
         self.prefix = PrefixCache(settings.kv_cache_mb * 1024 * 1024)
-        self.queue = Scheduler(self)
+        self.queue = Scheduler(settings, self.prefix, self)
         self.accepting = True
-        self.stopping = None  # reason, once shutdown was asked
+        self.stopping: str | None = None  # reason, once shutdown was asked
         self.closed = False  # the engine thread has ended
         self.trimmed = True
-        self.chores = None  # idle work after start-up (model.finish): an iterator, a step per idle turn
+        self.chores: Iterator[None] | None = None  # idle work after start-up (runner.chores): a step per idle turn
         # System prompts' preambles seen without their KV held, as keys (any thread adds: atomic; the engine
         # pops them with popitem, prefills each alone while idle and shares it: PrefixCache.share)
         self.preambles: dict[tuple, None] = {}
@@ -69,7 +76,8 @@ class LocalEngine(Engine):
 
     # ---- called from the web layer (any greenlet or thread) ----
 
-    def submit(self, messages, params: GenParams, key=None, owner=None) -> Generation:
+    def submit(self, messages: list, params: GenParams, key: str | None = None,
+               owner: str | None = None) -> Generation:
         """Queue a generation; raises ``overloaded`` when the queue is full or stopping."""
         if not self.accepting or self.stopping:
             raise Overloaded("the server is shutting down")
@@ -106,7 +114,7 @@ class LocalEngine(Engine):
                 "prefix_misses": self.prefix.misses, "prefix_shared_hits": self.prefix.shared_hits,
                 "tokens_generated": self.tokens_generated,
                 "finishing": self.chores is not None,
-                "decode": "native" if self._native else "torch"}
+                "decode": "native" if self.ready and self.runner.native else "torch"}
 
     def drain(self) -> None:
         """Stop taking new requests; running and queued ones go on."""
@@ -116,6 +124,16 @@ class LocalEngine(Engine):
         self.accepting = False
         self.stopping = reason
         self.queue.wake.set()
+
+    @property
+    def decoder(self) -> Decoder | None:
+        """The own decoder the runner runs, or None on transformers' forward."""
+        return self.runner.decoder
+
+    @property
+    def dims(self) -> tuple:
+        """A KV buffer's (layers, heads, head dim, dtype, device) for this model (the scheduler's jobs)."""
+        return self.runner.dims
 
     # ---- the engine thread ----
 
@@ -147,13 +165,15 @@ class LocalEngine(Engine):
         self._fail_inbox(self.stopping)
 
     def _iterate(self) -> None:
-        """Take new requests, spend the prefill budget, run one decode step (or wait for work)."""
+        """Carry out the scheduler's plan: its admissions, its prefill chunks, one decode step (or wait for work)."""
         queue = self.queue
-        queue.take_inbox()
-        if queue.waiting and not queue.busy:
-            queue.gather()
-        queue.admit()
-        queue.prefill()
+        plan = queue.plan(self.rows, self.step_s, lambda: self.stopping)
+        self._announce(plan)
+        while (chunk := queue.chunk(plan)) is not None:
+            started = time.monotonic()
+            logits = self.runner.prefill(chunk.job, chunk.columns)
+            queue.ran(plan, chunk, time.monotonic() - started, logits)
+        self._announce(plan)  # prefills whose every prompt was cancelled
         if self.rows:
             self._step()
             self.trimmed = False
@@ -161,15 +181,14 @@ class LocalEngine(Engine):
         # attention longer, and the step of the running rows already waited for its last chunk.
         for job, logits in queue.take_joining():
             self._join(job, logits)
-        if not queue.busy:
+        if not queue.busy(self.rows):
             if self.preambles and not queue.queued():
                 self._warm(list(self.preambles.popitem()[0]))
                 return
             if self.chores is not None and not queue.waiting:
                 if next(self.chores, _DONE) is _DONE:
                     self.chores = None
-                    if self.loaded.decoder is not None:  # the chores may have moved the weights (block products)
-                        self.weights, self.formats = self.loaded.weights, self.loaded.decoder.formats()
+                    self.weights, self.formats = self.runner.weights, self.runner.formats()  # the chores may move them
                 return  # one step of idle work at a time, then look for requests again
             if not self.trimmed:
                 _release_memory()
@@ -180,25 +199,14 @@ class LocalEngine(Engine):
         with torch.inference_mode():
             self.loaded = model_loader.load(self.settings)
             self.model_name = self.loaded.name
-            decoder = self.decoder = self.loaded.decoder
-            if decoder is not None:
-                s = decoder.shape
-                self.dims = (s.layers, s.kv_heads, s.head_dim, self.loaded.dtype, self.loaded.device)
-            else:
-                attention.use(self.loaded.model)
-                cfg = self.loaded.model.config.get_text_config(decoder=True)
-                heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-                head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-                self.dims = (cfg.num_hidden_layers, heads, head_dim, self.loaded.dtype, self.loaded.device)
+            runner = self.runner = runner_for(self.loaded)
             if self.settings.warmup:
-                self._warmup()
-            self.weights = self.loaded.weights
+                runner.warm_up()
+            self.weights, self.formats = runner.weights, runner.formats()
             self.cpu = cpu.detect(self.settings.cpu_isa).isa
-            self.formats = decoder.formats() if decoder is not None else None
-            self.vocab_size = (decoder.shape.vocab if decoder is not None
-                               else self.loaded.model.get_output_embeddings().weight.shape[0])
-            self.grammars = grammar.Grammars(self.loaded.tokenizer, self.loaded.eos_ids, self.vocab_size)
-            self.chores = model_loader.finish(self.loaded, self.settings)
+            self.vocab_size = runner.vocab_size
+            self.grammars = grammar.Grammars(self.loaded.tokenizer, self.loaded.eos_ids, runner.vocab_size)
+            self.chores = runner.chores(self.settings)
             # the default system prompt's preamble first, so the first user after a start reuses it too
             self._want_preamble([{"role": "system", "content": self.settings.system_prompt}]
                                 if self.settings.system_prompt else [])
@@ -210,49 +218,6 @@ class LocalEngine(Engine):
         self.ready = True
         log.info("engine ready: %s, max batch %d, prefill chunk %d", self.model_name,
                  self.settings.max_batch, self.settings.prefill_chunk)
-
-    def _warmup(self) -> None:
-        """Run a tiny generation, chunked and sampled, so the first user pays for no lazy initialisation."""
-        started = time.monotonic()
-        ids = prompt.render(self.loaded.tokenizer, [{"role": "user", "content": "Hi"}])
-        job = PrefillJob([ids], self.dims)
-        logits = job.step(self.forward, len(ids) // 2)
-        logits = logits if logits is not None else job.step(self.forward, len(ids))
-        params, generator = [GenParams(temperature=0.7, top_p=0.9)], [torch.Generator().manual_seed(0)]
-        for i in range(3):
-            token = sample(logits, params, generator)[0]
-            logits = self._decode(job.kv, [token], [len(ids) + i])
-        log.info("warm-up took %.2f s", time.monotonic() - started)
-
-    def forward(self, input_ids, kv: KVBuffer, position_ids, spans=None, every: bool = False):
-        """The next-token logits of every row after feeding ``input_ids`` (rows, columns); ``every``:
-        of every column (rows, columns, vocab)."""
-        if self.decoder is not None:
-            return self.decoder(input_ids, kv, position_ids, spans, every=every)
-        model = self.loaded.model
-        out = model.get_decoder()(input_ids=input_ids, attention_mask=kv.attention_mask(input_ids.shape[1]),
-                                  position_ids=position_ids, cache=kv.cache, use_cache=True, spans=spans)
-        # The output head on a 2-D (rows, hidden) input. Given the model's own 3-D slice of a
-        # multi-column forward, torch's matmul takes its batched path, which copies the whole
-        # bf16 output matrix once per row when the weights are inference tensors (as they are
-        # when loaded under gevent): 0.4 s of a 7-prompt prefill.
-        if every:
-            rows, cols = input_ids.shape
-            return model.get_output_embeddings()(out.last_hidden_state.reshape(rows * cols, -1)).float().view(
-                rows, cols, -1)
-        return model.get_output_embeddings()(out.last_hidden_state[:, -1, :]).float()
-
-    def _decode(self, kv: KVBuffer, tokens: list, positions: list):
-        """One decode forward for every row of ``kv``: next-token logits."""
-        device = self.loaded.device
-        kv.reserve(1)
-        kv.mask[:kv.n, kv.length] = 1
-        # the torch step's runs of rows (the C++ step takes each row's own columns itself)
-        spans = attention.plan(kv.row_starts(1), kv.length + 1 - kv.start) if kv.n > 1 and not self._native else None
-        logits = self.forward(torch.tensor(tokens, device=device)[:, None], kv,
-                               torch.tensor(positions, device=device)[:, None], spans)
-        kv.length += 1
-        return logits
 
     def fit(self, gen: Generation) -> list[int]:
         """The prompt ids, history trimmed so the answer has room in the context."""
@@ -279,7 +244,7 @@ class LocalEngine(Engine):
         if self.prefix.has_preamble(ids):
             return
         job = PrefillJob([ids], self.dims)
-        job.step(self.forward, len(ids))
+        self.runner.prefill(job, len(ids))
         self.prefix.share(ids, *job.kv.row(0, copy=True))
 
     def prepare(self, gen: Generation) -> tuple[list[int], object]:
@@ -290,16 +255,15 @@ class LocalEngine(Engine):
             self.grammars.tokenizer  # noqa: B018 (built on first use, here rather than on the engine thread)
         return ids, self.grammars.matcher(params.grammar) if params.grammar else None
 
-    def new_slot(self, gen: Generation, ids: list, matcher=None) -> Slot:
-        """A request starts: its slot, and ``Started`` to its consumer."""
+    def new_slot(self, gen: Generation, ids: list, matcher: object = None) -> Slot:
+        """A request's slot as it starts (the scheduler's admission)."""
         slot = Slot(gen, ids, self.loaded.tokenizer, self.settings)
         slot.matcher = matcher
-        self._emit_start(slot)
         return slot
 
     # ---- joining and decoding ----
 
-    def _join(self, job: PrefillJob, logits) -> None:
+    def _join(self, job: PrefillJob, logits: torch.Tensor) -> None:
         """Move a prefilled job's rows into the batch (in place) and sample their first tokens."""
         kept = []
         for r, slot in enumerate(job.slots):
@@ -309,14 +273,7 @@ class LocalEngine(Engine):
                 kept.append(r)
         if not kept:
             return
-        if self.kv is None and len(kept) == job.rows:
-            self.kv = job.kv  # the job's buffer becomes the batch's: no copy
-        elif self.kv is None:
-            self.kv = KVBuffer(*self.dims, rows=len(kept), capacity=job.kv.length + 64)
-        self.kv.reads_padding = not self._native  # the C++ step reads no padding
-        if self.kv is not job.kv:
-            for r in kept:
-                self.kv.add_row(*job.kv.row(r, copy=False))
+        self.kv = joined(self.kv, job.kv, kept, reads_padding=not self.runner.native)  # the C++ step reads none
         slots = [job.slots[r] for r in kept]
         self.rows += slots
         if job.scores is not None:
@@ -326,30 +283,24 @@ class LocalEngine(Engine):
         self._accept_all(slots, rows)
 
     def _step(self) -> None:
-        """One decode step for every row in the batch."""
-        now = time.monotonic()
-        for slot in list(self.rows):
-            if slot.gen.cancel_reason:
-                self._finish(slot, slot.gen.cancel_reason)
-            elif now >= slot.deadline:
-                self._finish(slot, "timeout")
+        """One decode step for every row in the batch, once the rows the scheduler cuts have ended."""
+        for slot, reason in self.queue.cut(self.rows):
+            self._finish(slot, reason)
         if not self.rows:
             return
+        assert self.kv is not None
         started = time.monotonic()
-        logits = self._decode(self.kv, [s.last for s in self.rows], [s.pos for s in self.rows])
+        logits = self.runner.decode(self.kv, [s.last for s in self.rows], [s.pos for s in self.rows])
         self.step_s += (time.monotonic() - started - self.step_s) / 8  # a moving average
         for slot in self.rows:
             slot.pos += 1
         self._accept_all(list(self.rows), logits)
 
-    def _accept_all(self, slots: list, logits) -> None:
-        """Sample every row's next token in one pass, then emit each row's text.
-
-        A pass that fails is redone row by row, each row's generator first put back where it was (a
-        seeded answer stays the same), and a row that fails alone ends alone with ``error``.
-        Log probabilities come from the raw logits; a grammar's mask (-inf) goes on before either
-        sampler sees them. Rows asked for no tokens (a scored prompt) end here, unsampled.
-        """
+    def _accept_all(self, slots: list[Slot], logits: torch.Tensor) -> None:
+        """Sample every row's next token in one pass, then emit each row's text; a row whose sampling fails
+        ends alone with ``error`` (``sample_rows``). Log probabilities come from the raw logits; a grammar's
+        mask (-inf) goes on before either sampler sees them. Rows asked for no tokens (a scored prompt) end
+        here, unsampled."""
         if any(s.max_new == 0 for s in slots):
             keep = [j for j, s in enumerate(slots) if s.max_new > 0]
             for s in slots:
@@ -360,43 +311,19 @@ class LocalEngine(Engine):
                 return
         scores = grammar.log_probs(logits, slots)
         failed = grammar.apply_masks(logits, slots)
-        params, generators = [s.params for s in slots], [s.generator for s in slots]
-        states = [g.get_state() if p.temperature else None for p, g in zip(params, generators)]
-        try:
-            tokens: list = sample(logits, params, generators, native=self._sampler())
-        except Exception:
-            log.exception("sampling %d rows failed: sampling them one by one", len(slots))
-            tokens = [self._sample_alone(slot, logits[r:r + 1], states[r]) for r, slot in enumerate(slots)]
+        tokens = sample_rows(logits, [s.params for s in slots], [s.generator for s in slots],
+                             native=self.runner.sampler())
         for j, (slot, token) in enumerate(zip(slots, tokens)):
             if isinstance(token, str):
                 self._finish(slot, "error", token)
                 continue
             if scores is not None and j in scores and token not in self.loaded.eos_ids:
-                slot.pending.append(grammar.entry(self.grammars, scores[j], token, slot.params.logprobs))
+                slot.pending.append(grammar.entry(self.grammars, scores[j], token, slot.params.logprobs or 0))
             self._accept(slot, token)
         for slot in failed:
             if slot in self.rows:
                 log.warning("grammar failed: %s", slot.matcher.get_error())
                 self._finish(slot, "stop")
-
-    def _sample_alone(self, slot: Slot, logits, state) -> int | str:
-        """One row's next token, or what went wrong with its sampling."""
-        try:
-            if state is not None:
-                slot.generator.set_state(state)
-            return sample(logits, [slot.params], [slot.generator], native=self._sampler())[0]
-        except Exception as exc:
-            log.exception("sampling request %s failed", slot.gen.serial)
-            return f"sampling failed ({type(exc).__name__}): this answer ended; the others go on"
-
-    @property
-    def _native(self) -> bool:
-        """Decode steps run in C++ (``native``): built and checked while idle after start-up."""
-        return self.decoder is not None and bool(self.decoder.native)
-
-    def _sampler(self):
-        """The C++ sampler once the C++ decode step is in (the same library)."""
-        return native.sample if self._native else None
 
     def _accept(self, slot: Slot, token: int) -> None:
         """Take a row's next token and emit its text; finish the row if it ended."""
@@ -412,6 +339,7 @@ class LocalEngine(Engine):
         if reason != "error":
             self._delta(slot, slot.flush(), last=True)
         if slot in self.rows:
+            assert self.kv is not None
             r = self.rows.index(slot)
             if slot.gen.key and reason != "error":
                 keys, values = self.kv.row(r)
@@ -422,6 +350,7 @@ class LocalEngine(Engine):
 
     def _remove_row(self, r: int) -> None:
         """The last row takes row ``r``'s place, in the list as in the buffer."""
+        assert self.kv is not None
         self.kv.remove_row(r)
         self.rows[r] = self.rows[-1]
         self.rows.pop()
@@ -447,27 +376,24 @@ class LocalEngine(Engine):
 
     # ---- events: every emit goes through these ----
 
-    def _emit_start(self, slot: Slot) -> None:
-        slot.gen.emit(Started(len(slot.prompt_ids)))
-
-    def emit_queued(self, gen: Generation, position: int) -> None:
-        gen.emit(Queued(position))
-
-    def emit_error(self, gen: Generation, exc: EngineError) -> None:
-        gen.emit(Refused(exc.code, exc.message))
+    def _announce(self, plan: Plan) -> None:
+        """Tell what the scheduler decided: who ended or was refused unstarted, who started, who waits where."""
+        for gen, reason, slot in plan.ended:
+            self.done(gen, reason, slot)
+        for gen, exc in plan.refused:
+            gen.emit(Refused(exc.code, exc.message))
+        for slot in plan.started:
+            slot.gen.emit(Started(len(slot.prompt_ids)))
+        for gen, position in plan.queued:
+            gen.emit(Queued(position))
+        for told in (plan.ended, plan.refused, plan.started, plan.queued):
+            told.clear()
 
     def _delta(self, slot: Slot, text: str, last: bool = False) -> None:
-        """Emit a piece of text (with the log probabilities of the tokens it covers); ``last``: the
-        answer's end, where entries of tokens that made no text go out too."""
-        if not text and not (last and slot.pending):
-            return
-        if slot.first_delta_at is None and text:
-            slot.first_delta_at = time.monotonic()
-        entries = tuple(slot.pending)
-        slot.pending.clear()
-        slot.gen.emit(Delta(text, entries) if entries else Delta(text))
+        event = slot.delta(text, last)
+        if event is not None:
+            slot.gen.emit(event)
 
     def done(self, gen: Generation, reason: str, slot: Slot | None = None, message: str | None = None) -> None:
-        prompt_tokens, completion_tokens = (len(slot.prompt_ids), len(slot.out_ids)) if slot else (0, 0)
-        gen.emit(Done.build(reason, prompt_tokens, completion_tokens, gen.submitted_at,
-                            slot.first_delta_at if slot else None, slot.reused if slot else 0, message, message))
+        gen.emit(slot.done(reason, message) if slot else Done.build(reason, 0, 0, gen.submitted_at, None, 0, message,
+                                                                   message))

@@ -39,7 +39,7 @@ class LoadedModel:
     """A tokenizer and what runs the model, ready for the engine: the own ``decoder`` where it
     applies, else (and besides, when one was loaded) the transformers ``model``."""
 
-    tokenizer: object
+    tokenizer: Any  # transformers' (checked as Any)
     model: object | None
     decoder: Decoder | None
     name: str

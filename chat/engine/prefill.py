@@ -22,7 +22,8 @@ class PrefillJob:
         self.slots: list = []  # the engine's rows-to-be, in prompt order
         self.shared = reused is None  # later fresh prompts may join it before its first chunk
         width = max(len(ids) for ids in prompts)
-        self.kv = KVBuffer(layers, heads, dim, dtype, device, rows=len(prompts), capacity=width + 64)
+        active = 0 if reused is not None else len(prompts)
+        self.kv = KVBuffer(layers, heads, dim, dtype, device, rows=len(prompts), capacity=width + 64, active=active)
         if reused is not None:
             keys, values, start = reused
             self.kv.add_row(keys, values)
@@ -31,7 +32,6 @@ class PrefillJob:
             self.positions = torch.arange(start, len(ids), device=device)[None, :]
             self.pads = [0]
         else:
-            self.kv.n = len(prompts)
             self.tokens = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
             self.positions = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
             self.pads = [width - len(ids) for ids in prompts]
@@ -71,8 +71,7 @@ class PrefillJob:
         kv, begin = self.kv, self.done
         end = min(begin + columns, self.tokens.shape[1])
         q = end - begin
-        kv.reserve(q)
-        kv.mask[:kv.n, kv.length:kv.length + q] = self.real[:, begin:end]
+        kv.open(q, self.real[:, begin:end])
         if self.score is None:
             logits = forward(self.tokens[:, begin:end], kv, self.positions[:, begin:end])
         else:
@@ -81,9 +80,8 @@ class PrefillJob:
             logits = logits[:, -1]
         for r, pad in enumerate(self.pads):
             if pad > begin:  # padding attends to nothing; keep its never-read KV finite
-                for t in kv.keys + kv.values:
-                    t[r, :, kv.length:kv.length + min(pad, end) - begin] = 0
-        kv.length += q
+                kv.clear(r, min(pad, end) - begin)
+        kv.advance(q)
         self.done = end
         return logits if self.done == self.tokens.shape[1] else None
 

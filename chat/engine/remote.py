@@ -7,9 +7,11 @@ import json
 import logging
 import socket
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
 from ..concurrency import real_lock, receiver, spawn
+from ..config import Settings
 from ..errors import BackendError, ConfigError, EngineError, Overloaded
 from .base import Engine, GenParams, Generation
 from .events import Delta, Done, Refused, Started
@@ -35,10 +37,10 @@ class _Call:
 
     __slots__ = ("gen", "conn", "sock", "waiting_since", "stalled")
 
-    def __init__(self, gen: Generation):
+    def __init__(self, gen: Generation) -> None:
         self.gen = gen
-        self.conn = None  # once the call starts
-        self.sock = None  # once connected (http.client lets go of it when the response ends by close)
+        self.conn: http.client.HTTPConnection | None = None  # once the call starts
+        self.sock: socket.socket | None = None  # once connected (http.client lets go of it at a close)
         self.waiting_since: float | None = None  # None unless blocked reading the stream
         self.stalled = False
 
@@ -55,7 +57,7 @@ def _error_text(status: int, body: bytes) -> str:
 class RemoteEngine(Engine):
     """Loads no model: each generation is one streamed ``/chat/completions`` call upstream."""
 
-    def __init__(self, settings):
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
         url = urlsplit(settings.backend_url.rstrip("/"))
         if url.scheme not in ("http", "https") or not url.hostname:
@@ -69,7 +71,7 @@ class RemoteEngine(Engine):
         self._listed_at = 0.0
         self._listing = False
         self.ready = False
-        self.error = None
+        self.error: str | None = None
         self._lock = real_lock()
         self._active: dict = {}  # serial -> _Call (dataclass instances are unhashable)
         self._closed = False
@@ -79,7 +81,7 @@ class RemoteEngine(Engine):
 
     # ---- plumbing
 
-    def _connection(self, timeout: float):
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         return cls(self._host, self._port, timeout=timeout)
 
@@ -254,7 +256,7 @@ class RemoteEngine(Engine):
     def _run(self, call: _Call) -> None:
         gen = call.gen
         t0 = gen.submitted_at
-        state = {"first": None, "deltas": 0, "usage": None, "finish": None,
+        state: dict[str, Any] = {"first": None, "deltas": 0, "usage": None, "finish": None,
                  "room": max(MIN_ANSWER_BYTES, BYTES_PER_TOKEN * gen.params.max_new_tokens)}
         reason, message = "error", None
         conn = call.conn = self._connection(self.settings.backend_timeout_s)
@@ -287,12 +289,13 @@ class RemoteEngine(Engine):
         gen.emit(Done.build(reason, usage.get("prompt_tokens", 0), usage.get("completion_tokens", state["deltas"]),
                             t0, state["first"], message=message))
 
-    def _call(self, gen, call: _Call, t0: float, state: dict):
+    def _call(self, gen: Generation, call: _Call, t0: float, state: dict[str, Any]) -> tuple[str, str | None]:
         """Send the request and relay its SSE stream; returns (reason, error message)."""
         conn = call.conn
+        assert conn is not None  # made by _run
         deadline = t0 + self.settings.generation_timeout_s
         conn.connect()
-        call.sock = conn.sock
+        sock = call.sock = conn.sock
         if gen.cancel_reason:
             return gen.cancel_reason, None
         conn.request("POST", f"{self._base}/chat/completions", self._body(gen),
@@ -303,8 +306,8 @@ class RemoteEngine(Engine):
             reason = "overloaded" if response.status in AT_CAPACITY else "error"
             return reason, _error_text(response.status, response.read(4096))
         gen.emit(Started(0))
-        call.sock.settimeout(None)  # from here the watchdog times silence out (see _watch)
-        recv = receiver(call.sock)
+        sock.settimeout(None)  # from here the watchdog times silence out (see _watch)
+        recv = receiver(sock)
         body = Body(response, recv.recv)
         try:
             while True:
@@ -331,7 +334,7 @@ class RemoteEngine(Engine):
             response.close()  # the socket, when the response owns it (an upstream that closes after)
 
     @staticmethod
-    def _line(gen, line: bytes, state: dict):
+    def _line(gen: Generation, line: bytes, state: dict[str, Any]) -> tuple[str, str | None] | None:
         """Relay one SSE line; (reason, error message) when it ends the answer, else None."""
         line = line.strip()
         if not line.startswith(b"data:"):
@@ -349,8 +352,9 @@ class RemoteEngine(Engine):
         if chunk.get("usage"):
             state["usage"] = chunk["usage"]
         for choice in chunk.get("choices") or ():
-            text = (choice.get("delta") or {}).get("content")
-            if text:
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                text = piece
                 if state["first"] is None:
                     state["first"] = time.monotonic()
                 state["deltas"] += 1
@@ -369,7 +373,7 @@ class RemoteEngine(Engine):
                 state["finish"] = choice["finish_reason"]
         return None
 
-    def _transport_message(self, exc, state: dict) -> str:
+    def _transport_message(self, exc: BaseException | None, state: dict[str, Any]) -> str:
         if isinstance(exc, (socket.timeout, TimeoutError)):
             return f"backend sent nothing for {self.settings.backend_timeout_s:g} s"
         if isinstance(exc, ConnectionRefusedError):

@@ -1,4 +1,5 @@
-"""Who runs next: the local engine's queue, admission, gathering and prefill budget.
+"""Who runs next: the local engine's queue, admission, gathering and prefill budget, decided here and
+carried out by the engine (events) and its model runner (forwards): each iteration's ``Plan``.
 
 Requests reach the engine through an inbox (a deque producers only append to);
 everything else here is the engine thread's own. Each iteration spends one
@@ -18,16 +19,18 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from ..concurrency import Counter, Wakeup
+from ..config import Settings
 from ..errors import EngineError
 from . import sampling
 from .base import Generation
+from .kv import PrefixCache
 from .prefill import MIN_CHUNK, PrefillJob
 from .slot import Slot
 
@@ -53,17 +56,60 @@ class Request:
     position: int | None = None  # the queue position last told to the consumer
 
 
-class Scheduler:
-    """The queue of one ``LocalEngine`` and its prompts being prefilled.
+class Host(Protocol):
+    """What the scheduler asks of its engine: a waiter's prompt fitted, a slot made, a KV buffer's shape."""
 
-    ``engine`` provides what admission and prefill need: ``settings``, ``prefix`` (the prefix
-    cache), ``dims``, ``rows`` (the decoding batch), ``step_s``, ``stopping``, ``fit``,
-    ``forward``, ``new_slot`` and the event emitters.
+    @property
+    def dims(self) -> tuple: ...
+
+    def prepare(self, gen: Generation) -> tuple[list[int], object]: ...
+
+    def new_slot(self, gen: Generation, ids: list, matcher: object = None) -> Slot: ...
+
+
+@dataclass(eq=False)
+class Chunk:
+    """A prefill forward decided: ``columns`` more prompt positions of ``job``'s rows."""
+
+    job: PrefillJob
+    columns: int
+
+
+@dataclass(eq=False)
+class Plan:
+    """One iteration as the scheduler decided it; the engine carries it out and tells what each event is.
+
+    ``ended``: (generation, reason, slot or None) to end unstarted (cancelled while waiting or prefilling);
+    ``refused``: (generation, error); ``started``: slots admitted (their prefill is under way);
+    ``queued``: (generation, position) whose queue position changed. Prefill chunks are decided one at a
+    time (``Scheduler.chunk``), each from what the last one cost (``Scheduler.ran``).
     """
 
-    def __init__(self, engine: Any) -> None:  # the LocalEngine (which imports this module)
-        self.engine = engine
-        self.settings = engine.settings
+    decoding: int  # rows in the decode batch
+    step_s: float  # a decode step's measured cost
+    ended: list[tuple[Generation, str, Slot | None]] = field(default_factory=list)
+    refused: list[tuple[Generation, EngineError]] = field(default_factory=list)
+    started: list[Slot] = field(default_factory=list)
+    queued: list[tuple[Generation, int]] = field(default_factory=list)
+    budget: int = 0  # prompt tokens left to this iteration's prefill
+    target: float = 0.0  # seconds of prefill this iteration aims at
+    seconds: float = 0.0  # of which still left
+    share: int = 1  # owners waiting to start per owner decoding
+    over: bool = False  # no more prefill this iteration
+
+
+class Scheduler:
+    """The queue of one ``LocalEngine`` and its prompts being prefilled: it decides, the engine runs.
+
+    Each iteration's ``plan`` takes new requests, admits what fits, and then hands out prefill chunks
+    within the iteration's budget; ``cut`` says which decoding rows end before the decode step. The
+    engine (``host``) only fits prompts and makes slots for it; events and forwards are the engine's.
+    """
+
+    def __init__(self, settings: Settings, prefix: PrefixCache, host: Host) -> None:
+        self.settings = settings
+        self.prefix = prefix
+        self.host = host
         self.inbox: collections.deque = collections.deque()  # producers append, the engine pops
         self.waiting: collections.deque = collections.deque()  # Requests; engine thread only
         self.jobs: collections.deque = collections.deque()  # prefills in progress; engine thread only
@@ -95,12 +141,39 @@ class Scheduler:
 
     # ---- the engine thread
 
-    @property
-    def busy(self) -> bool:
-        """Anything decoding or prefilling."""
-        return bool(self.engine.rows or self.jobs)
+    def plan(self, rows: list[Slot], step_s: float, stopping: Callable[[], object]) -> Plan:
+        """This iteration: take new requests (gathering those sent together while idle), admit what fits,
+        and set the prefill budget beside the ``rows`` decoding (a step of them costs ``step_s``)."""
+        plan = Plan(len(rows), step_s)
+        self.take_inbox(plan)
+        if self.waiting and not self.busy(rows):
+            self.gather(plan, stopping)
+        self.admit(plan)
+        if not self.jobs:
+            self.spent.clear()
+            return plan
+        # A chunk per decode step bounds the running rows' stall; when more owners (addresses) wait
+        # for a first token than decode, they get proportionally more (the stall then hurts fewer).
+        # Owners, not requests: one address's seven prompts are one owner's share.
+        waiting = {owner(s.gen) for job in self.jobs for s in job.slots}
+        plan.share = max(1, len(waiting) // max(1, len({owner(s.gen) for s in rows})))
+        plan.budget = self.settings.prefill_chunk * plan.share
+        # The budget is also one of time: a chunk costs more the deeper its prompt (attention), so
+        # its size follows the measured cost, to stall running rows at most ~STALL decode steps.
+        plan.target = plan.seconds = STALL * step_s * plan.share
+        return plan
 
-    def take_inbox(self) -> None:
+    def busy(self, rows: list[Slot]) -> bool:
+        """Anything decoding (``rows``) or prefilling."""
+        return bool(rows or self.jobs)
+
+    def cut(self, rows: list[Slot]) -> list[tuple[Slot, str]]:
+        """Decoding rows to end before the next decode step, and why (cancelled, out of time)."""
+        now = time.monotonic()
+        return [(slot, slot.gen.cancel_reason or "timeout") for slot in rows
+                if slot.gen.cancel_reason or now >= slot.deadline]
+
+    def take_inbox(self, plan: Plan) -> None:
         """Move new requests into the engine's own queue; end waiters that were cancelled."""
         self.waiting.extend(self.drain_inbox())
         if any(r.gen.cancel_reason for r in self.waiting):
@@ -109,12 +182,12 @@ class Scheduler:
             for request in self.waiting:
                 reason = request.gen.cancel_reason
                 if reason:
-                    self.engine.done(request.gen, reason)
+                    plan.ended.append((request.gen, reason, None))
                 else:
                     kept.append(request)
             self.waiting = kept
 
-    def gather(self) -> None:
+    def gather(self, plan: Plan, stopping: Callable[[], object]) -> None:
         """Idle, with work to start: let requests submitted meanwhile (still fitting) land first.
 
         Users who send at the same moment are then prefilled in one forward, which costs far less
@@ -122,12 +195,12 @@ class Scheduler:
         first token does not wait for the others' prefills. A lone request waits for nothing.
         """
         deadline = time.monotonic() + GATHER_S
-        while self.arriving.value and not self.engine.stopping:
+        while self.arriving.value and not stopping():
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             self.wake.wait(left)
-            self.take_inbox()
+            self.take_inbox(plan)
 
     def count(self) -> None:
         self.prefilling = sum(len(j.slots) for j in self.jobs) + sum(len(j.slots) for j, _ in self.joining)
@@ -148,12 +221,11 @@ class Scheduler:
         self.waiting.remove(request)
         return request
 
-    def admit(self) -> None:
+    def admit(self, plan: Plan) -> None:
         """Start prefilling waiters while the batch has room; tell the rest their position."""
-        engine = self.engine
-        room = self.settings.max_batch - len(engine.rows) - self.prefilling
+        room = self.settings.max_batch - plan.decoding - self.prefilling
         fresh: list[Slot] = []
-        started: list[Slot] = []
+        started = plan.started
         while self.waiting and room > 0:
             request = self._next_waiting(started)
             if request is None:
@@ -161,26 +233,26 @@ class Scheduler:
             gen = request.gen
             wrong = sampling.problem(gen.params)
             if wrong is not None:  # refused alone: the batch never sees these parameters
-                engine.emit_error(gen, EngineError(wrong, "bad_message", 400))
+                plan.refused.append((gen, EngineError(wrong, "bad_message", 400)))
                 continue
             try:
                 if request.prompt_ids is None:
-                    request.prompt_ids, request.matcher = engine.prepare(gen)
+                    request.prompt_ids, request.matcher = self.host.prepare(gen)
             except EngineError as exc:
-                engine.emit_error(gen, exc)
+                plan.refused.append((gen, exc))
                 continue
             room -= 1
-            started.append(engine.new_slot(gen, request.prompt_ids, request.matcher))
+            started.append(self.host.new_slot(gen, request.prompt_ids, request.matcher))
         # Several newcomers without a conversation's KV arriving together share their chunks (one forward
         # for all: cheaper than a forward each, even from a shared preamble); a lone one starts from its
         # system prompt's shared preamble. A seeded, sampled prompt never takes a preamble: whether one is
         # held when it arrives must not change its answer (its KV, prefilled alone, rounds apart); a scored
         # prompt (every position's log probability) reuses nothing.
-        burst = sum(not _alone(s) and s.gen.key not in engine.prefix.entries for s in started) > 1
+        burst = sum(not _alone(s) and s.gen.key not in self.prefix.entries for s in started) > 1
         for slot in started:
             gen, seeded = slot.gen, _seeded(slot)
             scored = gen.params.prompt_logprobs is not None
-            reused = None if scored else engine.prefix.take(gen.key, slot.prompt_ids, shared=not seeded and not burst)
+            reused = None if scored else self.prefix.take(gen.key, slot.prompt_ids, shared=not seeded and not burst)
             if reused is None and not _alone(slot):
                 fresh.append(slot)
                 continue
@@ -193,7 +265,7 @@ class Scheduler:
         for position, request in enumerate(self.waiting, 1):
             if request.position != position:
                 request.position = position
-                engine.emit_queued(request.gen, position)
+                plan.queued.append((request.gen, position))
 
     def _add_job(self, slots: list[Slot], reused: tuple | None, shared: bool = True) -> None:
         last = self.jobs[-1] if self.jobs else None
@@ -201,7 +273,7 @@ class Scheduler:
             # Fresh prompts still waiting for their first chunk: fewer, wider forwards.
             self.jobs.pop()
             slots = last.slots + slots
-        job = PrefillJob([s.prompt_ids for s in slots], self.engine.dims, reused)
+        job = PrefillJob([s.prompt_ids for s in slots], self.host.dims, reused)
         job.slots = slots
         job.score = max((s.params.prompt_logprobs for s in slots if s.params.prompt_logprobs is not None),
                         default=None)
@@ -209,63 +281,52 @@ class Scheduler:
         self.jobs.append(job)
         self.count()
 
-    def prefill(self) -> None:
-        """Spend this iteration's prompt budget, oldest job first; finished jobs wait in ``joining``."""
-        engine = self.engine
-        decoding = len(engine.rows)
-        if not self.jobs:
-            self.spent.clear()
-            return
-        # A chunk per decode step bounds the running rows' stall; when more owners (addresses) wait
-        # for a first token than decode, they get proportionally more (the stall then hurts fewer).
-        # Owners, not requests: one address's seven prompts are one owner's share.
-        waiting = {owner(s.gen) for job in self.jobs for s in job.slots}
-        share = max(1, len(waiting) // max(1, len({owner(s.gen) for s in engine.rows})))
-        budget = self.settings.prefill_chunk * share
-        # The budget is also one of time: a chunk costs more the deeper its prompt (attention), so
-        # its size follows the measured cost, to stall running rows at most ~STALL decode steps.
-        target = STALL * engine.step_s * share
-        seconds = target
-        while self.jobs and budget > 0 and seconds > 0:
+    def chunk(self, plan: Plan) -> Chunk | None:
+        """The next prefill forward within the plan's budget, oldest job of the least-served owner first;
+        jobs whose every prompt was cancelled end here."""
+        decoding, step_s, target = plan.decoding, plan.step_s, plan.target
+        while not plan.over and self.jobs and plan.budget > 0 and plan.seconds > 0:
             job = self._next_job()
             if all(s.gen.cancel_reason for s in job.slots):
                 self.jobs.remove(job)
                 self.count()
-                for slot in job.slots:
-                    engine.done(slot.gen, slot.gen.cancel_reason, slot)
+                plan.ended += [(slot.gen, slot.gen.cancel_reason, slot) for slot in job.slots]
                 continue
             if decoding and not job.columns and self.token_s:
                 # A job's first chunk: sized from what earlier chunks cost (at their depth, so
                 # no more than this one, which starts the prompt), not just the token budget.
-                job.columns = max(MIN_CHUNK, int((target - engine.step_s) / (self.token_s * job.rows)))
+                job.columns = max(MIN_CHUNK, int((target - step_s) / (self.token_s * job.rows)))
             # Nobody decoding means nobody to stall: the whole prompt at once (memory allowing).
-            columns = job.chunk(budget) if decoding else min(job.remaining,
-                                                             max(1, PREFILL_FORWARD_TOKENS // job.rows))
+            columns = job.chunk(plan.budget) if decoding else min(job.remaining,
+                                                                  max(1, PREFILL_FORWARD_TOKENS // job.rows))
             if decoding and self.token_s:
                 # The job's rows share the tokens the time target allows (at least MIN_CHUNK a share):
                 # an owner's seven prompts in one job advance together no faster than one would.
-                allowed = max(MIN_CHUNK * share, int((target - engine.step_s) / self.token_s))
+                allowed = max(MIN_CHUNK * plan.share, int((target - step_s) / self.token_s))
                 columns = min(columns, max(1, allowed // job.rows))
-            started = time.monotonic()
-            logits = job.step(engine.forward, columns)
-            spent = time.monotonic() - started
-            if decoding:
-                budget -= columns * job.rows
-                seconds -= spent
-                job.measured(columns, spent, engine.step_s, target)
-            # (alone, a forward's fixed cost counts as its tokens': an estimate on the safe side; a prompt's
-            # last few tokens cost about a decode step's fixed part alone, which says nothing of a token's cost)
-            if columns * job.rows >= MIN_CHUNK or not self.token_s:
-                self.token_s = max(spent - (engine.step_s if decoding else 0), 1e-4) / (columns * job.rows)
-            for slot in job.slots:
-                self.spent[owner(slot.gen)] = self.spent.get(owner(slot.gen), 0) + columns
-            if logits is not None:
-                self.jobs.remove(job)
-                self.joining.append((job, logits))
-            if not decoding or seconds < target / 2:
-                # Decoding: another forward now would stall the running rows past the target. Not
-                # decoding: look for newcomers (another owner's) before the next forward.
-                break
+            return Chunk(job, columns)
+        return None
+
+    def ran(self, plan: Plan, chunk: Chunk, spent: float, logits: torch.Tensor | None) -> None:
+        """``chunk`` ran in ``spent`` seconds; ``logits``: its job's last position's, once the job is done."""
+        job, columns = chunk.job, chunk.columns
+        if plan.decoding:
+            plan.budget -= columns * job.rows
+            plan.seconds -= spent
+            job.measured(columns, spent, plan.step_s, plan.target)
+        # (alone, a forward's fixed cost counts as its tokens': an estimate on the safe side; a prompt's
+        # last few tokens cost about a decode step's fixed part alone, which says nothing of a token's cost)
+        if columns * job.rows >= MIN_CHUNK or not self.token_s:
+            self.token_s = max(spent - (plan.step_s if plan.decoding else 0), 1e-4) / (columns * job.rows)
+        for slot in job.slots:
+            self.spent[owner(slot.gen)] = self.spent.get(owner(slot.gen), 0) + columns
+        if logits is not None:
+            self.jobs.remove(job)
+            self.joining.append((job, logits))
+        if not plan.decoding or plan.seconds < plan.target / 2:
+            # Decoding: another forward now would stall the running rows past the target. Not
+            # decoding: look for newcomers (another owner's) before the next forward.
+            plan.over = True
 
     def _next_job(self):
         """The job of the owner that has had the least prefill (the oldest job among equals)."""

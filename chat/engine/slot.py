@@ -12,6 +12,7 @@ from ..config import Settings
 
 from .base import Generation
 from .decoding import IncrementalDecoder, StopMatcher
+from .events import Delta, Done
 
 
 class Slot:
@@ -23,7 +24,7 @@ class Slot:
         self.prompt_ids = ids
         self.out_ids: list[int] = []
         self.pos = len(ids)  # position id of the next token fed to the model
-        self.last: int | None = None  # last sampled token, fed at the next step
+        self.last = -1  # last sampled token, fed at the next step (none before the first)
         self.decoder = IncrementalDecoder(tokenizer)
         self.stopper = StopMatcher(self.params.stop)
         self.generator = torch.Generator()
@@ -32,10 +33,10 @@ class Slot:
         self.deadline = time.monotonic() + settings.generation_timeout_s
         self.max_new = min(self.params.max_new_tokens, settings.max_new_tokens)
         self.context = settings.context_tokens
-        self.first_delta_at = None
+        self.first_delta_at: float | None = None
         self.reused = 0
         self.hit_stop = False
-        self.matcher = None  # the grammar's llguidance matcher, when the answer has one
+        self.matcher: Any = None  # the grammar's llguidance matcher, when the answer has one
         self.pending: list = []  # log probability entries of tokens whose text is not out yet
 
     def take(self, token: int, eos_ids: frozenset) -> tuple[str, str | None]:
@@ -62,3 +63,19 @@ class Slot:
             return ""
         text, hit = self.stopper.push(self.decoder.flush())
         return text if hit else text + self.stopper.flush()
+
+    def delta(self, text: str, last: bool = False) -> Delta | None:
+        """A piece of text to emit (with the log probabilities of the tokens it covers), or None; ``last``:
+        the answer's end, where entries of tokens that made no text go out too."""
+        if not text and not (last and self.pending):
+            return None
+        if self.first_delta_at is None and text:
+            self.first_delta_at = time.monotonic()
+        entries = tuple(self.pending)
+        self.pending.clear()
+        return Delta(text, entries) if entries else Delta(text)
+
+    def done(self, reason: str, message: str | None = None) -> Done:
+        """The answer's end: its usage and timings."""
+        return Done.build(reason, len(self.prompt_ids), len(self.out_ids), self.gen.submitted_at, self.first_delta_at,
+                          self.reused, message, message)

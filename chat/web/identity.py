@@ -8,6 +8,8 @@ import logging
 import re
 import secrets
 
+from werkzeug.wrappers import Request, Response
+
 from ..clients import ANONYMOUS, KEY_HOLDER  # noqa: F401  (re-exported for the web layer)
 
 log = logging.getLogger(__name__)
@@ -56,12 +58,12 @@ def parse_cookie(value: str, secret: str = "") -> str | None:
     return client if hmac.compare_digest(sig.encode(), _signature(client, secret).encode()) else None
 
 
-def client_id(request, secret: str = "", secure: bool = False) -> str | None:
+def client_id(request: Request, secret: str = "", secure: bool = False) -> str | None:
     """The browser identity in the request's cookie (the name that fits the scheme), or None."""
     return parse_cookie(request.cookies.get(cookie_name(secure), ""), secret)
 
 
-def presented_key(request, socket: bool = True) -> str:
+def presented_key(request: Request, socket: bool = True) -> str:
     """The API key the request carries: ``Authorization: Bearer``, or (``socket``) a ``bearer.``
     subprotocol or ``?token=``."""
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
@@ -75,13 +77,13 @@ def presented_key(request, socket: bool = True) -> str:
     return request.args.get("token", "")
 
 
-def has_key(request, key: str, socket: bool = True) -> bool:
+def has_key(request: Request, key: str, socket: bool = True) -> bool:
     """Whether the request carries the API key (see ``presented_key``)."""
     given = presented_key(request, socket)
     return bool(key) and bool(given) and hmac.compare_digest(given.encode(), key.encode())
 
 
-def _forwarded(request, header: str, trusted_proxies: int) -> str | None:
+def _forwarded(request: Request, header: str, trusted_proxies: int) -> str | None:
     """The value the outermost trusted hop saw, from ``X-Forwarded-<header>``."""
     if trusted_proxies <= 0:
         return None
@@ -93,18 +95,18 @@ def _forwarded(request, header: str, trusted_proxies: int) -> str | None:
     return values[-min(trusted_proxies, len(values))]
 
 
-def is_https(request, trusted_proxies: int) -> bool:
+def is_https(request: Request, trusted_proxies: int) -> bool:
     """Whether the user's connection is https (directly, or per a trusted proxy)."""
     proto = _forwarded(request, "Proto", trusted_proxies)
     return (proto or request.scheme).lower() == "https"
 
 
-def remote_ip(request, trusted_proxies: int) -> str:
+def remote_ip(request: Request, trusted_proxies: int) -> str:
     """The client's IP: ``X-Forwarded-For`` only as far as trusted hops vouch for it."""
     return _forwarded(request, "For", trusted_proxies) or request.remote_addr or "?"
 
 
-def public_host(request, trusted_proxies: int) -> str:
+def public_host(request: Request, trusted_proxies: int) -> str:
     """The Host the user asked for (``X-Forwarded-Host`` from a trusted proxy, else Host)."""
     return _forwarded(request, "Host", trusted_proxies) or request.host
 
@@ -112,10 +114,10 @@ def public_host(request, trusted_proxies: int) -> str:
 class ProxyWarning:
     """Warns once when requests carry ``X-Forwarded-For`` that CHAT_TRUSTED_PROXIES=0 ignores."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.warned = False
 
-    def check(self, request, trusted_proxies: int) -> None:
+    def check(self, request: Request, trusted_proxies: int) -> None:
         if self.warned or trusted_proxies or "X-Forwarded-For" not in request.headers:
             return
         self.warned = True
@@ -124,7 +126,7 @@ class ProxyWarning:
                     "CHAT_TRUSTED_PROXIES to the number of proxies in front", request.remote_addr)
 
 
-def set_cookie(response, value: str, secure: bool) -> None:
+def set_cookie(response: Response, value: str, secure: bool) -> None:
     """Attach the identity cookie (HttpOnly, SameSite=Lax; Secure with the __Host- name over https)."""
     response.set_cookie(cookie_name(secure), value, max_age=ONE_YEAR, httponly=True,
                         samesite="Lax", secure=secure, path="/")

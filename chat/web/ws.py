@@ -6,18 +6,19 @@ import logging
 import threading
 from json.encoder import encode_basestring
 
-from flask import Blueprint, g
+from flask import Blueprint, Flask, g
 from simple_websocket import ConnectionClosed
 from wsproto.connection import ConnectionState
 
-from ..app_state import app_state
+from ..app_state import AppState, app_state
 from ..concurrency import cooperate
 from ..errors import ChatError, ProtocolError, RequestError
 from ..limits import TokenBucket
 from ..runs import RunHandle
+from ..turns import TurnRequest
 from . import backpressure, guard, identity, internals
-from .protocol import PROTOCOL, error_frame, parse
-from .ws_server import BoundedSock
+from .protocol import PROTOCOL, Request, error_frame, parse
+from .ws_server import BoundedServer, BoundedSock
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +26,13 @@ bp = Blueprint("ws", __name__)
 sock = BoundedSock()
 
 
-def init_app(app) -> None:
+def init_app(app: Flask) -> None:
     """Register the WebSocket route."""
     app.register_blueprint(bp)
 
 
 @bp.before_request
-def handshake():
+def handshake() -> None:
     """Refuse the upgrade before it happens: origin, API key, per-IP connection limit. The socket
     is counted here, in the same step as the check; the connection gives its place back."""
     state = app_state()
@@ -50,7 +51,7 @@ def handshake():
 
 
 @bp.teardown_request
-def _uncount(exc=None):
+def _uncount(exc: BaseException | None = None) -> None:
     """A handshake counted but never served (the upgrade failed) gives its place back."""
     address = g.pop("socket_address", None)
     if address is not None:
@@ -58,7 +59,7 @@ def _uncount(exc=None):
 
 
 @sock.route("/ws", bp=bp)
-def websocket(ws):
+def websocket(ws: BoundedServer) -> None:
     """Serve one connection until it closes."""
     state = app_state()
     address = g.pop("socket_address")  # this connection now gives the place back itself
@@ -91,53 +92,10 @@ def encode(frame: dict) -> str:
     return json.dumps(frame, ensure_ascii=False)
 
 
-def text_frame(text: str) -> bytes:
-    """One final, unmasked text frame (RFC 6455 §5.2): the bytes wsproto writes for a server
-    without extensions, built here without its per-message objects."""
-    data = text.encode()
-    n = len(data)
-    if n < 126:
-        head = bytes((0x81, n))
-    elif n < 65536:
-        head = b"\x81\x7e" + n.to_bytes(2, "big")
-    else:
-        head = b"\x81\x7f" + n.to_bytes(8, "big")
-    return head + data
-
-
-def _send_all(sock, data: bytes) -> None:
-    """``sock.sendall`` without gevent's per-call getsockopt: a frame nearly always goes in one send."""
-    sent = sock.send(data)
-    while sent < len(data):
-        sent += sock.send(data[sent:])
-
-
-def _send_now(sock, data: bytes) -> int:
-    """Bytes of ``data`` the kernel takes at once, without waiting (nor a timer): gevent's socket
-    wraps a non-blocking one, and a small frame nearly always fits in its buffer."""
-    raw = internals.gevent_socket(sock)
-    if raw is None or raw.gettimeout() != 0.0:
-        return 0
-    try:
-        return raw.send(data)
-    except BlockingIOError:
-        return 0
-
-
-def plain_connection(ws):
-    """The socket's wsproto connection when frames may be written directly: a server socket
-    with no extension negotiated (permessage-deflate must go through wsproto); else None."""
-    conn = getattr(getattr(ws, "ws", None), "connection", None)  # simple-websocket's wsproto connection
-    proto = internals.frame_protocol(conn)
-    if proto is None or proto.extensions or not getattr(ws, "is_server", False):
-        return None
-    return conn
-
-
 class Session:
     """One WebSocket connection: parse → dispatch to the turn service → send frames."""
 
-    def __init__(self, ws, state, client: str, address: str = "?"):
+    def __init__(self, ws: BoundedServer, state: AppState, client: str, address: str = "?") -> None:
         self.ws, self.state, self.client, self.address = ws, state, client, address
         self.settings, self.turns = state.settings, state.turns
         self.runs: dict[str, RunHandle] = {}  # request id -> run attached to this connection
@@ -145,7 +103,7 @@ class Session:
         # inside one of our frames.
         self.send_lock = getattr(ws, "write_lock", None) or threading.Lock()
         self.send_bound = backpressure.Bound(self.settings.send_timeout_s)  # used under send_lock only
-        self.plain = plain_connection(ws)
+        self.plain = internals.plain_connection(ws)
         self.resumes = TokenBucket(RESUME_BURST, RESUMES_PER_S)
         self.open = True
 
@@ -158,11 +116,11 @@ class Session:
             with self.send_lock:
                 plain = self.plain
                 if plain is not None and plain.state is ConnectionState.OPEN and self.ws.connected:
-                    data = text_frame(text)
-                    sent = _send_now(self.ws.sock, data)
+                    data = internals.text_frame(text)
+                    sent = internals.send_now(self.ws.sock, data)
                     if sent < len(data):  # the client is behind: wait for room, within the bound
                         with self.send_bound:
-                            _send_all(self.ws.sock, data[sent:])
+                            internals.send_all(self.ws.sock, data[sent:])
                 else:  # closing, closed, or compressed: wsproto's own path (it raises or sends nothing)
                     with self.send_bound:
                         self.ws.send(text)
@@ -197,7 +155,7 @@ class Session:
             for run in list(self.runs.values()):
                 run.detach(self)
 
-    def handle(self, raw) -> bool:
+    def handle(self, raw: str | bytes) -> bool:
         """Answer one frame; False when the session should end (``stop``)."""
         req = None
         try:
@@ -213,34 +171,35 @@ class Session:
         self.send(frame)
         return True
 
-    # ---- handlers: one per message type
+    # ---- handlers: one per message type (each declares what it reads; protocol.py's table guarantees it)
 
-    def on_ping(self, req) -> None:
+    def on_ping(self, req: Request) -> None:
         self.send({"type": "pong", "t": req.t} if req.t is not None else {"type": "pong"})
 
-    def on_chat(self, req) -> None:
+    def on_chat(self, req: TurnRequest) -> None:
         self.turns.chat(self.client, self.address, req, self)
 
-    def on_regenerate(self, req) -> None:
+    def on_regenerate(self, req: TurnRequest) -> None:
         self.turns.regenerate(self.client, self.address, req, self)
 
-    def on_edit(self, req) -> None:
+    def on_edit(self, req: TurnRequest) -> None:
         self.turns.edit(self.client, self.address, req, self)
 
-    def on_continue(self, req) -> None:
+    def on_continue(self, req: TurnRequest) -> None:
         self.turns.continue_(self.client, self.address, req, self)
 
-    def on_cancel(self, req) -> None:
+    def on_cancel(self, req: TurnRequest) -> None:
         self.turns.cancel(self.client, req.id)
 
-    def on_resume(self, req) -> None:
+    def on_resume(self, req: Request) -> None:
         # A resume replays the answer so far (a finished one: all of it) for one small frame:
         # a connection gets a few at once, then one every few seconds.
         if not self.resumes.take():
             raise ProtocolError("rate_limited", "too many resumes on this connection; wait a moment", req.id)
+        assert req.id is not None  # the message table requires it
         self.turns.resume(self.client, req.id, req.from_index, self)
 
-    def on_stop(self, req) -> bool:
+    def on_stop(self, req: Request) -> bool:
         runs = [r for r in self.runs.values() if not r.finished]
         for run in runs:
             run.cancel("cancelled")

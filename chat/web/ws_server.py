@@ -19,12 +19,12 @@ the reader in a write for ever (pongs nobody reads), or flood it with pings. Her
   sends is read and thrown away, up to LINGER_BYTES for LINGER_S, so the close frame reaches it
   instead of being destroyed by the reset the kernel sends for unread data.
 
-The reader overrides simple-websocket's private loop (``_thread``, ``_handle_events``); the version is
-bounded in requirements.txt.
+The reader replaces simple-websocket's private loop: that loop is ``internals.ReaderLoop`` (with every
+other private part the transport leans on); the bounds it keeps are here. The version is bounded in
+requirements.txt.
 """
 from __future__ import annotations
 
-import selectors
 import socket
 import threading
 import time
@@ -33,14 +33,14 @@ from typing import Any, Callable
 
 from flask import Response, current_app, request
 from flask_sock import Sock
-from simple_websocket import ConnectionClosed, Server
-from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Ping, Pong, Request, TextMessage)
-from wsproto.extensions import PerMessageDeflate
+from simple_websocket import ConnectionClosed
+from wsproto.events import BytesMessage, CloseConnection, TextMessage
 from wsproto.frame_protocol import CloseReason
 from wsproto.utilities import LocalProtocolError
 
 from ..limits import TokenBucket
 from . import backpressure
+from .internals import ReaderLoop
 
 MAX_PINGS = 32  # control pings answered in a burst
 PINGS_PER_S = 2.0  # and after it
@@ -50,14 +50,8 @@ LINGER_S = 5.0  # how long a closed connection's input is drained, at most
 LINGER_BYTES = 16 * 2**20  # and how much of it
 
 
-class BoundedServer(Server):
+class BoundedServer(ReaderLoop):
     """A server-side WebSocket whose reader and writers are bounded (see the module doc)."""
-
-    # simple-websocket's own state, which the reader below keeps as it does
-    connected: bool
-    pong_received: bool
-    incoming_message: Any
-    incoming_message_len: int
 
     def __init__(self, environ: dict, max_unread: int = 2**20, send_timeout: float = 30.0, **options: Any) -> None:
         self.max_unread, self.send_timeout = max_unread, send_timeout
@@ -106,47 +100,7 @@ class BoundedServer(Server):
         with backpressure.within(self.send_timeout), self.write_lock:
             self.sock.sendall(data)
 
-    # ---- the reader
-
-    def _thread(self) -> None:
-        sel = None
-        next_ping = 0.0
-        if self.ping_interval:
-            next_ping = time.time() + self.ping_interval
-            sel = self.selector_class()
-            try:
-                sel.register(self.sock, selectors.EVENT_READ, True)
-            except ValueError:  # pragma: no cover
-                self.connected = False
-        try:
-            while self.connected:
-                if self.unread >= self.max_unread and not self._wait_for_room():
-                    break
-                if sel:
-                    now = time.time()
-                    if next_ping <= now or not sel.select(next_ping - now):
-                        if not self.pong_received:  # the last ping went unanswered: a dead peer
-                            self._end(CloseReason.POLICY_VIOLATION, "Ping/Pong timeout")
-                            break
-                        self.pong_received = False
-                        self.write(self.ws.send(Ping()))
-                        next_ping = max(now, next_ping) + self.ping_interval
-                        continue
-                in_data = self.sock.recv(self.receive_bytes)
-                if not in_data:
-                    raise OSError()
-                self.ws.receive_data(in_data)
-                self.connected = self._handle_events()
-        except (OSError, LocalProtocolError, backpressure.SendTimeout):
-            self.connected = False
-        finally:
-            self.event.set()
-            if sel:
-                sel.close()
-            if self.close_sent and not self.peer_closed:
-                self._linger()
-            backpressure.cut(self)  # a session still writing to it wakes now
-            self.sock.close()
+    # ---- the reader's bounds (its loop: internals.ReaderLoop)
 
     def _linger(self) -> None:
         """After the server's close frame: end our side (FIN after the frame), then read and discard
@@ -189,48 +143,10 @@ class BoundedServer(Server):
         self.connected = False
         self.event.set()
 
-    def _handle_events(self) -> bool:
-        out = b""
-        for event in self.ws.events():
-            try:
-                if isinstance(event, Request):
-                    self.subprotocol = self.choose_subprotocol(event)
-                    out += self.ws.send(AcceptConnection(subprotocol=self.subprotocol,
-                                                         extensions=[PerMessageDeflate()]))
-                elif isinstance(event, CloseConnection):
-                    self.peer_closed = True
-                    if self.is_server:
-                        out += self.ws.send(event.response())
-                    self.close_reason, self.close_message = event.code, event.reason
-                    self.write(out)
-                    self.connected = False
-                    self.event.set()
-                    return False
-                elif isinstance(event, Ping):
-                    if not self.pings.take():
-                        self.write(out)
-                        self._end(CloseReason.POLICY_VIOLATION, "too many pings")
-                        return False
-                    out += self.ws.send(event.response())
-                elif isinstance(event, Pong):
-                    self.pong_received = True
-                elif isinstance(event, (TextMessage, BytesMessage)):
-                    problem = self._take(event)
-                    if problem is not None:
-                        self.write(out)
-                        self._end(*problem)
-                        return False
-            except LocalProtocolError:  # pragma: no cover
-                self.event.set()
-                return False
-        self.write(out)
-        return True
-
-    def _take(self, event: TextMessage | BytesMessage) -> tuple[int, str] | None:
-        """Add a piece of a message; a whole one goes to the session. (close code, reason) when the
-        message breaks a bound: too big, too many frames, too slow."""
-        self.incoming_message_len += len(event.data)
-        if self.max_message_size and self.incoming_message_len > self.max_message_size:
+    def _bound(self, size: int) -> tuple[int, str] | None:
+        """(close code, reason) when the message being received, ``size`` bytes so far with its newest
+        frame, breaks a bound: too big, too many frames, too slow; else None."""
+        if self.max_message_size and size > self.max_message_size:
             return CloseReason.MESSAGE_TOO_BIG, "Message is too big"
         if self.fragments == 0:
             self.message_started = time.monotonic()
@@ -239,24 +155,6 @@ class BoundedServer(Server):
             return CloseReason.POLICY_VIOLATION, "Message in too many frames"
         if time.monotonic() - self.message_started > MESSAGE_S:
             return CloseReason.POLICY_VIOLATION, "Message took too long"
-        text = isinstance(event, TextMessage)
-        piece: Any = event.data
-        if self.incoming_message is None:
-            self.incoming_message = piece
-        else:
-            if not isinstance(self.incoming_message, bytearray):
-                first: Any = self.incoming_message
-                self.incoming_message = bytearray(first.encode() if isinstance(first, str) else first)
-            self.incoming_message += piece.encode() if text else piece
-        if not event.message_finished:
-            return None
-        message: Any = self.incoming_message
-        if isinstance(message, bytearray):
-            message = message.decode() if text else bytes(message)
-        self.incoming_message, self.incoming_message_len, self.fragments = None, 0, 0
-        self.input_buffer.append(message)
-        self.unread += len(message)
-        self.event.set()
         return None
 
 

@@ -1,0 +1,207 @@
+"""The model runner: carries out the forwards the scheduler planned, on one of two implementations.
+
+``DecoderRunner`` runs the engine's own decoder (``decoder.py``; decode steps in C++ once
+``native`` is attached), ``TransformersRunner`` runs transformers' forward for every other
+architecture. Both take the same calls (a prefill chunk of a ``PrefillJob``, a decode step of the
+batch's ``KVBuffer``) and return float logits; ``runner_for`` picks one, once, at load.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, cast
+
+import torch
+
+from ..config import Settings
+from . import attention, native, prompt
+from . import model as model_loader
+from .base import GenParams
+from .decoder import Decoder
+from .kv import KVBuffer
+from .prefill import PrefillJob
+from .sampling import sample
+
+log = logging.getLogger(__name__)
+
+Dims = tuple[int, int, int, torch.dtype, torch.device]  # a KV buffer's layers, heads, head dim, dtype, device
+
+
+class ModelRunner(Protocol):
+    """What the engine asks of the model: forwards over a KV buffer, and what shapes its buffers."""
+
+    dims: Dims
+    vocab_size: int
+    decoder: Decoder | None  # the own decoder, where it runs
+
+    @property
+    def weights(self) -> str:
+        """What a decode step multiplies by: "int4", "bfloat16", ... (the idle chores may change it)."""
+        ...
+
+    @property
+    def native(self) -> bool:
+        """Decode steps run in C++: they read no padding column of the batch's buffer."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans: list | None = None,
+                every: bool = False) -> torch.Tensor:
+        """Feed ``input_ids`` (rows, columns) into ``kv``'s open columns: each row's last logits (``every``: all)."""
+        ...
+
+    def prefill(self, job: PrefillJob, columns: int) -> torch.Tensor | None:
+        """The job's next ``columns`` prompt positions; its last position's logits once it is done."""
+        ...
+
+    def decode(self, kv: KVBuffer, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step for every row of ``kv``: their next-token logits (rows, vocab)."""
+        ...
+
+    def sampler(self) -> Callable[..., list[int]] | None:
+        """The C++ sampler where the step runs in C++ (``sampling.sample``'s ``native``), else None."""
+        ...
+
+    def formats(self) -> dict[str, str] | None:
+        """What each class of product multiplies by (``Decoder.formats``), or None."""
+        ...
+
+    def chores(self, settings: Settings) -> Iterator[None]:
+        """Idle work after start-up, a step per idle iteration of the engine."""
+        ...
+
+    def warm_up(self) -> None:
+        """A tiny generation, so the first user pays for no lazy initialisation."""
+        ...
+
+
+class _Runner:
+    """What both runners share: prefill chunks, decode steps and the warm-up, on top of ``forward``."""
+
+    dims: Dims
+    decoder: Decoder | None = None
+
+    def __init__(self, loaded: model_loader.LoadedModel) -> None:
+        self.loaded = loaded
+
+    @property
+    def native(self) -> bool:
+        return False
+
+    def forward(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans: list | None = None,
+                every: bool = False) -> torch.Tensor:
+        """The next-token logits of every row after feeding ``input_ids`` (rows, columns); ``every``:
+        of every column (rows, columns, vocab)."""
+        raise NotImplementedError
+
+    def prefill(self, job: PrefillJob, columns: int) -> torch.Tensor | None:
+        """The job's next ``columns`` prompt positions; its last position's logits once it is done."""
+        return job.step(self.forward, columns)
+
+    def decode(self, kv: KVBuffer, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode forward for every row of ``kv``: next-token logits."""
+        device = self.loaded.device
+        kv.open(1)
+        # the torch step's runs of rows (the C++ step takes each row's own columns itself)
+        spans = attention.plan(kv.row_starts(1), kv.length + 1 - kv.start) if kv.n > 1 and not self.native else None
+        logits = self.forward(torch.tensor(tokens, device=device)[:, None], kv,
+                              torch.tensor(positions, device=device)[:, None], spans)
+        kv.advance(1)
+        return logits
+
+    def sampler(self) -> Callable[..., list[int]] | None:
+        """The C++ sampler once the C++ decode step is in (the same library)."""
+        return native.sample if self.native else None
+
+    def formats(self) -> dict[str, str] | None:
+        return None
+
+    def chores(self, settings: Settings) -> Iterator[None]:
+        """Idle work after start-up, a step per idle turn of the engine."""
+        return iter(())
+
+    def warm_up(self) -> None:
+        """Run a tiny generation, chunked and sampled, so the first user pays for no lazy initialisation."""
+        started = time.monotonic()
+        ids = prompt.render(self.loaded.tokenizer, [{"role": "user", "content": "Hi"}])
+        job = PrefillJob([ids], self.dims)
+        logits = self.prefill(job, len(ids) // 2)
+        logits = logits if logits is not None else self.prefill(job, len(ids))
+        assert logits is not None
+        params, generator = [GenParams(temperature=0.7, top_p=0.9)], [torch.Generator().manual_seed(0)]
+        for i in range(3):
+            token = sample(logits, params, generator)[0]
+            logits = self.decode(job.kv, [token], [len(ids) + i])
+        log.info("warm-up took %.2f s", time.monotonic() - started)
+
+
+class DecoderRunner(_Runner):
+    """The own decoder (Llama-shaped architectures, ``architecture.py``); decode steps in C++ once attached."""
+
+    def __init__(self, loaded: model_loader.LoadedModel, decoder: Decoder) -> None:
+        super().__init__(loaded)
+        self.decoder = decoder
+        s = decoder.shape
+        self.dims = (s.layers, s.kv_heads, s.head_dim, loaded.dtype, loaded.device)
+        self.vocab_size = s.vocab
+
+    @property
+    def weights(self) -> str:
+        assert self.decoder is not None
+        return self.decoder.weights
+
+    @property
+    def native(self) -> bool:
+        """Decode steps run in C++ (``native``): built and checked while idle after start-up."""
+        assert self.decoder is not None
+        return bool(self.decoder.native)
+
+    def forward(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans: list | None = None,
+                every: bool = False) -> torch.Tensor:
+        assert self.decoder is not None
+        return self.decoder(input_ids, kv, position_ids, spans, every=every)
+
+    def formats(self) -> dict[str, str] | None:
+        assert self.decoder is not None
+        return self.decoder.formats()
+
+    def chores(self, settings: Settings) -> Iterator[None]:
+        return model_loader.finish(self.loaded, settings)
+
+
+class TransformersRunner(_Runner):
+    """transformers' forward, for the architectures the own decoder does not run, writing into the same
+    ``KVBuffer`` (its cache layers) and attending over each run of rows' own columns (``attention``)."""
+
+    def __init__(self, loaded: model_loader.LoadedModel) -> None:
+        super().__init__(loaded)
+        self.model: Any = cast(Any, loaded.model)  # a transformers model (checked as Any)
+        attention.use(self.model)
+        cfg = self.model.config.get_text_config(decoder=True)
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.dims = (cfg.num_hidden_layers, heads, head_dim, loaded.dtype, loaded.device)
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.weights = str(loaded.dtype).removeprefix("torch.")
+
+    def forward(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans: list | None = None,
+                every: bool = False) -> torch.Tensor:
+        model = self.model
+        out = model.get_decoder()(input_ids=input_ids, attention_mask=kv.attention_mask(input_ids.shape[1]),
+                                  position_ids=position_ids, cache=kv.cache, use_cache=True, spans=spans)
+        # The output head on a 2-D (rows, hidden) input. Given the model's own 3-D slice of a
+        # multi-column forward, torch's matmul takes its batched path, which copies the whole
+        # bf16 output matrix once per row when the weights are inference tensors (as they are
+        # when loaded under gevent): 0.4 s of a 7-prompt prefill.
+        if every:
+            rows, cols = input_ids.shape
+            return model.get_output_embeddings()(out.last_hidden_state.reshape(rows * cols, -1)).float().view(
+                rows, cols, -1)
+        return model.get_output_embeddings()(out.last_hidden_state[:, -1, :]).float()
+
+
+def runner_for(loaded: model_loader.LoadedModel) -> ModelRunner:
+    """The own decoder's runner where one was loaded, else transformers'."""
+    if loaded.decoder is not None:
+        return DecoderRunner(loaded, loaded.decoder)
+    return TransformersRunner(loaded)
