@@ -51,6 +51,20 @@ def test_the_product_is_the_dense_product_and_each_row_its_own(kind):
     assert float((batch.float() - want).norm() / want.norm()) < 0.015
 
 
+def test_q8_0_as_signed_bytes_is_the_same_product(monkeypatch):
+    """Q8_0 runs as q + 128 with VNNI (``Blocks.U8``), as signed bytes with AVX2's sign trick elsewhere
+    (``Blocks.S8``): both here, the same integer sums, so the same bits."""
+    tensor, _ = blocks_of("Q8_0", rows=40)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    out = {}
+    for unsigned in (True, False):
+        monkeypatch.setattr(quant, "_UNSIGNED", unsigned and bool(torch.ops.chat_native.blocks_vnni()))
+        matrix = on_thread(lambda: weights.blocks(tensor))
+        out[matrix.kind] = on_thread(lambda matrix=matrix: matrix(x))
+    assert quant.Blocks.S8 in out
+    assert all(torch.equal(y, out[quant.Blocks.S8]) for y in out.values())
+
+
 def test_bad_shapes_are_refused():
     tensor, _ = blocks_of("Q4_0")
     matrix = on_thread(lambda: weights.blocks(tensor))

@@ -97,7 +97,7 @@ inline float scale_at(const void* p, int64_t i) {
   return half(static_cast<const uint16_t*>(p)[i]);
 }
 
-inline int64_t chunk_bytes(int64_t kind) { return kind == S8 ? 8 * 32 : 4 * 32; }
+inline int64_t chunk_bytes(int64_t kind) { return kind == S8 || kind == U8 ? 8 * 32 : 4 * 32; }
 
 #if defined(__AVX2__)
 
@@ -170,7 +170,12 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
   for (int64_t b = 0; b < nb; ++b) {
     Dot dot[R], second[R];  // second: Q6_K's weights 16-31 (their own scale)
     const uint8_t* chunks = qs + b * chunk_bytes(K);
-    if constexpr (K == S8) {
+    if constexpr (K == U8) {  // VNNI only: unsigned bytes times signed ones, 4 a lane, in int32
+      for (int c = 0; c < 8; ++c) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + c * 32));
+        for (int r = 0; r < R; ++r) dot[r].add(q, broadcast4(a.q.data() + ((r0 + r) * nb + b) * 32 + 4 * c));
+      }
+    } else if constexpr (K == S8) {
       for (int c = 0; c < 8; ++c) {
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + c * 32));
         const __m256i magnitude = _mm256_sign_epi8(q, q);
@@ -236,6 +241,8 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
           int q;
           if (K == S8) {
             q = static_cast<int8_t>(chunks[(k / 4) * 32 + j * 4 + k % 4]);
+          } else if (K == U8) {
+            q = chunks[(k / 4) * 32 + j * 4 + k % 4];
           } else {
             const int c = (k % 16) / 4;
             const uint8_t byte = chunks[c * 32 + j * 4 + k % 4];
@@ -284,10 +291,19 @@ void run(const Matrix& w, const Acts& a, uint16_t* y) {
 std::mutex lock;
 std::map<int64_t, std::shared_ptr<const Matrix>> kept;
 
+bool vnni() {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 int64_t keep(int64_t kind, int64_t rows, int64_t sub, double centre, const at::Tensor& qs, const at::Tensor& qh,
              const at::Tensor& scales, const at::Tensor& mins) {
   auto w = std::make_shared<Matrix>();
-  TORCH_CHECK(kind == U4 || kind == U5 || kind == S8, "unknown block kind ", kind);
+  TORCH_CHECK(kind == U4 || kind == U5 || kind == S8 || kind == U8, "unknown block kind ", kind);
+  TORCH_CHECK(kind != U8 || vnni(), "unsigned 8-bit blocks need VNNI (AVX2's maddubs would saturate)");
   TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
               "(groups of 8 rows, blocks, bytes) u8 expected");
   TORCH_CHECK(rows > 0 && (rows + GROUP - 1) / GROUP == qs.size(0), "rows in groups of ", GROUP);
@@ -296,6 +312,7 @@ int64_t keep(int64_t kind, int64_t rows, int64_t sub, double centre, const at::T
   const int64_t groups = qs.size(0), padded = groups * GROUP;
   TORCH_CHECK(qs.size(2) == chunk_bytes(kind), "block bytes");
   TORCH_CHECK(sub == 1 || (sub == 2 && kind == S8), "two scales a block for S8 only");
+  TORCH_CHECK(kind != U8 || centre == 128.0, "unsigned 8-bit blocks hold q + 128");
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf, "f16 or f32 scales");
   w->wide = scales.scalar_type() == at::kFloat;
   TORCH_CHECK(scales.is_contiguous() && scales.numel() == padded * w->blocks * sub, "a scale per block");
@@ -343,6 +360,7 @@ at::Tensor multiply(const Matrix& w, const at::Tensor& x_in) {
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr());
   if (w.kind == U4) w.wide ? run<U4, true>(w, a, out) : run<U4, false>(w, a, out);
   else if (w.kind == U5) w.wide ? run<U5, true>(w, a, out) : run<U5, false>(w, a, out);
+  else if (w.kind == U8) w.wide ? run<U8, true>(w, a, out) : run<U8, false>(w, a, out);
   else w.wide ? run<S8, true>(w, a, out) : run<S8, false>(w, a, out);
   return y;
 }
@@ -354,5 +372,6 @@ TORCH_LIBRARY_FRAGMENT(chat_native, lib) {
           "-> int",
           &blocks::keep);
   lib.def("blocks_forget(int id) -> ()", &blocks::forget);
+  lib.def("blocks_vnni() -> bool", &blocks::vnni);
   lib.def("blocks_mm(int id, Tensor x) -> Tensor", &blocks::mm);
 }

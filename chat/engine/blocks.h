@@ -13,6 +13,7 @@ enum Kind : int64_t {
   U4 = 0,  // 16 bytes: byte i holds weight i (low nibble) and weight i + 16 (high nibble), q in 0..15
   U5 = 1,  // as U4, plus 4 bytes of fifth bits (bit i: weight i's), q in 0..31
   S8 = 2,  // 32 signed bytes, w = s * q (no min)
+  U8 = 3,  // 32 bytes q + 128, w = s * (q - 128): the signed bytes without their sign trick (VNNI builds only)
 };
 
 struct Matrix {

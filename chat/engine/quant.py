@@ -125,6 +125,18 @@ def from_affine(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) ->
     return Int4(q, s, z + 8 * s) if bits == 4 else Sum(q, s, z, bits)
 
 
+def unsigned_bytes() -> bool:
+    """Whether 8-bit blocks are kept as q + 128 (``Blocks.U8``: the library was built with VNNI, whose dot
+    product takes unsigned bytes at full range; else signed, with AVX2's sign trick)."""
+    global _UNSIGNED
+    if _UNSIGNED is None:
+        _UNSIGNED = bool(torch.ops.chat_native.blocks_vnni())
+    return _UNSIGNED
+
+
+_UNSIGNED: bool | None = None
+
+
 def by_group(t: torch.Tensor, rows: int) -> torch.Tensor:
     """(out, n) -> (groups, n, ``rows``): each column's values of a group of rows side by side (zero-padded)."""
     groups = -(-t.shape[0] // rows)
@@ -139,8 +151,8 @@ class Blocks:
     file's numbers unchanged (scales and mins in f16 where they are exactly f16, else float32). Rows go in
     groups of 8, each block's bytes interleaved 4 by 4 across the group (``blocks.cpp`` draws it)."""
 
-    U4, U5, S8 = 0, 1, 2
-    KINDS = {U4: "q4", U5: "q5", S8: "q8"}
+    U4, U5, S8, U8 = 0, 1, 2, 3
+    KINDS = {U4: "q4", U5: "q5", S8: "q8", U8: "q8"}
     ROWS = 8  # rows a group
 
     def __init__(self, kind: int, rows: int, qs: torch.Tensor, qh: torch.Tensor, scales: torch.Tensor,
@@ -168,11 +180,14 @@ class Blocks:
         if bits == 8:
             if not symmetric:
                 raise ValueError("8-bit blocks must be symmetric")
-            kind = cls.S8
             signed = q.to(torch.int8) if z is None else (q.to(torch.int16) - 128).to(torch.int8)
+            kind = cls.U8 if s.shape[1] == nb and unsigned_bytes() else cls.S8
+            stored = F.pad(signed.view(torch.uint8), (0, 0, 0, pad))  # padding rows: q = 0
+            stored = stored ^ 0x80 if kind == cls.U8 else stored  # q + 128
             # (groups, 8 rows, blocks, 8 chunks, 4) -> (groups, blocks, chunk, row, 4)
-            grouped = F.pad(signed.view(torch.uint8), (0, 0, 0, pad)).reshape(groups, cls.ROWS, nb, 8, 4)
+            grouped = stored.reshape(groups, cls.ROWS, nb, 8, 4)
             qs = grouped.permute(0, 2, 3, 1, 4).reshape(groups, nb, 256).contiguous()
+            centre = 128.0 if kind == cls.U8 else 0.0
         else:
             kind = cls.U4 if bits == 4 else cls.U5
             grouped = F.pad(q, (0, 0, 0, pad)).reshape(groups, cls.ROWS, nb, 2, 4, 4)  # half, chunk, 4
@@ -202,8 +217,8 @@ class Blocks:
         def by_row(t: torch.Tensor) -> torch.Tensor:  # (groups, blocks * sub, 8) -> (rows, blocks * sub)
             return t.float().transpose(1, 2).reshape(padded, -1)[:rows]
         s = by_row(self.scales)
-        if self.kind == self.S8:
-            q = self.qs.view(torch.int8).reshape(groups, nb, 8, self.ROWS, 4).permute(0, 3, 1, 2, 4)
+        if self.kind in (self.S8, self.U8):
+            q = self._signed().reshape(groups, nb, 8, self.ROWS, 4).permute(0, 3, 1, 2, 4)
             q = q.reshape(padded, nb * self.sub, -1)[:rows].float()
             return (s[..., None] * q).reshape(rows, -1)
         packed = self.qs.reshape(groups, nb, 4, self.ROWS, 4).permute(0, 3, 1, 2, 4)  # (groups, row, blocks, c, 4)
@@ -217,12 +232,21 @@ class Blocks:
         z = by_row(self.mins)[..., None] if self.mins.numel() else -self.centre * s[..., None]
         return (q * s[..., None] + z).reshape(rows, -1)
 
+    def _signed(self) -> torch.Tensor:
+        return (self.qs ^ 0x80 if self.kind == self.U8 else self.qs).view(torch.int8)
+
+    @property
+    def eight_bit(self) -> bool:
+        """An 8-bit matrix of one scale a block (Q8_0): a tied token table's lookups can read it (``lookup``)."""
+        return self.kind in (self.S8, self.U8) and self.sub == 1
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of an ``S8`` matrix's weights, float32 (len(ids), in): a table's lookups read its blocks."""
-        assert self.kind == self.S8 and self.sub == 1
+        """Rows ``ids`` of an 8-bit matrix's weights, float32 (len(ids), in): a table's lookups read its blocks."""
+        assert self.eight_bit
         groups, nb = self.qs.shape[:2]
         g, j = ids // self.ROWS, ids % self.ROWS
-        q = self.qs.view(torch.int8).reshape(groups, nb, 8, self.ROWS, 4)[g, :, :, j]  # (ids, blocks, chunk, 4)
+        q = self.qs.reshape(groups, nb, 8, self.ROWS, 4)[g, :, :, j]  # (ids, blocks, chunk, 4)
+        q = (q ^ 0x80 if self.kind == self.U8 else q).view(torch.int8)
         s = self.scales[g, :, j].float()  # (ids, blocks)
         return (q.reshape(len(ids), nb, GROUP).float() * s[..., None]).reshape(len(ids), -1)
 

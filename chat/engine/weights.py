@@ -127,6 +127,8 @@ def _block_product(kind: int, parts: list) -> quant.Blocks:
 def _stored(kind: int, raw: torch.Tensor) -> quant.Blocks:
     qs, qh, scales, mins, centre = gguf.regroup(kind, raw, quant.Blocks.ROWS)
     form = {4: quant.Blocks.U4, 5: quant.Blocks.U5, 8: quant.Blocks.S8}[gguf.BITS[kind]]
+    if form == quant.Blocks.S8 and quant.unsigned_bytes():
+        form, qs, centre = quant.Blocks.U8, qs ^ 0x80, 128.0  # q + 128: VNNI's dot product takes it at full range
     return quant.Blocks(form, raw.shape[0], qs, qh, scales, mins, centre)
 
 
@@ -190,8 +192,8 @@ def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, 
     table = "token_embd.weight"
     head_name = "output.weight" if "output.weight" in f.tensors else table
     head_quant = _quantized(r, [head_name], blocks) if mode != "off" else None
-    if isinstance(head_quant, quant.Blocks) and head_name == table and head_quant.kind == quant.Blocks.S8 \
-            and head_quant.sub == 1:  # a tied Q8_0 table: lookups read the head's blocks
+    if isinstance(head_quant, quant.Blocks) and head_name == table and head_quant.eight_bit:
+        # a tied Q8_0 table: lookups read the head's blocks
         embed = Embedding(blocks=head_quant, dtype=dtype)
     elif mode != "off" and r.form(table) is not None:
         embed = Embedding(rows=gguf.affine(r.tensor(table)), dtype=dtype)  # looked up row by row
