@@ -187,9 +187,12 @@ class PrefixCache:
     """KV kept for reuse: each conversation's after an answer (bounded in bytes, least recently used out
     first), and the shared preambles (a system prompt and the template around it, the same for every
     conversation that uses that system prompt; ``share``), which any conversation's first turn reuses.
+    A prompt also reuses the longest common prefix of ids held for any other conversation (a question
+    asked again in a new conversation, an edited first message, the same attachment).
 
-    A preamble entry serves only a prompt whose ids start with exactly its ids, and only its keys and
-    values are shared: they are copied into the new row, never written in place (docs/security.md)."""
+    A shared entry serves only a prompt whose ids start with exactly its ids (a preamble) or the ids it
+    has in common, and only its keys and values are shared: they are copied into the new row, never
+    written in place (docs/security.md)."""
 
     PREAMBLES = 8  # shared preambles kept (a few KB to a MB each)
 
@@ -240,7 +243,13 @@ class PrefixCache:
             while n < limit_own and cached[n] == ids[n]:
                 n += 1
         preamble = self._preamble(ids, limit) if shared else None
-        if preamble is not None and len(preamble[0]) > n:
+        other = self._common(ids, limit) if shared else None
+        if other is not None and other[0] > max(n, len(preamble[0]) if preamble else 0):
+            self.shared_hits += 1
+            n, found = other
+            _, keys, values, _ = self.entries[found]
+            self.entries.move_to_end(found)
+        elif preamble is not None and len(preamble[0]) > n:
             self.shared_hits += 1
             found, (keys, values) = preamble
             self.preambles.move_to_end(found)
@@ -251,6 +260,20 @@ class PrefixCache:
         else:
             self.hits += 1
         return [k[:, :, :n] for k in keys], [v[:, :, :n] for v in values], n
+
+    def _common(self, ids: list[int], limit: int) -> tuple[int, str] | None:
+        """(length, key) of the longest common prefix of ``ids`` (up to ``limit``) with another
+        conversation's held ids, or None."""
+        best: tuple[int, str] | None = None
+        for key, (cached, _, _, _) in self.entries.items():
+            if not cached or cached[0] != ids[0]:
+                continue
+            n, top = 0, min(len(cached), limit)
+            while n < top and cached[n] == ids[n]:
+                n += 1
+            if best is None or n > best[0]:
+                best = (n, key)
+        return best if best and best[0] > 0 else None
 
     def _preamble(self, ids: list[int], limit: int) -> tuple | None:
         """The longest shared preamble that ``ids`` starts with (and goes past), or None."""
