@@ -93,15 +93,17 @@ class Settings:
             "native bf16 (`avx512_bf16` or `amx_bf16`), and float32 elsewhere.")
     quant: str = _setting(
         "CHAT_QUANT", "auto", _choice("auto", "int4", "off"),
-        doc="Weights of a GGUF model on the CPU. `auto`: the file's blocks on torch's int4 kernel wherever they "
-            "are w = s·q + z per 32 weights (Q4_0, Q4_1, Q4_K as one 4-bit product; Q5_0, Q5_1, Q5_K, Q8_0 as "
-            "two), exactly but for s and z in bf16; other types (Q6_K, F16, ...) dense. On CPUs with native bf16 "
-            "(`avx512_bf16`/`amx_bf16`) also dense bfloat16 copies of the layers for long prefills, each product "
-            "picking the faster by a crossover measured at start-up; elsewhere (AVX2, AVX-512 without bf16) the "
-            "4-bit weights alone, which are faster there at any size. The 4-bit path is checked against dense "
-            "weights at start-up and left for dense with a warning if they disagree. `int4`: the 4-bit weights "
-            "only. `off`: dense weights only. CPUs without AVX2 and other model formats use dense weights. "
-            "`/readyz` and `/metrics` report which (`weights`, `formats`, `cpu`).")
+        doc="Weights of a GGUF model on the CPU. `auto`: the file's blocks as stored (Q4_0, Q4_1, Q5_0, Q5_1, "
+            "Q8_0, Q4_K, Q5_K, Q6_K; scales and mins exact) on the C++ library's block kernels, which multiply "
+            "them with 8-bit activations as llama.cpp does (`weights: blocks`; `formats` q4, q5, q8); float types "
+            "(F16, BF16, F32) and Q2_K/Q3_K dense. Until that library is built (the first start, while idle; "
+            "`CHAT_NATIVE`), and without a C++ compiler, the blocks of the form w = s·q + z per 32 weights run on "
+            "torch's int4 kernel (`weights: int4`; one product for 4 bits, two for 5 to 8, s and z in bf16), "
+            "with, on CPUs with native bf16, dense bfloat16 copies for long prefills picked by a crossover "
+            "measured at start-up. Either path is checked against dense weights at start-up and left for dense "
+            "with a warning if they disagree. `int4`: the quantized weights only. `off`: dense weights only. "
+            "CPUs without AVX2 and other model formats use dense weights. `/readyz` and `/metrics` report which "
+            "(`weights`, `formats`, `cpu`).")
     cpu_isa: str = _setting(
         "CHAT_CPU_ISA", "auto", _choice("auto", "avx512_bf16", "avx512", "avx2", "generic"),
         doc="The CPU class the engine uses: `auto` (this CPU's), or a lower one to test or measure that class on "
@@ -111,11 +113,13 @@ class Settings:
     native: bool = _setting(
         "CHAT_NATIVE", True, _bool,
         doc="Run each decode step on the CPU as one C++ call (`chat/engine/native.cpp`: the layers' norms, "
-            "rotary positions, attention and SwiGLU as plain loops, the products on torch's kernels), about "
-            "twice as fast at one stream as torch's operators. Built while the engine is idle after start-up "
-            "with the machine's C++ compiler (`$CXX`, `c++` or `g++`: install `g++`), about 15 s once, kept "
-            "under `CHAT_CACHE_DIR`; checked against torch's step before use. Without a compiler, or `false`: "
-            "torch's operators. `/readyz` reports which (`decode`).")
+            "rotary positions, attention and SwiGLU as plain loops) and a GGUF's products on the same library's "
+            "block kernels (`chat/engine/blocks.cpp`, see `CHAT_QUANT`): 2-4x torch's operators and int4 kernel "
+            "at one stream. Built while the engine is idle after the first start with the machine's C++ compiler "
+            "(`$CXX`, `c++` or `g++`: install `g++`), 20-40 s once, kept under `CHAT_CACHE_DIR` (later starts "
+            "load it at once and read the weights straight onto the block kernels); checked against dense "
+            "weights and torch's step before use. Without a compiler, or `false`: torch's operators and int4 "
+            "kernel. `/readyz` reports which (`decode`, `weights`).")
     device: str = _setting(
         "CHAT_DEVICE", "auto", _choice("auto", "cpu", "cuda"),
         doc="`auto`, `cpu` or `cuda`. `auto` uses CUDA when available.")
