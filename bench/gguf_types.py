@@ -113,8 +113,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gguf_types", description=__doc__.splitlines()[0])
     parser.add_argument("--types", default=",".join(TYPES))
     parser.add_argument("--ctx", type=int, default=128)
+    parser.add_argument("--text", type=Path, help="a text file to score instead of the built-in paragraphs (more "
+                        "tokens: a tighter comparison)")
     parser.add_argument("--models", type=Path, default=ROOT / "data" / "bench-models")
     args = parser.parse_args(argv)
+    if args.text:
+        global TEXT
+        TEXT = args.text.read_text()
     server = os.environ.get("LLAMA_SERVER")
     if not server:
         raise SystemExit("LLAMA_SERVER must name a llama.cpp build (llama-quantize, llama-perplexity beside it)")
