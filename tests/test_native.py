@@ -301,3 +301,21 @@ def test_a_gguf_loaded_before_the_build_moves_onto_the_block_products(tmp_path, 
         assert text
     finally:
         engine.shutdown()
+
+
+@int4_cpu
+def test_newcomers_together_each_start_from_the_preamble_on_the_block_kernels(native_engine):
+    """On the block kernels a forward costs in proportion to its rows: newcomers arriving together each
+    start from their system prompt's preamble instead of sharing one forward over their whole prompts."""
+    from chat.engine import Done, prompt
+    from helpers import until
+
+    engine = native_engine
+    assert engine.weights == "blocks" and not engine.wide_prefill
+    params = GenParams(temperature=0, max_new_tokens=4)
+    collect(engine.submit(ask("warm the preamble"), params))
+    mine = prompt.preamble(engine.loaded.tokenizer, ask("x"))
+    assert until(lambda: engine.prefix.has_preamble(mine), timeout=60)
+    gens = [engine.submit(ask(q), params) for q in QUESTIONS]
+    done = [next(e for e in collect(g)[1] if isinstance(e, Done)) for g in gens]
+    assert all(d.reused_tokens >= len(mine) for d in done), [d.reused_tokens for d in done]

@@ -135,6 +135,11 @@ class LocalEngine(Engine):
         """A KV buffer's (layers, heads, head dim, dtype, device) for this model (the scheduler's jobs)."""
         return self.runner.dims
 
+    @property
+    def wide_prefill(self) -> bool:  # prefill on dense products (dense weights, or copies beside quantized ones)
+        decoder = self.decoder
+        return decoder is None or any(linear.dense is not None for linear in decoder.linears())
+
     # ---- the engine thread ----
 
     def _run(self) -> None:

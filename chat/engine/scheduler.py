@@ -62,6 +62,12 @@ class Host(Protocol):
     @property
     def dims(self) -> tuple: ...
 
+    @property
+    def wide_prefill(self) -> bool:
+        """Whether a forward of many rows costs little more than one of a few (dense products there): then
+        newcomers arriving together are prefilled in one forward rather than each from its preamble."""
+        ...
+
     def prepare(self, gen: Generation) -> tuple[list[int], object]: ...
 
     def new_slot(self, gen: Generation, ids: list, matcher: object = None) -> Slot: ...
@@ -243,12 +249,15 @@ class Scheduler:
                 continue
             room -= 1
             started.append(self.host.new_slot(gen, request.prompt_ids, request.matcher))
-        # Several newcomers without a conversation's KV arriving together share their chunks (one forward
-        # for all: cheaper than a forward each, even from a shared preamble); a lone one starts from its
-        # system prompt's shared preamble. A seeded, sampled prompt never takes a preamble: whether one is
-        # held when it arrives must not change its answer (its KV, prefilled alone, rounds apart); a scored
-        # prompt (every position's log probability) reuses nothing.
-        burst = sum(not _alone(s) and s.gen.key not in self.prefix.entries for s in started) > 1
+        # Several newcomers without a conversation's KV arriving together share their chunks where prefill
+        # runs on dense products (one forward for all: cheaper than a forward each, even from a shared
+        # preamble); on the block kernels, whose many-row forwards cost in proportion to their rows, and for
+        # a lone one, each starts from the longest prefix held (its system prompt's shared preamble). A
+        # seeded, sampled prompt never takes a preamble: whether one is held when it arrives must not change
+        # its answer (its KV, prefilled alone, rounds apart); a scored prompt (every position's log
+        # probability) reuses nothing.
+        burst = self.host.wide_prefill and sum(not _alone(s) and s.gen.key not in self.prefix.entries
+                                               for s in started) > 1
         for slot in started:
             gen, seeded = slot.gen, _seeded(slot)
             scored = gen.params.prompt_logprobs is not None
