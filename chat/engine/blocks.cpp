@@ -263,7 +263,11 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
 
 #endif
 
-constexpr int ROWS = 4;  // activation rows per pass over a group's blocks
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int ROWS = 8;  // activation rows per pass over a group's blocks: 32 vector registers hold 8 rows' sums
+#else
+constexpr int ROWS = 4;  // 16 vector registers: 4 rows' sums, and the weights, without spilling
+#endif
 
 template <int64_t K, bool Wide>
 void run(const Matrix& w, const Acts& a, uint16_t* y) {
@@ -272,8 +276,9 @@ void run(const Matrix& w, const Acts& a, uint16_t* y) {
   const int64_t grain =
       std::max<int64_t>(1, 65536 / std::max<int64_t>(1, w.blocks * chunk_bytes(K) * std::min<int64_t>(m, ROWS)));
   using Kernel = void (*)(const Matrix&, int64_t, const Acts&, int64_t, float*);
-  static constexpr Kernel kernels[ROWS] = {group_dot<K, Wide, 1>, group_dot<K, Wide, 2>, group_dot<K, Wide, 3>,
-                                           group_dot<K, Wide, 4>};
+  static constexpr Kernel kernels[8] = {group_dot<K, Wide, 1>, group_dot<K, Wide, 2>, group_dot<K, Wide, 3>,
+                                        group_dot<K, Wide, 4>, group_dot<K, Wide, 5>, group_dot<K, Wide, 6>,
+                                        group_dot<K, Wide, 7>, group_dot<K, Wide, 8>};
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     float out[ROWS * GROUP];
     for (int64_t g = begin; g < end; ++g) {
