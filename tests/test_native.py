@@ -319,3 +319,23 @@ def test_newcomers_together_each_start_from_the_preamble_on_the_block_kernels(na
     gens = [engine.submit(ask(q), params) for q in QUESTIONS]
     done = [next(e for e in collect(g)[1] if isinstance(e, Done)) for g in gens]
     assert all(d.reused_tokens >= len(mine) for d in done), [d.reused_tokens for d in done]
+
+
+@int4_cpu
+def test_a_hub_model_loaded_before_the_build_moves_onto_the_block_products(tiny_model, tmp_path, monkeypatch):
+    """A hub or folder model quantized on load before the library is built (a first start) serves on the
+    int4 kernel, then is read again and moved onto the block products once the library is built."""
+    monkeypatch.setattr(native, "kept", lambda cache_dir, cpu=None: False)
+    engine = make_engine(tiny_model, tmp_path, dtype="bfloat16", native=True, cache_dir=str(SHARED))
+    try:
+        assert engine.weights == "int4"
+        params = GenParams(temperature=0, max_new_tokens=12)
+        deadline = time.monotonic() + 120
+        while engine.stats()["finishing"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert engine.weights == "blocks" and engine.stats()["decode"] == "native"
+        assert set(engine.formats.values()) == {"q8"}
+        assert collect(engine.submit(ask("hello"), params))[0]
+    finally:
+        engine.shutdown()

@@ -242,10 +242,32 @@ def finish(loaded: LoadedModel, settings: Settings) -> Iterator[None]:
     if built and decoder.weights == "int4" and source is not None and source.suffix == ".gguf":
         yield
         weights.to_blocks(gguf.read(source), decoder, quant.dense_copies(machine.isa, blocks=True))
+    elif built and decoder.weights == "int4" and source is None:  # a hub or folder model, Q8_0 on load
+        yield
+        _hub_to_blocks(decoder, settings)
     if source is not None and quant.by_shape(decoder.linears()):
         yield from _crossovers(decoder, source, settings)
     if built:
         native.use(decoder)
+
+
+def _hub_to_blocks(decoder: Decoder, settings: Settings) -> None:
+    """Move a hub or folder model quantized on load onto the block products once the C++ library is built:
+    its dense weights were let go at load, so they are read again (from the local copy), quantized to
+    Q8_0 onto the blocks, checked (``weights.quantize``), and put in place of the int4 products."""
+    path, name = resolve_source(settings.model, settings.model_cache_dir)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    try:
+        fresh = weights.from_hf(model)
+    except weights.Unsupported:
+        return
+    if not weights.quantize(fresh, dense_copies=False, blocks=True):
+        log.warning("the block products disagree with %s's dense weights: staying on the int4 kernel", name)
+        return
+    for linear, new in zip(decoder.linears(), fresh.linears()):
+        linear.quant, linear.dense, linear.crossover = new.quant, None, quant.Linear.ALWAYS
+    decoder.head, decoder.weights = fresh.head, "blocks"
+    log.info("%s's weights on the block products (Q8_0)", name)
 
 
 def _crossovers(decoder: Decoder, source: Path, settings: Settings) -> Iterator[None]:
