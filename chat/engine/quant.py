@@ -1,5 +1,9 @@
 """The engine's products (kernels room): which kernel multiplies each matrix, on which CPU class.
 
+``Blocks``: the C++ library's block products (``blocks.cpp``), the file's blocks as stored times 8-bit
+activations, llama.cpp's arithmetic: what a GGUF's quantized products run on once the library is built
+(no dense copies beside them). Until then, and without a compiler:
+
 ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (a private op: torch is pinned)
 multiplies bf16 activations by 4-bit weights in groups of 32 along the input,
 each group with its own scale and zero: w = (q - 8) * scale + zero. Every GGUF

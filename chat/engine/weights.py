@@ -1,17 +1,22 @@
 """Building the engine's own decoder (``decoder.py``): from a GGUF file's blocks, or from a
 transformers model of the same shape.
 
-From a GGUF, nothing is converted to files: every block type of the form w = s * q + z per 32
-weights (``gguf.AFFINE``: Q4_0, Q4_1, Q4_K as one int4 product; Q5_0, Q5_1, Q5_K, Q8_0 as two,
-``quant.Sum``) goes to the int4 kernel exactly (but for s and z in bf16); other types (Q6_K,
-Q2_K, Q3_K, F16, BF16, F32) are dequantized to dense weights, as parts of a fused product where
-its other parts are int4 (``quant.Concat``). The token table serves lookups from its q, s and z
-rows. ``quant`` picks what is kept:
+From a GGUF, nothing is converted to files. Once the C++ library is loaded (``native``), every block
+type of the form w = s * q + z per 32 weights (``gguf.AFFINE``) or w = s * q per 32 or 16 (``gguf.SIGNED``:
+Q8_0, Q6_K) goes to its block products (``quant.Blocks``): Q4_0..Q8_0 moved as stored (``gguf.regroup``),
+K-quants from their decoded parts, exactly. Before that (a first start, no compiler), the ``AFFINE`` types
+go to torch's int4 kernel exactly but for s and z in bf16 (Q4_0, Q4_1, Q4_K as one int4 product; Q5_0,
+Q5_1, Q5_K, Q8_0 as two, ``quant.Sum``), and ``to_blocks`` moves them once the library is built. Other
+types (Q2_K, Q3_K, F16, BF16, F32; Q6_K on the int4 path) are dequantized to dense weights, as parts of a
+fused product where its other parts are quantized (``quant.Concat``). The token table serves lookups from
+its q, s and z rows, or, tied and Q8_0 on the blocks, from the output layer's blocks. ``quant`` picks what
+is kept:
 
-- ``auto``: int4 where the file has it, plus, on CPUs whose dense bf16 products are fast
-  (native bf16, ``quant.POLICY``), the layers' dense copies for products of many rows
-  (prefill), each product picking by its crossover, measured after start-up;
-- ``int4``: int4 only (least memory; long prompts prefill slower on native-bf16 CPUs);
+- ``auto``: the quantized weights where the file has them, plus, on the int4 kernel on CPUs whose
+  dense bf16 products are fast (native bf16, ``quant.POLICY``), the layers' dense copies for products
+  of many rows (prefill), each product picking by its crossover, measured after start-up;
+- ``int4``: the quantized weights only (least memory; on the int4 kernel long prompts prefill slower
+  on native-bf16 CPUs);
 - ``off``: dense only, every weight dequantized as gguf-py does.
 """
 from __future__ import annotations
