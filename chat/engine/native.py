@@ -199,13 +199,13 @@ def agrees(decoder: Decoder, step: Step) -> bool:
     outputs = []
     for native in (None, step):
         kv = decoder.cache(2, 16)
-        kv.reserve(10)
-        kv.mask[0, :9] = 1
-        kv.mask[1, 3:9] = 1
-        positions = (kv.mask[:2, :9].cumsum(1) - 1).clamp(min=0)
+        real = torch.ones(2, 9, dtype=kv.mask.dtype)
+        real[1, :3] = 0  # the second row left-padded by 3
+        kv.open(9, real)
+        positions = (real.cumsum(1) - 1).clamp(min=0)
         decoder.forward(ids, kv, positions)
-        kv.length = 9
-        kv.mask[:2, 9] = 1
+        kv.advance(9)
+        kv.open(1)
         outputs.append(decoder.forward(ids[:, -1:], kv, positions[:, -1:] + 1, native=native or False))
     eager, mine = outputs
     cosine = torch.nn.functional.cosine_similarity(eager, mine, dim=-1)
