@@ -93,16 +93,13 @@ class Settings:
             "native bf16 (`avx512_bf16` or `amx_bf16`), and float32 elsewhere.")
     quant: str = _setting(
         "CHAT_QUANT", "auto", _choice("auto", "int4", "off"),
-        doc="Weights of a GGUF model on the CPU. `auto`: the file's blocks as stored (Q4_0, Q4_1, Q5_0, Q5_1, "
-            "Q8_0, Q4_K, Q5_K, Q6_K; scales and mins exact) on the C++ library's block kernels, which multiply "
-            "them with 8-bit activations as llama.cpp does (`weights: blocks`; `formats` q4, q5, q8); float types "
-            "(F16, BF16, F32) and Q2_K/Q3_K dense. Until that library is built (the first start, while idle; "
-            "`CHAT_NATIVE`), and without a C++ compiler, the blocks of the form w = s·q + z per 32 weights run on "
-            "torch's int4 kernel (`weights: int4`; one product for 4 bits, two for 5 to 8, s and z in bf16), "
-            "with, on CPUs with native bf16, dense bfloat16 copies for long prefills picked by a crossover "
-            "measured at start-up. Either path is checked against dense weights at start-up and left for dense "
-            "with a warning if they disagree. `int4`: the quantized weights only. `off`: dense weights only. "
-            "CPUs without AVX2 and other model formats use dense weights. `/readyz` and `/metrics` report which "
+        doc="Weights of a GGUF model on the CPU. `auto`: the file's blocks as stored (Q4_0..Q8_0, Q4_K, Q5_K, "
+            "Q6_K; exact) on the C++ library's block kernels with 8-bit activations, as llama.cpp multiplies them "
+            "(`weights: blocks`); float types and Q2_K/Q3_K dense. Until that library is built (a first start; "
+            "`CHAT_NATIVE`) and without a C++ compiler: torch's int4 kernel (`weights: int4`; s and z in bf16), "
+            "with dense bf16 copies for long prefills on CPUs with native bf16. Either is checked against dense "
+            "weights at start-up (dense, with a warning, if they disagree). `int4`: the quantized weights only. "
+            "`off`: dense only. CPUs without AVX2 use dense weights. `/readyz` and `/metrics` say which "
             "(`weights`, `formats`, `cpu`).")
     cpu_isa: str = _setting(
         "CHAT_CPU_ISA", "auto", _choice("auto", "avx512_bf16", "avx512", "avx2", "generic"),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from chat.config import Settings
-from chat.engine import Delta, GenParams, cpu, gguf, quant, weights
+from chat.engine import Delta, GenParams, cpu, crossover, gguf, quant, weights
 from chat.engine import model as loader
 from chat.engine.local import LocalEngine
 from tinygguf import tiny_gguf
@@ -215,8 +215,8 @@ def test_calibrate_gives_each_shape_its_crossover():
         linears = [quant.Linear(torch.randn(64, 32, dtype=torch.bfloat16),
                                 quant.Int4(torch.zeros((64, 32), dtype=torch.uint8), torch.ones((64, 1)),
                                            torch.zeros((64, 1)))) for _ in range(3)]
-        known = dict(quant.calibrate(linears, {"64x32": 7}))
-        measured = dict(quant.calibrate(linears))
+        known = dict(crossover.calibrate(linears, {"64x32": 7}))
+        measured = dict(crossover.calibrate(linears))
         return linears, known, measured
     linears, known, measured = on_thread(run)
     assert known == {"64x32": 7}

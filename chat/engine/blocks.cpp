@@ -22,6 +22,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 namespace blocks {
@@ -99,6 +100,15 @@ inline float scale_at(const void* p, int64_t i) {
 
 inline int64_t chunk_bytes(int64_t kind) { return kind == S8 || kind == U8 ? 8 * 32 : 4 * 32; }
 
+// Group g's blocks, fifth bits (U5), scales and mins (null where there are none).
+template <int64_t K, bool Wide>
+std::tuple<const uint8_t*, const uint8_t*, const void*, const void*> group_at(const Matrix& w, int64_t g) {
+  const int64_t nb = w.blocks, size = Wide ? 4 : 2;
+  return {w.qs.data_ptr<uint8_t>() + g * nb * chunk_bytes(K), K == U5 ? w.qh.data_ptr<uint8_t>() + g * nb * 32 : nullptr,
+          static_cast<const char*>(w.scales.data_ptr()) + g * nb * w.sub * GROUP * size,
+          w.mins.defined() ? static_cast<const char*>(w.mins.data_ptr()) + g * nb * GROUP * size : nullptr};
+}
+
 #if defined(__AVX2__)
 
 template <bool Wide>
@@ -160,11 +170,7 @@ struct Dot {
 template <int64_t K, bool Wide, int R>
 void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out) {
   const int64_t nb = w.blocks, sub = w.sub;
-  const uint8_t* qs = w.qs.data_ptr<uint8_t>() + g * nb * chunk_bytes(K);
-  const uint8_t* qh = K == U5 ? w.qh.data_ptr<uint8_t>() + g * nb * 32 : nullptr;
-  const void* sc = static_cast<const char*>(w.scales.data_ptr()) + g * nb * sub * GROUP * (Wide ? 4 : 2);
-  const void* mn = w.mins.defined() ? static_cast<const char*>(w.mins.data_ptr()) + g * nb * GROUP * (Wide ? 4 : 2)
-                                    : nullptr;
+  const auto [qs, qh, sc, mn] = group_at<K, Wide>(w, g);
   __m256 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -224,11 +230,7 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
 template <int64_t K, bool Wide, int R>
 void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out) {
   const int64_t nb = w.blocks, sub = w.sub;
-  const uint8_t* qs = w.qs.data_ptr<uint8_t>() + g * nb * chunk_bytes(K);
-  const uint8_t* qh = K == U5 ? w.qh.data_ptr<uint8_t>() + g * nb * 32 : nullptr;
-  const void* sc = static_cast<const char*>(w.scales.data_ptr()) + g * nb * sub * GROUP * (Wide ? 4 : 2);
-  const void* mn = w.mins.defined() ? static_cast<const char*>(w.mins.data_ptr()) + g * nb * GROUP * (Wide ? 4 : 2)
-                                    : nullptr;
+  const auto [qs, qh, sc, mn] = group_at<K, Wide>(w, g);
   for (int r = 0; r < R; ++r) {
     for (int64_t j = 0; j < GROUP; ++j) {
       float total = 0.f;

@@ -11,7 +11,6 @@ only prefills what is new.
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import time
@@ -29,21 +28,13 @@ from .decoder import Decoder
 from .events import Delta, Done, Queued, Refused, Started
 from .kv import KVBuffer, PrefixCache, joined
 from .prefill import PrefillJob
-from .runner import ModelRunner, runner_for
+from .runner import ModelRunner, release_memory, runner_for
 from .sampling import sample_rows
 from .scheduler import Plan, Request, Scheduler
 from .slot import Slot
 
 log = logging.getLogger(__name__)
 _DONE = object()  # the end of the idle chores
-
-
-def _release_memory() -> None:
-    """Hand freed heap back to the OS once the batch empties (glibc keeps it otherwise)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class LocalEngine(Engine):
@@ -136,9 +127,8 @@ class LocalEngine(Engine):
         return self.runner.dims
 
     @property
-    def wide_prefill(self) -> bool:  # prefill on dense products (dense weights, or copies beside quantized ones)
-        decoder = self.decoder
-        return decoder is None or any(linear.dense is not None for linear in decoder.linears())
+    def wide_prefill(self) -> bool:
+        return self.runner.wide_prefill
 
     # ---- the engine thread ----
 
@@ -196,7 +186,7 @@ class LocalEngine(Engine):
                     self.weights, self.formats = self.runner.weights, self.runner.formats()  # the chores may move them
                 return  # one step of idle work at a time, then look for requests again
             if not self.trimmed:
-                _release_memory()
+                release_memory()
                 self.trimmed = True
             queue.wake.wait(1.0)
 
@@ -219,7 +209,7 @@ class LocalEngine(Engine):
         # full collections, which otherwise stall the event loop for tenths of a second.
         gc.collect()
         gc.freeze()
-        _release_memory()  # loading's temporaries (a GGUF's unpacked blocks: hundreds of MB)
+        release_memory()  # loading's temporaries (a GGUF's unpacked blocks: hundreds of MB)
         self.ready = True
         log.info("engine ready: %s, max batch %d, prefill chunk %d", self.model_name,
                  self.settings.max_batch, self.settings.prefill_chunk)

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..config import Settings
 from ..errors import ConfigError
-from . import cpu, gguf, native, quant, weights
+from . import cpu, crossover, gguf, native, quant, weights
 from .decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ def finish(loaded: LoadedModel, settings: Settings) -> Iterator[None]:
     elif built and decoder.weights == "int4" and source is None:  # a hub or folder model, Q8_0 on load
         yield
         _hub_to_blocks(decoder, settings)
-    if source is not None and quant.by_shape(decoder.linears()):
+    if source is not None and crossover.by_shape(decoder.linears()):
         yield from _crossovers(decoder, source, settings)
     if built:
         native.use(decoder)
@@ -278,7 +278,7 @@ def _crossovers(decoder: Decoder, source: Path, settings: Settings) -> Iterator[
     except (OSError, ValueError):
         saved = {}
     found = {}
-    for shape, rows in quant.calibrate(decoder.linears(), saved.get(key)):
+    for shape, rows in crossover.calibrate(decoder.linears(), saved.get(key)):
         found[shape] = rows
         yield
     log.info("int4 products up to these rows, dense above: %s", ", ".join(f"{k}: {m}" for k, m in found.items()))

@@ -7,6 +7,7 @@ batch's ``KVBuffer``) and return float logits; ``runner_for`` picks one, once, a
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +44,12 @@ class ModelRunner(Protocol):
     @property
     def native(self) -> bool:
         """Decode steps run in C++: they read no padding column of the batch's buffer."""
+        ...
+
+    @property
+    def wide_prefill(self) -> bool:
+        """Prefill runs on dense products (dense weights, or copies beside quantized ones): a forward of many
+        rows costs little more than one of a few."""
         ...
 
     def forward(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans: list | None = None,
@@ -87,6 +94,10 @@ class _Runner:
     @property
     def native(self) -> bool:
         return False
+
+    @property
+    def wide_prefill(self) -> bool:
+        return self.decoder is None or any(linear.dense is not None for linear in self.decoder.linears())
 
     def forward(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans: list | None = None,
                 every: bool = False) -> torch.Tensor:
@@ -198,6 +209,14 @@ class TransformersRunner(_Runner):
             return model.get_output_embeddings()(out.last_hidden_state.reshape(rows * cols, -1)).float().view(
                 rows, cols, -1)
         return model.get_output_embeddings()(out.last_hidden_state[:, -1, :]).float()
+
+
+def release_memory() -> None:
+    """Hand freed heap back to the OS (glibc keeps it otherwise): after loading, and once the batch empties."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def runner_for(loaded: model_loader.LoadedModel) -> ModelRunner:
