@@ -117,6 +117,12 @@ class Settings:
             "load it at once and read the weights straight onto the block kernels); checked against dense "
             "weights and torch's step before use. Without a compiler, or `false`: torch's operators and int4 "
             "kernel. `/readyz` reports which (`decode`, `weights`).")
+    draft: str = _setting(
+        "CHAT_DRAFT", "ngram", _choice("ngram", "off"),
+        doc="`ngram`: while one answer runs alone, guess its next tokens from its own prompt and answer (the "
+            "tokens that followed its latest few the last time they appeared) and check them in one C++ step: "
+            "several tokens per read of the weights when an answer quotes or edits its context; exactly the "
+            "answer it would make without (`chat/engine/drafts.py`). `off`: one token per step.")
     device: str = _setting(
         "CHAT_DEVICE", "auto", _choice("auto", "cpu", "cuda"),
         doc="`auto`, `cpu` or `cuda`. `auto` uses CUDA when available.")

@@ -161,6 +161,22 @@ class Decoder:
             return self._logits(h).view(rows, cols, -1)
         return self._logits(h.view(rows, cols, -1)[:, -1])
 
+    def verify(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor) -> torch.Tensor:
+        """Float logits of every column (rows x columns, vocab) after feeding ``input_ids`` (rows, columns)
+        on the C++ step: each column's bit for bit what a decode step of that column alone gives, so a
+        drafted token is checked as the answer would have made it (``drafts``). Needs ``native``, and
+        products that take the same path for that many rows as for one (``same_path``)."""
+        assert self.native, "the C++ step verifies drafts"
+        cos, sin = self._rope(position_ids)
+        return self._logits(self.native(self.embed(input_ids.reshape(-1)), kv, cos, sin))
+
+    def same_path(self, rows: int) -> bool:
+        """Whether every product, the output's too, multiplies ``rows`` rows on the kernel it takes for one
+        (quantized weights, no dense copy taking over past a crossover; a dense product's kernel changes
+        with the rows)."""
+        return all(lin.quant is not None and (lin.dense is None or lin.crossover >= rows)
+                   for lin in [*self.linears(), self.head])
+
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         return self.head(self._norm(last, self.norm)).float()
 

@@ -21,7 +21,7 @@ import torch
 from ..concurrency import run_in_thread, start_real_thread
 from ..config import Settings
 from ..errors import EngineUnavailable, Overloaded, PromptTooLong
-from . import cpu, grammar, prompt
+from . import cpu, drafts, grammar, prompt
 from . import model as model_loader
 from .base import Engine, GenParams, Generation
 from .decoder import Decoder
@@ -63,6 +63,7 @@ class LocalEngine(Engine):
         self.preambles: dict[tuple, None] = {}
         self.tokens_generated = 0
         self.step_s = 0.05  # measured: a decode step's forward (moving average)
+        self.drafter = drafts.Drafter()
         start_real_thread(self._run, name="engine")
 
     # ---- called from the web layer (any greenlet or thread) ----
@@ -103,7 +104,7 @@ class LocalEngine(Engine):
         return {"active": len(self.rows) + self.queue.prefilling, "queued": self.queue.queued(),
                 "prefix_cache_bytes": self.prefix.used, "prefix_hits": self.prefix.hits,
                 "prefix_misses": self.prefix.misses, "prefix_shared_hits": self.prefix.shared_hits,
-                "tokens_generated": self.tokens_generated,
+                "tokens_generated": self.tokens_generated, **self.drafter.stats(),
                 "finishing": self.chores is not None,
                 "decode": "native" if self.ready and self.runner.native else "torch"}
 
@@ -284,12 +285,47 @@ class LocalEngine(Engine):
         if not self.rows:
             return
         assert self.kv is not None
+        if len(self.rows) == 1 and self._draft(self.rows[0]):
+            return
         started = time.monotonic()
         logits = self.runner.decode(self.kv, [s.last for s in self.rows], [s.pos for s in self.rows])
-        self.step_s += (time.monotonic() - started - self.step_s) / 8  # a moving average
+        spent = time.monotonic() - started
+        self.step_s += (spent - self.step_s) / 8  # a moving average
+        if len(self.rows) == 1:
+            self.drafter.costs.measured(1, spent)
         for slot in self.rows:
             slot.pos += 1
         self._accept_all(list(self.rows), logits)
+
+    def _draft(self, slot: Slot) -> bool:
+        """A lone row's step with drafted tokens (``drafts``) when they pay: its last token and the drafts fed
+        at once, then its tokens sampled column by column as single steps would make them, up to the first
+        draft the answer did not make. Whether it ran."""
+        if (self.settings.draft == "off" or slot.matcher is not None or slot.params.logprobs is not None
+                or not self.runner.verifies(drafts.MAX_DRAFT + 1)):
+            return False
+        guess = self.drafter.guess(slot)
+        if not guess:
+            return False
+        kv = self.kv
+        assert kv is not None
+        logits = self.drafter.timed(len(guess) + 1, lambda: self.runner.verify(kv, [slot.last, *guess], slot.pos))
+        right = 0
+        for j in range(len(guess) + 1):
+            kv.advance(1)  # column j holds one of the answer's tokens: its last, or a draft it made
+            slot.pos += 1
+            token = sample_rows(logits[j:j + 1], [slot.params], [slot.generator], native=self.runner.sampler())[0]
+            if isinstance(token, str):
+                self._finish(slot, "error", token)
+                break
+            self._accept(slot, token)
+            if slot not in self.rows or j == len(guess) or token != guess[j]:
+                break
+            right += 1
+        if self.kv is not None:
+            self.kv.mask[:, self.kv.length:self.kv.length + len(guess) + 1] = 0  # drafts the answer did not make
+        self.drafter.checked(slot, len(guess), right)
+        return True
 
     def _accept_all(self, slots: list[Slot], logits: torch.Tensor) -> None:
         """Sample every row's next token in one pass, then emit each row's text; a row whose sampling fails

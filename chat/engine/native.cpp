@@ -170,13 +170,15 @@ at::Tensor swiglu(const at::Tensor& gu) {
   return out;
 }
 
-// Rotary positions for the query and key heads of a (rows, (heads + 2 kv_heads) * dim) q/k/v
-// product; queries go to ``q`` (float), keys and values into the layer's buffers at ``col``.
+// Rotary positions for the query and key heads of a (rows x cols, (heads + 2 kv_heads) * dim) q/k/v
+// product; queries go to ``q`` (float), keys and values into the layer's buffers: query i is column
+// col + i % cols of buffer row i / cols.
 void rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const Model& m,
-                    at::Tensor& q, at::Tensor& keys, at::Tensor& values, int64_t col) {
-  const int64_t rows = qkv.size(0), d = m.dim, half = d / 2, width = qkv.size(1);
+                    at::Tensor& q, at::Tensor& keys, at::Tensor& values, int64_t col, int64_t cols) {
+  const int64_t queries = qkv.size(0), d = m.dim, half = d / 2, width = qkv.size(1);
   const auto ks = keys.strides(), vs = values.strides();
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < queries; ++r) {
+    const int64_t b = r / cols, at_col = col + r % cols;  // its buffer row and column
     const uint16_t* row = bits(qkv) + r * width;
     const uint16_t* c = bits(cos) + r * d;
     const uint16_t* s = bits(sin) + r * d;
@@ -192,36 +194,38 @@ void rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
         float* out = q.data_ptr<float>() + (r * m.heads + h) * d;
         for (int64_t i = 0; i < d; ++i) out[i] = bf(rotated[i]);
       } else {
-        uint16_t* out = bits(keys) + r * ks[0] + (h - m.heads) * ks[1] + col * ks[2];
+        uint16_t* out = bits(keys) + b * ks[0] + (h - m.heads) * ks[1] + at_col * ks[2];
         std::memcpy(out, rotated, d * sizeof(uint16_t));
       }
     }
     for (int64_t h = 0; h < m.kv_heads; ++h) {
       const uint16_t* v = row + (m.heads + m.kv_heads + h) * d;
-      std::memcpy(bits(values) + r * vs[0] + h * vs[1] + col * vs[2], v, d * sizeof(uint16_t));
+      std::memcpy(bits(values) + b * vs[0] + h * vs[1] + at_col * vs[2], v, d * sizeof(uint16_t));
     }
   }
 }
 
-// Each row's query heads attend over that row's own columns [starts[r], col]; the heads that
-// share a key/value head go together. -> (rows, heads * dim) bf16.
+// Each query's heads attend over its buffer row's own columns [starts[b], its column] (query r: buffer
+// row b = r / cols, column col + r % cols), exactly as a step of that column alone would: the heads that
+// share a key/value head go together. -> (rows x cols, heads * dim) bf16.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* starts,
-                  int64_t col, const Model& m) {
-  const int64_t rows = q.size(0), d = m.dim, group = m.heads / m.kv_heads;
-  at::Tensor out = at::empty({rows, m.heads * d}, keys.options());
+                  int64_t col, int64_t cols, const Model& m) {
+  const int64_t queries = q.size(0), d = m.dim, group = m.heads / m.kv_heads;
+  at::Tensor out = at::empty({queries, m.heads * d}, keys.options());
   const auto ks = keys.strides(), vs = values.strides();
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   int64_t work = 0;
-  for (int64_t r = 0; r < rows; ++r) work += (col + 1 - starts[r]) * group * d * 2;
-  const int64_t tasks = rows * m.kv_heads;
+  for (int64_t r = 0; r < queries; ++r) work += (col + r % cols + 1 - starts[r / cols]) * group * d * 2;
+  const int64_t tasks = queries * m.kv_heads;
   const int64_t grain = std::max<int64_t>(1, tasks * 65536 / std::max<int64_t>(work, 1));
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, key(d), acc(group * d);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t r = t / m.kv_heads, g = t % m.kv_heads, first = starts[r], n = col + 1 - first;
+      const int64_t r = t / m.kv_heads, g = t % m.kv_heads, b = r / cols, first = starts[b];
+      const int64_t n = col + r % cols + 1 - first;
       const float* qs = q.data_ptr<float>() + (r * m.heads + g * group) * d;
-      const uint16_t* kbase = bits(keys) + r * ks[0] + g * ks[1];
-      const uint16_t* vbase = bits(values) + r * vs[0] + g * vs[1];
+      const uint16_t* kbase = bits(keys) + b * ks[0] + g * ks[1];
+      const uint16_t* vbase = bits(values) + b * vs[0] + g * vs[1];
       scores.assign(group * n, 0.f);
       for (int64_t j = 0; j < n; ++j) {
         widen(kbase + (first + j) * ks[2], key.data(), d);
@@ -320,9 +324,11 @@ void forget(int64_t id) {
   registry.erase(id);
 }
 
-// Every layer for one new column per row: ``h`` (rows, hidden) bf16 embeddings -> hidden states
-// before the final norm. Keys and values are written at column ``col`` of each layer's buffer;
-// row r attends over columns [starts[r], col].
+// Every layer for ``cols`` new columns per row (one in a decode step; more to verify drafted tokens):
+// ``h`` (rows x cols, hidden) bf16 embeddings, a row's columns together -> hidden states before the
+// final norm. Row r's keys and values are written at columns [col, col + cols) of each layer's
+// buffer; its column c attends over columns [starts[r], c], so each column's result is bit for bit
+// what a step of that column alone would give.
 at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, at::TensorList values,
                   const at::Tensor& starts, int64_t col, const at::Tensor& cos, const at::Tensor& sin) {
   const Model* found;
@@ -337,25 +343,27 @@ at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, a
                   embedded.size(1) == m.layers[0].attn_norm.numel(),
               "bf16 (rows, hidden) expected");
   TORCH_CHECK(keys.size() == m.layers.size() && values.size() == m.layers.size(), "a buffer per layer expected");
-  const int64_t rows = embedded.size(0);
+  const int64_t queries = embedded.size(0), rows = starts.numel();
+  TORCH_CHECK(rows > 0 && queries % rows == 0, "the same number of columns per row expected");
+  const int64_t cols = queries / rows;
   at::Tensor h = embedded.contiguous().clone();
   at::Tensor c = cos.contiguous(), s = sin.contiguous(), first = starts.to(at::kLong).contiguous();
-  TORCH_CHECK(first.numel() == rows && c.size(0) == rows && c.size(1) == m.dim && s.sizes() == c.sizes(),
-              "a start column and rotary angles per row expected");
+  TORCH_CHECK(c.size(0) == queries && c.size(1) == m.dim && s.sizes() == c.sizes(),
+              "a start column per row and rotary angles per column expected");
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(first.data_ptr<int64_t>()[r] >= 0 && first.data_ptr<int64_t>()[r] <= col, "row ", r,
                 " starts after the column it writes");
-  at::Tensor q = at::empty({rows, m.heads * m.dim}, embedded.options().dtype(at::kFloat));
+  at::Tensor q = at::empty({queries, m.heads * m.dim}, embedded.options().dtype(at::kFloat));
   for (size_t l = 0; l < m.layers.size(); ++l) {
     const Layer& layer = m.layers[l];
     at::Tensor k = keys[l], v = values[l];
     TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == at::kBFloat16 &&
                     v.scalar_type() == at::kBFloat16 && k.stride(3) == 1 && v.stride(3) == 1 && k.size(0) >= rows &&
-                    k.size(1) == m.kv_heads && k.size(3) == m.dim && col < k.size(2),
+                    k.size(1) == m.kv_heads && k.size(3) == m.dim && col + cols <= k.size(2),
                 "key/value buffers of the wrong shape");
     at::Tensor qkv = layer.qkv(norm(h, layer.attn_norm, m.eps)).contiguous();
-    rope_and_store(qkv, c, s, m, q, k, v, col);
-    add_into(h, layer.o(attend(q, k, v, first.data_ptr<int64_t>(), col, m)).contiguous());
+    rope_and_store(qkv, c, s, m, q, k, v, col, cols);
+    add_into(h, layer.o(attend(q, k, v, first.data_ptr<int64_t>(), col, cols, m)).contiguous());
     add_into(h, layer.down(swiglu(layer.gate_up(norm(h, layer.mlp_norm, m.eps)).contiguous())).contiguous());
   }
   return h;

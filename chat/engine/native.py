@@ -173,14 +173,16 @@ class Step:
         weakref.finalize(self, torch.ops.chat_native.forget, self.id)
 
     def __call__(self, embedded: torch.Tensor, kv: KVBuffer, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``cos``/``sin``: (rows, 1, 1, head dim), as ``Decoder._rope`` gives them. Keys and values go to
-        column ``kv.length``; each row attends from its first column (a lone row: from ``kv.start``)."""
+        """``embedded``: (rows x columns, hidden), a row's columns together; ``cos``/``sin``: (rows, columns,
+        1, head dim), as ``Decoder._rope`` gives them. Keys and values go to columns ``kv.length`` on; each
+        row attends from its first column (a lone row: from ``kv.start``), each column up to itself."""
         if kv.n == 1:
             starts = torch.tensor([kv.start])
         else:
             starts = torch.tensor(kv.row_starts(1)).add_(kv.start)
+        dim = cos.shape[-1]
         return torch.ops.chat_native.decode(self.id, embedded, kv.keys, kv.values, starts, kv.length,
-                                            cos[:, 0, 0], sin[:, 0, 0])
+                                            cos.reshape(-1, dim), sin.reshape(-1, dim))
 
 
 def sample(logits: torch.Tensor, params: list, u: torch.Tensor) -> list[int]:
@@ -213,6 +215,28 @@ def agrees(decoder: Decoder, step: Step) -> bool:
     if not ok:
         log.warning("the C++ decode step disagrees with torch's (cosine %s): decode steps stay on torch ops",
                     [round(float(c), 5) for c in cosine])
+    return ok
+
+
+def columns_agree(decoder: Decoder, columns: int) -> bool:
+    """A step of ``columns`` columns of one row (``Decoder.verify``) gives each column's logits bit for bit as
+    that many single steps do, on a fixed input: drafted tokens are then checked exactly as the answer
+    would have made them."""
+    ids = torch.arange(5, 5 + 9 + columns).remainder(decoder.shape.vocab)[None]
+    kv = decoder.cache(1, 16 + columns)
+    kv.open(9)
+    decoder.forward(ids[:, :9], kv, torch.arange(9)[None])
+    kv.advance(9)
+    kv.open(columns)
+    wide = decoder.verify(ids[:, 9:], kv, torch.arange(9, 9 + columns)[None])
+    single = []
+    for j in range(columns):
+        kv.open(1)
+        single.append(decoder.forward(ids[:, 9 + j:10 + j], kv, torch.tensor([[9 + j]]))[0])
+        kv.advance(1)
+    ok = bool(torch.equal(wide, torch.stack(single)))
+    if not ok:
+        log.warning("a C++ step of %d columns differs from single steps here: no drafted tokens", columns)
     return ok
 
 

@@ -65,6 +65,16 @@ class ModelRunner(Protocol):
         """One decode step for every row of ``kv``: their next-token logits (rows, vocab)."""
         ...
 
+    def verifies(self, columns: int) -> bool:
+        """Whether a lone row's drafted tokens can be checked ``columns`` at a time (``verify``)."""
+        ...
+
+    def verify(self, kv: KVBuffer, tokens: list[int], position: int) -> torch.Tensor:
+        """Feed a lone row's ``tokens`` (its last and its drafts) from ``position``: every column's logits
+        (columns, vocab), each exactly a decode step's. The columns stay open: the caller advances ``kv``
+        over those that hold the answer's tokens."""
+        ...
+
     def sampler(self) -> Callable[..., list[int]] | None:
         """The C++ sampler where the step runs in C++ (``sampling.sample``'s ``native``), else None."""
         ...
@@ -120,6 +130,12 @@ class _Runner:
         kv.advance(1)
         return logits
 
+    def verifies(self, columns: int) -> bool:
+        return False
+
+    def verify(self, kv: KVBuffer, tokens: list[int], position: int) -> torch.Tensor:
+        raise NotImplementedError
+
     def sampler(self) -> Callable[..., list[int]] | None:
         """The C++ sampler once the C++ decode step is in (the same library)."""
         return native.sample if self.native else None
@@ -155,6 +171,7 @@ class DecoderRunner(_Runner):
         s = decoder.shape
         self.dims = (s.layers, s.kv_heads, s.head_dim, loaded.dtype, loaded.device)
         self.vocab_size = s.vocab
+        self._checked: tuple[Any, int, bool] = (None, 0, False)  # (the step checked, columns, whether it agreed)
 
     @property
     def weights(self) -> str:
@@ -175,6 +192,24 @@ class DecoderRunner(_Runner):
     def formats(self) -> dict[str, str] | None:
         assert self.decoder is not None
         return self.decoder.formats()
+
+    def verifies(self, columns: int) -> bool:
+        """On the C++ step with products that take one path for any rows, once checked on this machine that
+        its columns come out bit for bit as single steps (``native.columns_agree``; again after the step
+        changes)."""
+        decoder = self.decoder
+        assert decoder is not None
+        if not decoder.native or not decoder.same_path(columns):
+            return False
+        if self._checked[0] is not decoder.native or self._checked[1] < columns:
+            self._checked = (decoder.native, columns, native.columns_agree(decoder, columns))
+        return self._checked[2]
+
+    def verify(self, kv: KVBuffer, tokens: list[int], position: int) -> torch.Tensor:
+        assert self.decoder is not None
+        kv.open(len(tokens))
+        positions = torch.arange(position, position + len(tokens))[None]
+        return self.decoder.verify(torch.tensor(tokens)[None], kv, positions)
 
     def chores(self, settings: Settings) -> Iterator[None]:
         return model_loader.finish(self.loaded, settings)

@@ -38,6 +38,7 @@ class Slot:
         self.hit_stop = False
         self.matcher: Any = None  # the grammar's llguidance matcher, when the answer has one
         self.pending: list = []  # log probability entries of tokens whose text is not out yet
+        self.drafts: Any = None  # drafts.Row, once the row runs alone with drafts on
 
     def take(self, token: int, eos_ids: frozenset) -> tuple[str, str | None]:
         """(text this token completes, reason the answer ends or None)."""

@@ -32,6 +32,8 @@ def readyz() -> ResponseReturnValue:
             # Still measuring crossovers and building the C++ step while idle (CHAT_QUANT, CHAT_NATIVE).
             ready["finishing"] = bool(stats.get("finishing"))
             ready["decode"] = stats.get("decode", "torch")  # the decode step: "native" (C++) or "torch"
+            for name in ("draft_steps", "drafted_tokens", "draft_accepted_tokens"):  # CHAT_DRAFT's counts
+                ready[name] = stats.get(name, 0)
         return jsonify(ready)
     if engine.error:  # the reason (paths, backend URL) is in the server log, not for anyone who asks
         return jsonify({"status": "failed"}), 503

@@ -1,0 +1,152 @@
+"""Drafted tokens (``CHAT_DRAFT=ngram``): a lone answer's next few tokens guessed from its own context and
+checked in one step, so one read of the weights can make several tokens.
+
+The guess is prompt lookup: the tokens that followed the last earlier time the answer's latest
+``MAX_N`` (down to ``MIN_N``) tokens appeared in its prompt or answer: quoting an attachment, editing
+code, repeating a list or a name. No draft model: none smaller than the 135M model exists. The
+engine feeds the row's last token and the drafts as one C++ step of several columns
+(``Decoder.verify``), whose every column is bit for bit what a step of it alone gives, then samples
+column after column with the row's own sampler and generator, as the answer would have been made, and
+keeps the drafts up to the first one the answer did not make, and the token made there. So a greedy
+answer and a seeded one are the same with drafts as without, and a sampled one keeps its distribution
+(for a guess that is one token for sure, sampling the answer's token and comparing is exact
+speculative sampling).
+
+How many tokens to draft follows what it pays: each row keeps a running acceptance rate, the
+engine a running cost of a step of each width, and the draft is the length that gives the most
+tokens per second (none when a single token does: a row whose guesses keep failing drafts nothing,
+and tries again once its rate has drifted back towards the prior).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+MIN_N, MAX_N = 2, 4  # n-gram lengths looked up, longest first
+MAX_DRAFT = 8  # tokens drafted at most in one step
+DECAY = 0.9  # of a row's acceptance counts per step that drafts
+DRIFT = 0.98  # per step without drafts: back towards the prior
+
+
+class NGrams:
+    """A row's tokens (prompt, then answer) with, for each n-gram, where it last continued."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids: list[int] = []
+        self.index: dict[tuple, int] = {}  # n-gram -> the position after its latest occurrence but the last
+        for token in ids:
+            self.push(token)
+
+    def push(self, token: int) -> None:
+        ids = self.ids
+        end = len(ids)
+        for n in range(MIN_N, MAX_N + 1):  # the n-grams ending at the old last token now have a continuation
+            if end >= n:
+                self.index[tuple(ids[end - n:end])] = end
+        ids.append(token)
+
+    def propose(self, most: int) -> list[int]:
+        """Up to ``most`` tokens that followed the longest recent match of the latest tokens ([]: none)."""
+        ids = self.ids
+        for n in range(MAX_N, MIN_N - 1, -1):
+            if len(ids) > n:
+                at = self.index.get(tuple(ids[-n:]))
+                if at is not None:
+                    return ids[at:at + most]
+        return []
+
+
+class Row:
+    """One answer's drafting state: its n-grams and its acceptance counts."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.grams = NGrams(ids)
+        self.hits, self.tries = 1.0, 2.0  # the prior: one drafted token in two is right
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.tries
+
+    def checked(self, drafted: int, right: int) -> None:
+        """``right`` of ``drafted`` tokens were what the answer made (it stopped at the first wrong one)."""
+        self.hits = self.hits * DECAY + right
+        self.tries = self.tries * DECAY + right + (1 if right < drafted else 0)
+
+    def idle(self) -> None:
+        """A step without drafts: the counts drift back towards the prior, so a row tries again later."""
+        self.hits = 1.0 + (self.hits - 1.0) * DRIFT
+        self.tries = 2.0 + (self.tries - 2.0) * DRIFT
+
+
+class Costs:
+    """A step's running cost by its width (columns), measured; widths not seen yet are estimated."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def measured(self, width: int, seconds: float) -> None:
+        known = self.seconds.get(width)
+        self.seconds[width] = seconds if known is None else known + (seconds - known) / 8
+
+    def of(self, width: int) -> float:
+        if width in self.seconds:
+            return self.seconds[width]
+        one = self.seconds.get(1, 0.01)
+        wider = [w for w in self.seconds if w > 1]
+        if not wider:  # a guess until a wide step is measured: each more column a third of a step
+            return one * (1 + (width - 1) / 3)
+        near = min(wider, key=lambda w: abs(w - width))  # linear from one column through the nearest width seen
+        return one + (self.seconds[near] - one) * (width - 1) / (near - 1)
+
+
+def length(rate: float, costs: Costs, most: int) -> int:
+    """The number of drafted tokens (0 to ``most``) that makes the most tokens per second, when each is
+    right with probability ``rate`` (given the ones before it were)."""
+    best, best_speed = 0, 1.0 / costs.of(1)
+    made = 1.0
+    for k in range(1, most + 1):
+        made += rate ** k  # tokens a step of k drafts makes, on average
+        speed = made / costs.of(k + 1)
+        if speed > best_speed * 1.02:  # a clear gain only: a draft costs when it misses
+            best, best_speed = k, speed
+    return best
+
+
+class Drafter:
+    """The engine's drafting: what to guess for a lone row and how many, the steps' costs, and the counts
+    ``/readyz`` reports (steps with drafts, tokens drafted, tokens the answers made as drafted)."""
+
+    def __init__(self) -> None:
+        self.costs = Costs()
+        self.steps = self.drafted = self.accepted = 0
+
+    def guess(self, slot: Any) -> list[int]:
+        """The drafts worth checking for ``slot`` (an engine ``Slot`` whose last token is next fed) now: []
+        when none pay (its rate then drifts back towards the prior)."""
+        if slot.drafts is None:
+            slot.drafts = Row(slot.prompt_ids)
+        row = slot.drafts
+        for token in slot.out_ids[len(row.grams.ids) - len(slot.prompt_ids):]:
+            row.grams.push(token)
+        room = min(MAX_DRAFT, slot.max_new - len(slot.out_ids) - 1, slot.context - slot.pos - 2)
+        guess = row.grams.propose(room) if room > 0 else []
+        count = length(row.rate, self.costs, len(guess))
+        if not count:
+            row.idle()
+        return guess[:count]
+
+    def timed(self, width: int, step: Any) -> Any:
+        """``step()``'s result, its cost kept as a step of ``width`` columns'."""
+        started = time.monotonic()
+        out = step()
+        self.costs.measured(width, time.monotonic() - started)
+        return out
+
+    def checked(self, slot: Any, drafted: int, right: int) -> None:
+        slot.drafts.checked(drafted, right)
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += right
+
+    def stats(self) -> dict:
+        return {"draft_steps": self.steps, "drafted_tokens": self.drafted, "draft_accepted_tokens": self.accepted}

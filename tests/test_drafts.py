@@ -1,0 +1,193 @@
+"""Drafted tokens (chat/engine/drafts.py): prompt-lookup guesses, the draft length that pays, a C++ step of
+several columns that is bit for bit the single steps, and answers exactly the same with drafts as without
+(greedy, seeded and cut short). Needs a C++ compiler, like test_native.py."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from chat.engine import GenParams, drafts, native
+from helpers import ask, collect, make_engine
+from test_native import SHARED, decoder, library  # noqa: F401 (fixtures)
+from test_quant import int4_cpu, on_thread
+
+from chat.engine.slot import Slot
+
+
+def test_ngrams_propose_what_followed_the_longest_latest_match():
+    grams = drafts.NGrams([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8])
+    assert grams.propose(3) == []  # ... 7, 8: never seen before
+    for token in (2, 3, 4):
+        grams.push(token)
+    # "2 3 4" came twice: the latest time it went on with 7, 8, then 2, 3, 4 (the tokens just pushed)
+    assert grams.propose(4) == [7, 8, 2, 3]
+    assert grams.propose(1) == [7]
+    grams.push(5)  # "3 4 5" only at the start: the longest match wins over the later "4 ..."
+    assert grams.propose(2) == [9, 2]
+    grams = drafts.NGrams([6, 6])
+    assert grams.propose(2) == []  # a 2-gram with nothing after it yet
+    grams.push(6)
+    assert grams.propose(2) == [6]
+
+
+def test_the_draft_length_follows_the_acceptance_rate_and_the_cost_of_a_wider_step():
+    costs = drafts.Costs()
+    costs.measured(1, 0.005)
+    costs.measured(5, 0.0088)
+    assert drafts.length(0.05, costs, 8) == 0  # guesses that miss cost more than they make
+    assert drafts.length(0.95, costs, 0) == 0  # nothing to draft
+    assert 3 <= drafts.length(0.95, costs, 8) <= 8
+    assert drafts.length(0.95, costs, 2) == 2
+    expensive = drafts.Costs()
+    expensive.measured(1, 0.005)
+    expensive.measured(2, 0.010)  # a second column costs a whole step: only sure guesses would pay
+    assert drafts.length(0.9, expensive, 8) == 0
+    row = drafts.Row([1, 2])
+    for _ in range(30):
+        row.checked(4, 0)
+    assert row.rate < 0.05  # keeps failing: drafts nothing ...
+    for _ in range(300):
+        row.idle()
+    assert row.rate > 0.45  # ... and tries again once it has drifted back
+
+
+@int4_cpu
+def test_a_step_of_several_columns_is_bit_for_bit_the_single_steps(decoder):  # noqa: F811
+    on_thread(lambda: native.use(decoder))
+    assert decoder.native is not None
+    assert on_thread(lambda: native.columns_agree(decoder, drafts.MAX_DRAFT + 1))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, tmp_path_factory, library):  # noqa: F811
+    """Two engines on the tiny model's block products and the C++ step: drafts on, and off."""
+    made = {}
+    for mode in ("ngram", "off"):
+        made[mode] = make_engine(tiny_model, tmp_path_factory.mktemp(f"drafts-{mode}"), dtype="bfloat16", native=True,
+                                 cache_dir=str(SHARED), draft=mode)
+    deadline = time.monotonic() + 120
+    while any(e.stats()["finishing"] for e in made.values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    yield made
+    for e in made.values():
+        e.shutdown()
+
+
+REPEAT = "Repeat after me, twice: the cat sat on the mat and the dog sat on the log and the bird sat on the bench."
+
+
+@int4_cpu
+def test_answers_are_the_same_with_drafts_as_without(engines, monkeypatch):
+    on, off = engines["ngram"], engines["off"]
+    assert on.runner.verifies(drafts.MAX_DRAFT + 1)
+    # The tiny random model never repeats itself, so prompt lookup would guess nothing: the guesses here are
+    # the answer's own next tokens (as drafts-off made them), one of them often wrong, and every draft length,
+    # not only those that pay on this box: drafts all right, cut at some token, wrong from the first.
+    made: list[int] = []
+    real_take = Slot.take
+    monkeypatch.setattr(Slot, "take", lambda self, token, eos: (made.append(token), real_take(self, token, eos))[1])
+    rng = random.Random(5)
+
+    def oracle(grams, most):
+        done = len(grams.ids) - prompt_length[0]
+        guess = list(reference[done:done + most])
+        if guess and rng.random() < 0.5:
+            guess[rng.randrange(len(guess))] = rng.randrange(1000)
+        return guess
+
+    prompt_length = [0]
+    monkeypatch.setattr(drafts.NGrams, "propose", oracle)
+    monkeypatch.setattr(drafts, "length", lambda rate, costs, most: rng.randint(0, most))
+    cases = [GenParams(temperature=0, max_new_tokens=120), GenParams(temperature=0.9, seed=3, max_new_tokens=120),
+             GenParams(temperature=1.0, top_k=20, min_p=0.05, seed=8, max_new_tokens=120),
+             GenParams(temperature=0, max_new_tokens=37)]
+    for params in cases:
+        made.clear()
+        theirs, their_events = collect(off.submit(ask(REPEAT), params))
+        reference = list(made)
+        prompt_length[0] = their_events[-1].usage["prompt_tokens"]
+        before = on.stats()
+        mine, events = collect(on.submit(ask(REPEAT), params))
+        assert mine == theirs and mine, params
+        assert events[-1].usage == their_events[-1].usage and events[-1].reason == their_events[-1].reason
+        after = on.stats()
+        assert after["draft_steps"] > before["draft_steps"], "nothing drafted"
+        assert after["draft_accepted_tokens"] > before["draft_accepted_tokens"]
+        assert after["drafted_tokens"] - before["drafted_tokens"] > after["draft_accepted_tokens"] - before[
+            "draft_accepted_tokens"], "no guess was wrong"
+    assert off.stats()["draft_steps"] == 0
+    # a stop sequence inside an accepted run of drafts ends the answer there, as without drafts
+    stop = mine[len(mine) // 2:len(mine) // 2 + 3]
+    params = GenParams(temperature=0, max_new_tokens=37, stop=(stop,))
+    made.clear()
+    theirs, their_events = collect(off.submit(ask(REPEAT), params))
+    reference = list(made)
+    mine, events = collect(on.submit(ask(REPEAT), params))
+    assert mine == theirs and events[-1].reason == their_events[-1].reason == "stop"
+    assert events[-1].usage == their_events[-1].usage
+
+
+@int4_cpu
+def test_a_conversation_drafted_alone_keeps_its_kv_for_the_next_turn(engines, monkeypatch):
+    """Alone with drafts, a row's KV still holds exactly its tokens: the next turn reuses it and answers as
+    without drafts."""
+    monkeypatch.setattr(drafts.NGrams, "propose", lambda grams, most: grams.ids[-most:])  # guesses, mostly wrong
+    monkeypatch.setattr(drafts, "length", lambda rate, costs, most: most)
+    turns = []
+    for engine in (engines["ngram"], engines["off"]):
+        first = collect(engine.submit(ask(REPEAT), GenParams(temperature=0, max_new_tokens=90), key="conv"))[0]
+        messages = ask(REPEAT) + [{"role": "assistant", "content": first}, {"role": "user", "content": "again"}]
+        second, events = collect(engine.submit(messages, GenParams(temperature=0, max_new_tokens=60), key="conv"))
+        turns.append((first, second, events[-1].reused_tokens))
+    assert turns[0] == turns[1] and turns[0][2] > 0
+    assert engines["ngram"].stats()["draft_steps"] > 0
+
+
+@pytest.mark.real_model
+def test_the_bundled_model_quoting_its_prompt_makes_several_tokens_a_step(tmp_path, library):  # noqa: F811
+    """The default chooser on real text: an answer that repeats its prompt drafts by itself, most guesses right."""
+    engine = make_engine("", tmp_path, dtype="auto", native=True, cache_dir=str(SHARED), draft="ngram")
+    try:
+        deadline = time.monotonic() + 180
+        while engine.stats()["finishing"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        text = ("The committee met on a rainy Tuesday to review the budget for the new library wing. Three "
+                "suppliers offered timber, and the cheapest one could deliver only in the spring.")
+        answer = collect(engine.submit([{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}],
+                                       GenParams(temperature=0, max_new_tokens=60)))[0]
+        stats = engine.stats()
+        assert "rainy Tuesday" in answer
+        assert stats["draft_steps"] > 0 and stats["draft_accepted_tokens"] > 2 * stats["draft_steps"], stats
+    finally:
+        engine.shutdown()
+
+
+def test_no_drafts_without_the_c_step(tiny_model, tmp_path):
+    engine = make_engine(tiny_model, tmp_path, draft="ngram")  # torch's step: nothing verifies several columns
+    try:
+        assert not engine.runner.verifies(2)
+        collect(engine.submit(ask(REPEAT), GenParams(temperature=0, max_new_tokens=30)))
+        assert engine.stats()["draft_steps"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_kv_column_written_for_a_wrong_draft_is_never_read():
+    """The columns of drafts the answer did not make stay outside the row: the step after writes over them."""
+    kv = native_free_buffer()
+    kv.open(4)
+    kv.advance(2)
+    kv.mask[:, kv.length:kv.length + 2] = 0  # as the engine leaves them
+    kv.open(1)  # the next step
+    assert kv.row_starts(1) == [0] and kv.length == 2
+    assert torch.equal(kv.attention_mask(1), torch.ones(1, 3, dtype=kv.mask.dtype))
+
+
+def native_free_buffer():
+    from chat.engine.kv import KVBuffer
+    return KVBuffer(2, 1, 16, torch.bfloat16, torch.device("cpu"), rows=1, capacity=8, active=1)
