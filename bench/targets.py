@@ -74,8 +74,19 @@ def targets(res: dict) -> list[dict]:
             prefill.get("ratio_p50"), "≤ 1.15", lambda v: v <= 1.15),
         row("start-up to /readyz, empty data folder (s)", start.get("ready_s"), "≤ 10", lambda v: v <= 10),
     ] + quality_targets(res.get("quality") or {}, row) + structured_targets(res.get("structured") or {}, row) \
-        + peer.targets(res, row) + webtier.targets(
+        + peer.targets(res, row) + draft_targets(res.get("drafts") or {}, row) + webtier.targets(
         res.get("webtier") or {}, row)
+
+
+def draft_targets(d: dict, row) -> list[dict]:
+    """Issue 34's goals for drafted tokens: the edit workload faster, the story no slower."""
+    if not d.get("ngram"):
+        return []
+    return [row("edit workload, one stream: drafts ÷ no drafts", d.get("edit_ratio_off"), "≥ 1.8", lambda v: v >= 1.8),
+            row("edit workload, one stream: drafts ÷ llama.cpp's server (no drafts)", d.get("edit_ratio_peer"),
+                "≥ 1.5", lambda v: v >= 1.5),
+            row("story workload, one stream: drafts ÷ no drafts", d.get("story_ratio_off"), "≥ 0.97",
+                lambda v: v >= 0.97)]
 
 
 def structured_targets(s: dict, row) -> list[dict]:
@@ -164,8 +175,22 @@ def figures(res: dict) -> list[tuple[str, object]]:
         (f"worker RSS MiB: idle at start / after one stream / peak at {mem.get('peak_streams', 16)} / at the end",
          _pair(mib(mem.get("idle_rss")), mib(mem.get("warm_idle_rss")), mib(mem.get("peak_rss")),
                mib(mem.get("end_rss")))),
+        ("drafts: edit workload tok/s with / without drafts / llama.cpp's server", _pair(*_drafts(res, "edit"))),
+        ("drafts: story workload tok/s with / without drafts / llama.cpp's server", _pair(*_drafts(res, "story"))),
+        ("drafts: tokens per step with drafts / drafted tokens accepted %", _pair(*_accepted(res))),
         ("load average before the run (1 min)", res["machine"].get("loadavg_before")),
     ]
+
+
+def _drafts(res: dict, name: str) -> tuple:
+    d = res.get("drafts") or {}
+    return tuple(((d.get(side) or {}).get(name) or {}).get("tok_s_p50") for side in ("ngram", "off", "peer"))
+
+
+def _accepted(res: dict) -> tuple:
+    on = (res.get("drafts") or {}).get("ngram") or {}
+    drafted = on.get("drafted_tokens")
+    return on.get("tokens_per_draft_step"), 100 * on["draft_accepted_tokens"] / drafted if drafted else None
 
 
 def _pair(*values) -> str | None:

@@ -63,16 +63,24 @@ def summarize(results: list[dict]) -> dict:
             "server_ttft_ms_p50": percentile([r.get("server_ttft_ms") for r in results], 50)}
 
 
-def single(connect, args, tag: str = "single", extra: dict | None = None, after=None) -> dict:
+def edit_prompt() -> str:
+    """The "repeat / edit this text" workload: a ~300-token attachment the answer quotes with a small change."""
+    text = " ".join(NOTES * 2)
+    return f"Here is a text:\n\n{text}\n\nRepeat the text exactly, but write 'museum' instead of 'library'."
+
+
+def single(connect, args, tag: str = "single", extra: dict | None = None, after=None, prompt: str | None = None,
+           tokens: int | None = None) -> dict:
     """One stream at a time, ``args.reps`` times, after one discarded warm-up request; ``after()``
-    (when given) runs after each request and its result is kept beside it in ``paired``."""
+    (when given) runs after each request and its result is kept beside it in ``paired``. ``prompt`` and
+    ``tokens``: other than the essay's and ``args.tokens``."""
     client = connect()
     runs, paired = [], []
     try:
         client.request(f"{tag}-warmup", essay_prompt(1), params(8))
         for i in range(args.reps):
-            runs.append(client.request(f"{tag}-{i}", essay_prompt(0),
-                                       {**params(args.tokens, seed=i + 1), **(extra or {})}))
+            runs.append(client.request(f"{tag}-{i}", prompt or essay_prompt(0),
+                                       {**params(tokens or args.tokens, seed=i + 1), **(extra or {})}))
             if after is not None:
                 paired.append(after())
     finally:
