@@ -24,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-from . import drafts, peer, phases, report, targets, webtier
+from . import drafts, peer, phases, report, targets, webtier, workloads
 from .server import ROOT, BenchServer, Client, http_get
 
 # Every phase, in the order a full run takes them; --only picks some.
@@ -150,6 +150,8 @@ def run_server_phases(res: dict, workdir: Path, env: dict, args) -> None:
         try:
             if "single" in on:
                 phase(res, "single", phases.run_single, srv, args, False, ref)
+            if "single" in on:  # a lone user's new conversations: the first delta of different questions
+                phase(res, "questions", workloads.questions, phases.connect(srv, args), args)
             if "sampled" in on:
                 phase(res, "sampled", phases.run_single, srv, args, True, ref)
             if "prefill" in on and ref is not None:

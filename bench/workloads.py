@@ -63,6 +63,28 @@ def summarize(results: list[dict]) -> dict:
             "server_ttft_ms_p50": percentile([r.get("server_ttft_ms") for r in results], 50)}
 
 
+SHORT_QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?",
+                   "Who wrote Romeo and Juliet?", "What gas do plants take in from the air?",
+                   "Why do leaves change colour in autumn?", "What is the tallest mountain in the world?",
+                   "How do magnets work?", "What language is spoken in Brazil?"]
+
+
+def questions(connect, args, tag: str = "questions") -> dict:
+    """A lone user's first message in a new conversation, eight different short questions one after another
+    (after a warm-up): the first delta a person waits for (its median), each answer cut at 8 tokens."""
+    client = connect()
+    runs = []
+    try:
+        client.request(f"{tag}-warmup", "Say hello.", params(8))
+        for i, question in enumerate(SHORT_QUESTIONS):
+            runs.append(client.request(f"{tag}-{i}", question, params(8, seed=i + 1)))
+    finally:
+        client.close()
+    ttfd = [r["ttfd_s"] for r in runs]
+    return {"n": len(runs), "ttfd_p50_s": percentile(ttfd, 50), "ttfd_max_s": max(ttfd),
+            "prompt_tokens": [r.get("prompt_tokens") for r in runs]}
+
+
 def edit_prompt() -> str:
     """The "repeat / edit this text" workload: a ~300-token attachment the answer quotes with a small change."""
     text = " ".join(NOTES * 2)
