@@ -126,6 +126,7 @@ def server_env(workdir: Path, args) -> dict:
                 # every bench stream comes from 127.0.0.1
                 "CHAT_RATE_LIMIT_PER_IP_PER_MIN": "0", "CHAT_MAX_ACTIVE_PER_IP": "0",
                 "CHAT_GRACEFUL_TIMEOUT_S": "5"})
+    env.setdefault("CHAT_KV_DISK_MB", "256")  # conversations' KV on disk (in the shared cache folder): bounded
     return env
 
 

@@ -199,6 +199,11 @@ class Settings:
         "CHAT_KV_CACHE_MB", 512, int, low=0, high=1_000_000,
         doc="Memory for the per-conversation KV prefix cache, with the least recently used evicted first. "
             "`0` turns prefix reuse off.")
+    kv_disk_mb: int = _setting(
+        "CHAT_KV_DISK_MB", 2048, int, low=0, high=10_000_000,
+        doc="Disk for conversations' KV under `<CHAT_CACHE_DIR>/kv/` (written in the background after each answer, "
+            "oldest out first, a deleted conversation's with it), so a turn after a restart, or on another worker, "
+            "continues from it instead of prefilling the history again. `0`: memory only.")
     max_active_per_connection: int = _setting(
         "CHAT_MAX_ACTIVE_PER_CONNECTION", 4, int, low=1, high=1000,
         doc="Answers one client (one identity cookie; a connection without one is its own client) may run at "

@@ -286,6 +286,8 @@ class TurnService:
         def forget() -> None:
             for run in runs:
                 run.wait()
+            for conversation in self.store.list_conversations(client):
+                self.engine.forget(conversation["id"])  # its KV too, in memory and on disk
             self.store.forget_client(client)
         spawn(forget)
 

@@ -45,7 +45,8 @@ def live_env(workdir: Path) -> dict:
             "CHAT_RATE_LIMIT_PER_IP_PER_MIN": "0", "CHAT_MAX_ACTIVE_PER_IP": "0",
             # one torch thread: on a shared 2-core box a 2-thread team stalls on every op
             "CHAT_THREADS": "1",
-            "CHAT_GRACEFUL_TIMEOUT_S": "5", "CHAT_CACHE_DIR": str(ROOT / "data" / "model-cache")}
+            "CHAT_GRACEFUL_TIMEOUT_S": "5", "CHAT_CACHE_DIR": str(ROOT / "data" / "model-cache"),
+            "CHAT_KV_DISK_MB": "64"}  # conversations' KV on disk in the shared cache: a little
 
 
 @pytest.fixture(scope="session")

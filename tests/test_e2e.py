@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 import time
 
-from helpers import (WS, chat_streams_and_stores_the_answer, conv_of, conversation, cookie_for, http_get,
+from helpers import (WS, chat_streams_and_stores_the_answer, conv_of, conversation, cookie_for, http_get, metric,
                      resume_after_forced_drops, text_of)
 
 
@@ -89,6 +89,12 @@ def test_conversations_survive_restart_and_a_kill_mid_answer(server_factory):
     srv.start()
     status, data = conversation(srv, cookie, conv)
     assert status == 200 and [m["content"] for m in data["messages"]] == ["remember me", text_of(frames)]
+    # turn 2 after the restart continues from the first turn's KV, kept on disk (CHAT_KV_DISK_MB)
+    client = WS(srv.ws_url, cookie=cookie)
+    again = client.chat("and now?", rid="k1b", conversation_id=conv, params={"temperature": 0, "max_new_tokens": 5})
+    client.close()
+    assert again[-1]["type"] == "done"
+    assert metric(srv, "chat_prompt_tokens_reused_total") > frames[-1]["usage"]["prompt_tokens"]
     # a kill -9 in the middle of an answer leaves the partial text, marked interrupted
     client = WS(srv.ws_url, cookie=cookie)
     client.send({"type": "chat", "id": "k2", "content": "long", "conversation_id": conv, "params": LONG})

@@ -188,6 +188,9 @@ class Engine:
         """Active and queued counts for health and metrics."""
         return {"active": 0, "queued": 0}
 
+    def forget(self, key: str) -> None:
+        """A conversation was deleted: drop whatever the engine keeps for ``key`` (its KV, in memory and on disk)."""
+
     def drain(self) -> None:
         """Stop taking new requests; the ones already taken go on."""
 

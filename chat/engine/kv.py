@@ -14,6 +14,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .kvdisk import DiskKV
+
 
 class _BufferLayer(DynamicLayer):
     """A cache layer that writes into a preallocated buffer owned by a ``KVBuffer``."""
@@ -202,10 +204,14 @@ class PrefixCache:
         self.preambles: collections.OrderedDict = collections.OrderedDict()  # ids tuple -> (keys, values)
         self.used = 0
         self.hits = self.misses = self.shared_hits = 0
+        self.disk: DiskKV | None = None  # conversations' entries on disk too (CHAT_KV_DISK_MB)
+        self.fetched: dict[str, tuple] = {}  # entries read from disk (off the engine thread) for prompts on the way
 
     def put(self, key: str | None, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         size = sum(t.numel() * t.element_size() for t in keys + values)
         self.pop(key)
+        if key and self.disk is not None:
+            self.disk.save(key, ids, keys, values)
         if not key or size > self.budget:
             return
         self.entries[key] = (list(ids), keys, values, size)
@@ -219,6 +225,25 @@ class PrefixCache:
         if entry:
             self.used -= entry[3]
         return entry
+
+    def fetch(self, key: str | None) -> None:
+        """Read a conversation's entry from disk when none is held (any thread: a prompt being fitted), for
+        ``take`` to find."""
+        if key and self.disk is not None and key not in self.entries and key not in self.fetched:
+            found = self.disk.load(key)
+            if found is not None:
+                self.fetched[key] = found
+
+    def forget(self, key: str) -> None:
+        """A deleted conversation: its entry out of memory and off the disk."""
+        self.pop(key)
+        self.fetched.pop(key, None)
+        if self.disk is not None:
+            self.disk.drop(key)
+
+    def flush(self) -> None:
+        if self.disk is not None:
+            self.disk.flush()
 
     def share(self, ids: list[int] | tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Keep a preamble's KV (computed for ``ids`` alone) for every conversation that starts with it."""
@@ -235,6 +260,9 @@ class PrefixCache:
         entry (taken out: the conversation goes on from it) or, with ``shared``, a shared preamble (views:
         copied by the caller); None when neither holds one."""
         entry = self.pop(key) if key else None
+        if entry is None and key in self.fetched:  # read from disk while the prompt was fitted
+            cached, keys, values = self.fetched.pop(key)
+            entry = (cached, keys, values, 0)
         limit = len(ids) - 1  # leave at least one token to prefill
         n = 0
         if entry is not None:

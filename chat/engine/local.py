@@ -11,17 +11,19 @@ only prefills what is new.
 """
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from ..concurrency import run_in_thread, start_real_thread
 from ..config import Settings
 from ..errors import EngineUnavailable, Overloaded, PromptTooLong
-from . import cpu, drafts, grammar, prompt
+from . import cpu, drafts, grammar, kvdisk, prompt
 from . import model as model_loader
 from .base import Engine, GenParams, Generation
 from .decoder import Decoder
@@ -61,6 +63,7 @@ class LocalEngine(Engine):
         # System prompts' preambles seen without their KV held, as keys (any thread adds: atomic; the engine
         # pops them with popitem, prefills each alone while idle and shares it: PrefixCache.share)
         self.preambles: dict[tuple, None] = {}
+        self.forgotten: collections.deque = collections.deque()  # deleted conversations' keys (any thread appends)
         self.tokens_generated = 0
         self.step_s = 0.05  # measured: a decode step's forward (moving average)
         self.drafter = drafts.Drafter()
@@ -154,6 +157,7 @@ class LocalEngine(Engine):
                 log.exception("engine step failed")
                 self._end_running("error")
         self._end_running(self.stopping)
+        self.prefix.flush()  # the KV of answers the shutdown ended, on disk for the next start
         for request in self.queue.waiting:
             self.done(request.gen, self.stopping)
         self.queue.waiting.clear()
@@ -163,6 +167,8 @@ class LocalEngine(Engine):
     def _iterate(self) -> None:
         """Carry out the scheduler's plan: its admissions, its prefill chunks, one decode step (or wait for work)."""
         queue = self.queue
+        while self.forgotten:
+            self.prefix.forget(self.forgotten.popleft())
         plan = queue.plan(self.rows, self.step_s, lambda: self.stopping)
         self._announce(plan)
         while (chunk := queue.chunk(plan)) is not None:
@@ -203,6 +209,7 @@ class LocalEngine(Engine):
             self.vocab_size = runner.vocab_size
             self.grammars = grammar.Grammars(self.loaded.tokenizer, self.loaded.eos_ids, runner.vocab_size)
             self.chores = runner.chores(self.settings)
+            self._keep_on_disk()
             # the default system prompt's preamble first, so the first user after a start reuses it too
             self._want_preamble([{"role": "system", "content": self.settings.system_prompt}]
                                 if self.settings.system_prompt else [])
@@ -214,6 +221,26 @@ class LocalEngine(Engine):
         self.ready = True
         log.info("engine ready: %s, max batch %d, prefill chunk %d", self.model_name,
                  self.settings.max_batch, self.settings.prefill_chunk)
+
+    def _keep_on_disk(self) -> None:
+        """Conversations' KV on disk too (``kvdisk``), in this model's and path's own folder."""
+        settings, loaded = self.settings, self.loaded
+        if settings.kv_disk_mb <= 0 or settings.kv_cache_mb <= 0:
+            return
+        layers, heads, dim, dtype, _ = self.runner.dims
+        name = kvdisk.fingerprint(loaded.name, kvdisk.source_identity(loaded.source or settings.model), layers,
+                                  heads, dim, dtype, settings.quant, self.cpu)
+        try:
+            self.prefix.disk = kvdisk.DiskKV(Path(settings.model_cache_dir) / "kv" / name,
+                                             settings.kv_disk_mb * 1024 * 1024, (layers, heads, dim), dtype)
+        except OSError as exc:
+            log.warning("conversations' KV stays in memory only: %s", exc)
+
+    def forget(self, key: str) -> None:
+        self.forgotten.append(key)  # the engine thread drops it from memory (its cache is the engine's own)
+        if self.prefix.disk is not None:
+            self.prefix.disk.drop(key)
+        self.queue.wake.set()
 
     def fit(self, gen: Generation) -> list[int]:
         """The prompt ids, history trimmed so the answer has room in the context."""
@@ -246,6 +273,7 @@ class LocalEngine(Engine):
     def prepare(self, gen: Generation) -> tuple[list[int], object]:
         """(prompt ids, the grammar's matcher or None): on the submitting request's thread."""
         ids = self.fit(gen)
+        self.prefix.fetch(gen.key)  # a conversation's KV from disk, when memory holds none (after a restart)
         params = gen.params
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self.grammars.tokenizer  # noqa: B018 (built on first use, here rather than on the engine thread)

@@ -76,6 +76,7 @@ def update(conv_id: str) -> Response:
 def delete(conv_id: str) -> Response:
     """Delete a conversation and its messages."""
     _found(_store().delete(current_client(), conv_id))
+    app_state().engine.forget(conv_id)  # its KV too, in memory and on disk
     return jsonify(id=conv_id, deleted=True)
 
 

@@ -1,0 +1,151 @@
+"""Conversations' KV kept on disk (``CHAT_KV_DISK_MB``), so a conversation's next turn after a restart, or on
+another worker, continues from its keys and values instead of prefilling its history again.
+
+Each conversation's entry (its token ids, every layer's keys and values) is written when the prefix
+cache takes it after an answer, by a writer thread of its own (never the engine's), to a temporary
+file renamed into place: a reader never sees half a file. The folder is the model's own
+(``<cache>/kv/<fingerprint>``: the model, its file's size and time, the KV's shape and type, the weights'
+setting and the CPU class), so KV of another model or path is never read. An entry is read back (off the
+engine thread, while the prompt is fitted) when a conversation's turn finds nothing held in memory; a
+file that cannot be read as an entry is deleted and the prompt prefilled. The oldest files go first
+beyond the byte budget; a deleted conversation's file goes with it.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import collections
+import time
+from pathlib import Path
+
+import torch
+
+from ..concurrency import Wakeup, start_real_thread
+
+log = logging.getLogger(__name__)
+
+
+def fingerprint(*parts: object) -> str:
+    """A folder name for KV computed by this model on this path."""
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+def source_identity(path: Path | str | None) -> str:
+    """A model file's path, size and modification time, or a folder's weight and config files' (what changes
+    when the model is replaced); a hub id as it is."""
+    if not path:
+        return ""
+    p = Path(path)
+    files = sorted(f for pattern in ("*.safetensors", "*.bin", "*.gguf", "config.json") for f in p.glob(pattern)) \
+        if p.is_dir() else [p]
+    parts = [str(p.resolve()) if p.exists() else str(path)]
+    for f in files:
+        try:
+            stat = f.stat()
+        except OSError:
+            continue
+        parts.append(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return "|".join(parts)
+
+
+class DiskKV:
+    """One model's conversation entries under ``folder``, at most ``budget`` bytes (the oldest out first)."""
+
+    def __init__(self, folder: Path, budget: int, shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+        self.folder, self.budget = Path(folder), budget
+        self.layers, self.heads, self.dim = shape
+        self.dtype = dtype
+        self.folder.mkdir(parents=True, exist_ok=True)
+        # real locks, not queue's: under gevent the writer is an OS thread that a patched queue would never wake
+        self.pending: collections.deque = collections.deque()
+        self.wake = Wakeup()
+        self.writes = self.reads = 0
+        start_real_thread(self._write_forever, name="kv-disk")
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.kv"
+
+    def save(self, key: str, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Write an entry in the background (its tensors are never written in place afterwards)."""
+        self.pending.append((key, list(ids), keys, values))
+        self.wake.set()
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until every entry saved so far is written (tests, shutdown)."""
+        done = Wakeup()
+        self.pending.append(done)
+        self.wake.set()
+        if not done.wait(timeout):
+            log.warning("KV entries still being written after %.0f s", timeout)
+
+    def load(self, key: str) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]] | None:
+        """A conversation's entry from disk, or None (none, or one that cannot be read: deleted)."""
+        path = self.path(key)
+        if not path.exists():
+            return None
+        try:
+            data = torch.load(path, weights_only=True)
+            ids, keys, values = data["ids"].tolist(), data["keys"], data["values"]
+            want = (self.layers, self.heads, len(ids), self.dim)
+            if data.get("key") != key or tuple(keys.shape) != want or tuple(values.shape) != want \
+                    or keys.dtype != self.dtype or values.dtype != self.dtype:
+                raise ValueError(f"an entry of shape {tuple(keys.shape)}, not {want}")
+        except Exception as exc:  # a torn, foreign or old file: prefill instead, and write it anew later
+            log.warning("KV file %s unreadable (%s): deleted", path.name, exc)
+            self.drop(key)
+            return None
+        self.reads += 1
+        try:
+            os.utime(path)  # recently used: the last to go
+        except OSError:
+            pass
+        return ids, [k[None] for k in keys.unbind(0)], [v[None] for v in values.unbind(0)]
+
+    def drop(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def _write_forever(self) -> None:
+        while True:
+            self.wake.wait(60.0)
+            while self.pending:
+                item = self.pending.popleft()
+                if isinstance(item, Wakeup):
+                    item.set()
+                    continue
+                try:
+                    self._write(*item)
+                    self._trim()
+                except Exception:  # a full disk, a folder removed: the entry stays in memory only
+                    log.exception("could not write a KV entry under %s", self.folder)
+
+    def _write(self, key: str, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        path = self.path(key)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+        data = {"key": key, "ids": torch.tensor(ids, dtype=torch.int64),
+                "keys": torch.cat([k[0][None] for k in keys]), "values": torch.cat([v[0][None] for v in values])}
+        torch.save(data, partial)
+        partial.replace(path)
+        self.writes += 1
+
+    def _trim(self) -> None:
+        stale = time.time() - 3600
+        for f in self.folder.glob("*.tmp"):  # a write a crash cut short
+            try:
+                if f.stat().st_mtime < stale:
+                    f.unlink(missing_ok=True)
+            except OSError:
+                continue
+        files = []
+        for f in self.folder.glob("*.kv"):
+            try:
+                stat = f.stat()
+            except OSError:  # another worker trimmed it
+                continue
+            files.append((stat.st_mtime_ns, stat.st_size, f))
+        total = sum(size for _, size, _ in files)
+        for _, size, f in sorted(files):
+            if total <= self.budget:
+                break
+            f.unlink(missing_ok=True)
+            total -= size
