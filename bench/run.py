@@ -24,12 +24,12 @@ import time
 import traceback
 from pathlib import Path
 
-from . import drafts, peer, phases, report, targets, webtier, workloads
+from . import drafts, peer, phases, report, restart, targets, webtier, workloads
 from .server import ROOT, BenchServer, Client, http_get
 
 # Every phase, in the order a full run takes them; --only picks some.
 PHASES = ("inprocess", "single", "sampled", "prefill", "concurrency", "healthz", "cancel", "join", "multiturn",
-          "v1-big", "quality", "structured", "webtier", "peer", "drafts")
+          "v1-big", "quality", "structured", "webtier", "peer", "drafts", "restart")
 # --only peer: this server and llama.cpp's on the comparison's workloads, nothing else (a few minutes).
 PRESETS = {"peer": ("single", "concurrency", "multiturn", "peer")}
 
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
         if "inprocess" in on:
             phase(res, "inprocess", phases.run_inprocess, env, args)
         res["machine"] = {**phases.machine_facts(env), "loadavg_before": load_before}
-        if on - {"inprocess", "webtier", "peer", "drafts"}:
+        if on - {"inprocess", "webtier", "peer", "drafts", "restart"}:
             run_server_phases(res, workdir, env, args)
         if "quality" in on:
             phase(res, "quality", phases.run_quality, env, args)
@@ -206,6 +206,8 @@ def main(argv=None) -> int:
             phase(res, "peer", peer.run_peer, workdir, args, res["machine"], "multiturn" in on)
         if "drafts" in on:  # servers of its own (drafts on and off) and the peer, one after the other
             phase(res, "drafts", drafts.run_drafts, workdir, env, args, res["machine"])
+        if "restart" in on:  # a server of its own, restarted between a conversation's two turns
+            phase(res, "restart", restart.run_restart, workdir, env, args)
         if "webtier" in on:
             phase(res, "webtier", webtier.run_webtier, workdir, args)
     res["machine"].setdefault("model", (res.get("inprocess") or {}).get("model"))

@@ -74,7 +74,8 @@ def targets(res: dict) -> list[dict]:
             prefill.get("ratio_p50"), "≤ 1.15", lambda v: v <= 1.15),
         row("start-up to /readyz, empty data folder (s)", start.get("ready_s"), "≤ 10", lambda v: v <= 10),
     ] + quality_targets(res.get("quality") or {}, row) + structured_targets(res.get("structured") or {}, row) \
-        + peer.targets(res, row) + draft_targets(res.get("drafts") or {}, row) + webtier.targets(
+        + peer.targets(res, row) + draft_targets(res.get("drafts") or {}, row) \
+        + restart_targets(res.get("restart") or {}, row) + webtier.targets(
         res.get("webtier") or {}, row)
 
 
@@ -87,6 +88,13 @@ def draft_targets(d: dict, row) -> list[dict]:
                 "≥ 1.5", lambda v: v >= 1.5),
             row("story workload, one stream: drafts ÷ no drafts", d.get("story_ratio_off"), "≥ 0.97",
                 lambda v: v >= 0.97)]
+
+
+def restart_targets(r: dict, row) -> list[dict]:
+    """Issue 34's stretch goal: turn 2 after a restart, from the KV on disk."""
+    if not r.get("ratio"):
+        return []
+    return [row("turn 2 after a restart ÷ a warm turn 2, first delta", r["ratio"], "≤ 1.5", lambda v: v <= 1.5)]
 
 
 def structured_targets(s: dict, row) -> list[dict]:
@@ -178,6 +186,9 @@ def figures(res: dict) -> list[tuple[str, object]]:
         ("drafts: edit workload tok/s with / without drafts / llama.cpp's server", _pair(*_drafts(res, "edit"))),
         ("drafts: story workload tok/s with / without drafts / llama.cpp's server", _pair(*_drafts(res, "story"))),
         ("drafts: tokens per step with drafts / drafted tokens accepted %", _pair(*_accepted(res))),
+        ("turn 2 first delta ms: warm / after a restart (KV from disk) / its prompt tokens",
+         _pair(*[(res.get("restart") or {}).get(k) for k in ("warm_turn2_ms", "restart_turn2_ms",
+                                                             "turn2_prompt_tokens")])),
         ("load average before the run (1 min)", res["machine"].get("loadavg_before")),
     ]
 

@@ -98,10 +98,11 @@ def test_phase_selection():
     assert parse().phases == list(run.PHASES) and parse().concurrency == [1, 2, 4, 8, 16]
     a = parse("--only", "peer", "--quick")
     assert a.phases == ["single", "concurrency", "multiturn", "peer"] and a.concurrency == [8] and a.tokens == 16
-    assert parse("--skip-drafts").phases[-1] == "peer"
-    assert parse("--skip-peer", "--skip-webtier", "--skip-drafts").phases[-1] == "structured"
-    assert parse("--skip-peer", "--skip-webtier", "--skip-drafts", "--skip-structured").phases[-1] == "quality"
-    assert parse("--skip-peer", "--skip-webtier", "--skip-drafts", "--skip-structured",
+    assert parse("--skip-drafts", "--skip-restart").phases[-1] == "peer"
+    assert parse("--skip-peer", "--skip-webtier", "--skip-drafts", "--skip-restart").phases[-1] == "structured"
+    assert parse("--skip-peer", "--skip-webtier", "--skip-drafts", "--skip-restart",
+                 "--skip-structured").phases[-1] == "quality"
+    assert parse("--skip-peer", "--skip-webtier", "--skip-drafts", "--skip-restart", "--skip-structured",
                  "--skip-quality").phases[-1] == "v1-big"
     assert parse("--only-webtier").only_webtier and parse("--only-webtier").name == "webtier"
     assert parse("--only", "single,inprocess").phases == ["inprocess", "single"]

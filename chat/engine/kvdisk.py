@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import collections
 import time
 from pathlib import Path
@@ -106,6 +107,10 @@ class DiskKV:
         self.path(key).unlink(missing_ok=True)
 
     def _write_forever(self) -> None:
+        try:  # serving first: this thread at the lowest priority (Linux: a thread's own nice value)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):
+            pass
         while True:
             self.wake.wait(60.0)
             while self.pending:
