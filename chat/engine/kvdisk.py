@@ -18,13 +18,15 @@ import os
 import threading
 import collections
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ..concurrency import Wakeup, start_real_thread
+from ..concurrency import Wakeup, real_sleep, start_real_thread
 
 log = logging.getLogger(__name__)
+PATIENCE_S = 2.0  # how long a write waits for the engine to be idle before it goes anyway
 
 
 def fingerprint(*parts: object) -> str:
@@ -62,6 +64,7 @@ class DiskKV:
         self.pending: collections.deque = collections.deque()
         self.wake = Wakeup()
         self.writes = self.reads = 0
+        self.busy: Callable[[], bool] = lambda: False  # the engine is running answers: writes wait (PATIENCE_S)
         start_real_thread(self._write_forever, name="kv-disk")
 
     def path(self, key: str) -> Path:
@@ -118,6 +121,9 @@ class DiskKV:
                 if isinstance(item, Wakeup):
                     item.set()
                     continue
+                deadline = time.monotonic() + PATIENCE_S
+                while self.busy() and time.monotonic() < deadline:  # the engine's gaps first (the user typing)
+                    real_sleep(0.02)
                 try:
                     self._write(*item)
                     self._trim()

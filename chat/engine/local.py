@@ -235,6 +235,8 @@ class LocalEngine(Engine):
                                              settings.kv_disk_mb * 1024 * 1024, (layers, heads, dim), dtype)
         except OSError as exc:
             log.warning("conversations' KV stays in memory only: %s", exc)
+            return
+        self.prefix.disk.busy = lambda: bool(self.rows or self.queue.jobs)
 
     def forget(self, key: str) -> None:
         self.forgotten.append(key)  # the engine thread drops it from memory (its cache is the engine's own)
