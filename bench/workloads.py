@@ -149,11 +149,16 @@ def streams(connect, n: int, args, tag: str) -> dict:
 
     results, _ = parallel(connect, n, request, timeout=args.timeout)
     wall = max(r["done"] for r in results) - min(r["sent"] for r in results)
+    # while every stream decodes (from the last first delta to the first end): the batch's own pace, with
+    # no prefill and no stream missing
+    begin, end = max(r["first"] for r in results), min(r["done"] for r in results)
+    inside = sum(1 for r in results for t in r.get("delta_times") or () if begin < t <= end)
+    steady = inside / (end - begin) if end - begin > 0.2 and inside else None
     tokens = [r["tokens"] for r in results]
     rates = [r["tok_s"] for r in results]
     ttfd = [r["ttfd_s"] for r in results]
     return {"streams": n, "wall_s": wall, "tokens_total": sum(tokens), "tokens_min": min(tokens),
-            "tokens_max": max(tokens), "aggregate_tok_s": sum(tokens) / wall,
+            "tokens_max": max(tokens), "aggregate_tok_s": sum(tokens) / wall, "steady_deltas_s": steady,
             "stream_tok_s_p50": percentile(rates, 50), "stream_tok_s_min": min(rates),
             "ttfd_p50_s": percentile(ttfd, 50), "ttfd_p95_s": percentile(ttfd, 95), "ttfd_max_s": max(ttfd),
             "reasons": dict(collections.Counter(r["reason"] for r in results))}
