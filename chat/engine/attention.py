@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 log = logging.getLogger(__name__)
+# transformers' SDPA forward, imported by ``use``: its masking module pulls in torch._dynamo (~80 MB of memory
+# and a second of start-up), which the engine's own decoder never needs
+sdpa_attention_forward = None
 
 NAME = "chat_spans"
 CALL_COLUMNS = 512  # what one more SDPA call per layer costs, in row-columns of attention (measured: ~1 ms/step)
@@ -26,6 +26,7 @@ CALL_COLUMNS = 512  # what one more SDPA call per layer costs, in row-columns of
 def spans_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, spans: list | None = None, **kwargs) -> tuple:
     """transformers' SDPA attention; for a decode step with ``spans``, one call per run of rows."""
+    assert sdpa_attention_forward is not None, "attention.use first"
     if spans is None or query.shape[2] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     outputs = []
@@ -40,6 +41,10 @@ def spans_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 def use(model: torch.nn.Module) -> None:
     """Make ``model`` attend through :func:`spans_attention` (its masks are SDPA's); a model that
     cannot keeps its own attention, which ignores ``spans``."""
+    global sdpa_attention_forward
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(NAME, spans_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     try:
