@@ -184,6 +184,8 @@ class LocalEngine(Engine):
         for job, logits in queue.take_joining():
             self._join(job, logits)
         if not queue.busy(self.rows):
+            if self.prefix.disk is not None:
+                self.prefix.disk.idle.set()  # its writes wait for a moment like this
             if self.preambles and not queue.queued():
                 self._warm(list(self.preambles.popitem()[0]))
                 return
