@@ -105,7 +105,10 @@ class DiskKV:
 
     def _read(self, path: Path, key: str) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
         """The file's entry as views of its bytes (no torch operator: see ``_write``)."""
-        data = bytearray(path.read_bytes())
+        with open(path, "rb") as f:  # read straight into a buffer the tensors can view: one copy of the file
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            if f.readinto(data) != len(data):
+                raise ValueError("a file that changed while read")
         if data[:len(MAGIC)] != MAGIC:
             raise ValueError("not a KV file")
         size = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
