@@ -91,7 +91,7 @@ def test_a_deleted_conversation_takes_its_kv_with_it(tiny_model, tmp_path):
         engine.shutdown()
 
 
-def test_the_budget_drops_the_oldest_and_another_model_has_its_own_folder(tmp_path):
+def test_the_budget_drops_the_oldest_and_another_model_has_its_own_folder(tmp_path, monkeypatch):
     shape = (2, 1, 16)
     disk = kvdisk.DiskKV(tmp_path / "a", 10**9, shape, torch.bfloat16)
 
@@ -108,6 +108,15 @@ def test_the_budget_drops_the_oldest_and_another_model_has_its_own_folder(tmp_pa
     assert kept == {disk.path(f"k{i}").name for i in (2, 3, 4)}
     ids, keys, values = disk.load("k4")
     assert ids == list(range(10)) and keys[0].shape == (1, 1, 10, 16) and keys[0].dtype == torch.bfloat16
+    # a conversation deleted while its entry waits to be written: never written
+    monkeypatch.setattr(kvdisk, "PATIENCE_S", 0.5)
+    disk.busy = lambda: True  # the engine running answers: the write waits for an idle moment
+    disk.save("late", list(range(10)), entry(10), entry(10))
+    disk.drop("late")
+    disk.idle.set()
+    disk.flush()
+    assert not disk.path("late").exists()
+    disk.busy = lambda: False
     other = kvdisk.DiskKV(tmp_path / "a", 10**9, (3, 1, 16), torch.bfloat16)  # another shape, same folder
     assert other.load("k4") is None and not other.path("k4").exists()  # unreadable as its own: deleted
     assert kvdisk.fingerprint("m", 1) != kvdisk.fingerprint("m", 2)

@@ -197,6 +197,7 @@ class PrefixCache:
     written in place (docs/security.md)."""
 
     PREAMBLES = 8  # shared preambles kept (a few KB to a MB each)
+    FETCHED = 8  # entries read from disk for prompts not yet started, at most
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
@@ -232,6 +233,11 @@ class PrefixCache:
         if key and self.disk is not None and key not in self.entries and key not in self.fetched:
             found = self.disk.load(key)
             if found is not None:
+                while len(self.fetched) >= self.FETCHED:  # prompts that never started (cancelled while waiting)
+                    try:
+                        self.fetched.pop(next(iter(self.fetched)), None)
+                    except (RuntimeError, StopIteration):  # the engine thread took one meanwhile
+                        break
                 self.fetched[key] = found
 
     def forget(self, key: str) -> None:

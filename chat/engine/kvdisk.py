@@ -65,6 +65,7 @@ class DiskKV:
         self.pending: collections.deque = collections.deque()
         self.wake = Wakeup()
         self.writes = self.reads = 0
+        self.dropped: set[str] = set()  # deleted conversations: an entry of theirs still waiting is not written
         self.busy: Callable[[], bool] = lambda: False  # the engine is running answers: writes wait (PATIENCE_S)
         self.idle = Wakeup()  # set by the engine when it has nothing to run
         start_real_thread(self._write_forever, name="kv-disk")
@@ -74,6 +75,7 @@ class DiskKV:
 
     def save(self, key: str, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Write an entry in the background (its tensors are never written in place afterwards)."""
+        self.dropped.discard(key)
         self.pending.append((key, list(ids), keys, values))
         self.wake.set()
 
@@ -130,6 +132,8 @@ class DiskKV:
         return ids, parts[:self.layers], parts[self.layers:]
 
     def drop(self, key: str) -> None:
+        """A deleted conversation's file, now and if an entry of its is still being written."""
+        self.dropped.add(key)
         self.path(key).unlink(missing_ok=True)
 
     def _write_forever(self) -> None:
@@ -155,6 +159,8 @@ class DiskKV:
                     log.exception("could not write a KV entry under %s", self.folder)
 
     def _write(self, key: str, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        if key in self.dropped:
+            return
         path = self.path(key)
         partial = path.with_name(f"{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
         # Raw bytes behind a JSON header, and no torch operator on this thread: one that goes parallel starts an
@@ -167,6 +173,9 @@ class DiskKV:
             for t in [*keys, *values]:
                 f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
         partial.replace(path)
+        if key in self.dropped:  # deleted while it was written
+            path.unlink(missing_ok=True)
+            return
         self.writes += 1
 
     def _trim(self) -> None:
