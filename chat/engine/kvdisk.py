@@ -137,8 +137,7 @@ class DiskKV:
         self.path(key).unlink(missing_ok=True)
 
     def _write_forever(self) -> None:
-        # (not at a lower priority: holding the GIL while the OS runs the engine's threads first, it would stall
-        # the engine far longer than its writes take: 2x slower decode steps, measured)
+        # (at normal priority: a thread that holds the GIL must not wait for the OS to run it)
         while True:
             self.wake.wait(60.0)
             while self.pending:
@@ -147,8 +146,8 @@ class DiskKV:
                     item.set()
                     continue
                 # The engine's gaps first (a person typing): wait, without waking, until the engine says it is
-                # idle (``idle``), or PATIENCE_S. Any thread waking up while the engine decodes takes a core from
-                # its OpenMP team and stalls a step by milliseconds: polling every 20 ms halved the decode speed.
+                # idle (``idle``), or PATIENCE_S: a thread that wakes while the engine decodes takes a core from
+                # its OpenMP team.
                 self.idle.wait(0)  # forget an idle moment that has passed
                 if self.busy():
                     self.idle.wait(PATIENCE_S)
