@@ -20,8 +20,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <map>
-#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -295,8 +293,7 @@ void run(const Matrix& w, const Acts& a, uint16_t* y) {
   });
 }
 
-std::mutex lock;
-std::map<int64_t, std::shared_ptr<const Matrix>> kept;
+Kept<Matrix> kept;
 
 bool vnni() {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -333,16 +330,10 @@ int64_t keep(int64_t kind, int64_t rows, int64_t sub, double centre, const at::T
     w->mins = mins;
   }
   w->qs = qs, w->qh = kind == U5 ? qh : at::Tensor(), w->scales = scales;
-  std::lock_guard<std::mutex> guard(lock);
-  const int64_t id = kept.empty() ? 1 : kept.rbegin()->first + 1;
-  kept.emplace(id, std::move(w));
-  return id;
+  return kept.add(std::move(w));
 }
 
-void forget(int64_t id) {
-  std::lock_guard<std::mutex> guard(lock);
-  kept.erase(id);
-}
+void forget(int64_t id) { kept.forget(id); }
 
 at::Tensor mm(int64_t id, const at::Tensor& x) {
   auto w = find(id);
@@ -352,11 +343,7 @@ at::Tensor mm(int64_t id, const at::Tensor& x) {
 
 }  // namespace
 
-std::shared_ptr<const Matrix> find(int64_t id) {
-  std::lock_guard<std::mutex> guard(lock);
-  auto it = kept.find(id);
-  return it == kept.end() ? nullptr : it->second;
-}
+std::shared_ptr<const Matrix> find(int64_t id) { return kept.find(id); }
 
 at::Tensor multiply(const Matrix& w, const at::Tensor& x_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == w.cols && x_in.scalar_type() == at::kBFloat16,

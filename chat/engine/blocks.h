@@ -4,7 +4,9 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 
 namespace blocks {
 
@@ -29,5 +31,31 @@ struct Matrix {
 at::Tensor multiply(const Matrix& w, const at::Tensor& x);
 
 std::shared_ptr<const Matrix> find(int64_t id);
+
+// What the Python side holds by an id (torch ops take integers): kept until forgotten, and shared with whoever
+// uses it meanwhile (a forget during a product or a step frees nothing that is in use).
+template <typename T>
+class Kept {
+ public:
+  int64_t add(std::shared_ptr<const T> value) {
+    std::lock_guard<std::mutex> guard(lock_);
+    const int64_t id = items_.empty() ? 1 : items_.rbegin()->first + 1;
+    items_.emplace(id, std::move(value));
+    return id;
+  }
+  void forget(int64_t id) {
+    std::lock_guard<std::mutex> guard(lock_);
+    items_.erase(id);
+  }
+  std::shared_ptr<const T> find(int64_t id) const {
+    std::lock_guard<std::mutex> guard(lock_);
+    auto it = items_.find(id);
+    return it == items_.end() ? nullptr : it->second;
+  }
+
+ private:
+  mutable std::mutex lock_;
+  std::map<int64_t, std::shared_ptr<const T>> items_;
+};
 
 }  // namespace blocks

@@ -21,8 +21,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <map>
-#include <mutex>
 #include <vector>
 
 namespace {
@@ -130,8 +128,7 @@ struct Model {
   double eps = 1e-6;
 };
 
-std::mutex registry_lock;
-std::map<int64_t, Model> registry;
+blocks::Kept<Model> models;
 
 // weight * bf16(x * rsqrt(mean(x^2) + eps)), row by row, as decoder._norm rounds it.
 at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -313,16 +310,10 @@ int64_t keep(at::TensorList norms, at::TensorList tensors, at::IntArrayRef layou
     m.layers.push_back(std::move(layer));
   }
   TORCH_CHECK(at == layout.size() && t == tensors.size(), "more weights than the layout describes");
-  std::lock_guard<std::mutex> guard(registry_lock);
-  const int64_t id = registry.empty() ? 1 : registry.rbegin()->first + 1;
-  registry.emplace(id, std::move(m));
-  return id;
+  return models.add(std::make_shared<const Model>(std::move(m)));
 }
 
-void forget(int64_t id) {
-  std::lock_guard<std::mutex> guard(registry_lock);
-  registry.erase(id);
-}
+void forget(int64_t id) { models.forget(id); }
 
 // Every layer for ``cols`` new columns per row (one in a decode step; more to verify drafted tokens):
 // ``h`` (rows x cols, hidden) bf16 embeddings, a row's columns together -> hidden states before the
@@ -331,13 +322,8 @@ void forget(int64_t id) {
 // what a step of that column alone would give.
 at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, at::TensorList values,
                   const at::Tensor& starts, int64_t col, const at::Tensor& cos, const at::Tensor& sin) {
-  const Model* found;
-  {
-    std::lock_guard<std::mutex> guard(registry_lock);
-    auto it = registry.find(id);
-    TORCH_CHECK(it != registry.end(), "no decoder ", id);
-    found = &it->second;
-  }
+  const std::shared_ptr<const Model> found = models.find(id);
+  TORCH_CHECK(found, "no decoder ", id);
   const Model& m = *found;
   TORCH_CHECK(embedded.scalar_type() == at::kBFloat16 && embedded.dim() == 2 &&
                   embedded.size(1) == m.layers[0].attn_norm.numel(),
