@@ -12,59 +12,41 @@ from pathlib import Path
 
 from . import phases, workloads
 from .peer import LlamaServer, PeerClient
-from .server import BenchServer, Client, http_get
+from .server import BenchServer, Client, http_get, running
 
 EDIT_TOKENS = 300
 
 
 def _workloads(connect, args, tag: str) -> dict:
-    return {"edit": workloads.single(connect, args, f"{tag}-edit", prompt=workloads.edit_prompt(),
-                                     tokens=EDIT_TOKENS),
-            "story": workloads.single(connect, args, f"{tag}-story")}
+    out = {"edit": workloads.single(connect, args, f"{tag}-edit", prompt=workloads.edit_prompt(), tokens=EDIT_TOKENS),
+           "story": workloads.single(connect, args, f"{tag}-story")}
+    for result in out.values():
+        result.pop("paired")
+    return out
 
 
 def _ours(workdir: Path, env: dict, args, mode: str) -> dict:
-    srv = BenchServer(workdir / f"drafts-{mode}", {**env, "CHAT_DRAFT": mode})
-    try:
-        srv.start(timeout=args.timeout)
+    with running(BenchServer(workdir / f"drafts-{mode}", {**env, "CHAT_DRAFT": mode}), args.timeout) as srv:
         phases.wait_finished(srv)
         before = json.loads(http_get(srv.port, "/readyz")[1])
-        out = {}
-        for name, result in _workloads(lambda: Client(srv.ws_url, timeout=args.timeout), args, mode).items():
-            result.pop("paired")
-            out[name] = result
+        out = _workloads(lambda: Client(srv.ws_url, timeout=args.timeout), args, mode)
         after = json.loads(http_get(srv.port, "/readyz")[1])
-        steps = after.get("draft_steps", 0) - before.get("draft_steps", 0)
-        accepted = after.get("draft_accepted_tokens", 0) - before.get("draft_accepted_tokens", 0)
-        out["draft_steps"], out["draft_accepted_tokens"] = steps, accepted
-        out["drafted_tokens"] = after.get("drafted_tokens", 0) - before.get("drafted_tokens", 0)
-        out["tokens_per_draft_step"] = (steps + accepted) / steps if steps else None
-        print(f"  drafts {mode}: edit {out['edit']['tok_s_p50']:.1f} tok/s, story {out['story']['tok_s_p50']:.1f}",
-              file=sys.stderr, flush=True)
-        return out
-    except Exception:
-        print(srv.log(), file=sys.stderr)
-        raise
-    finally:
-        srv.stop()
+    for name in ("draft_steps", "draft_accepted_tokens", "drafted_tokens"):
+        out[name] = after.get(name, 0) - before.get(name, 0)
+    steps = out["draft_steps"]
+    out["tokens_per_draft_step"] = (steps + out["draft_accepted_tokens"]) / steps if steps else None
+    print(f"  drafts {mode}: edit {out['edit']['tok_s_p50']:.1f} tok/s, story {out['story']['tok_s_p50']:.1f}",
+          file=sys.stderr, flush=True)
+    return out
 
 
 def _peer(workdir: Path, args, machine: dict) -> dict:
     binary = os.environ.get("LLAMA_SERVER")
     if not binary or not machine.get("gguf"):
         return {"skipped": "LLAMA_SERVER is not set, or the model is not a GGUF file"}
-    srv = LlamaServer(binary, machine["gguf"], workdir)
-    try:
-        srv.start(timeout=args.timeout)
-        out = _workloads(lambda: PeerClient(srv.port, machine.get("system_prompt") or "", args.timeout), args, "peer")
-        for result in out.values():
-            result.pop("paired")
-        return out
-    except Exception:
-        print(srv.log(), file=sys.stderr)
-        raise
-    finally:
-        srv.stop()
+    with running(LlamaServer(binary, machine["gguf"], workdir), args.timeout) as srv:
+        return _workloads(lambda: PeerClient(srv.port, machine.get("system_prompt") or "", args.timeout), args,
+                          "peer")
 
 
 def run_drafts(workdir: Path, env: dict, args, machine: dict) -> dict:

@@ -1,9 +1,12 @@
 """The server under test (harness.LiveServer, the one the tests start too) and a timing chat.v1 client."""
 from __future__ import annotations
 
+import contextlib
 import http.client
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from chat.client import Session, collect
@@ -41,6 +44,20 @@ def metric(port: int, name: str) -> float | None:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return None
+
+
+@contextlib.contextmanager
+def running(srv, timeout: float) -> Iterator:
+    """``srv`` (this server or llama.cpp's: ``start``, ``log``, ``stop``) started for the block, its log
+    printed if the block fails, stopped after it."""
+    try:
+        srv.start(timeout=timeout)
+        yield srv
+    except Exception:
+        print(srv.log(), file=sys.stderr)
+        raise
+    finally:
+        srv.stop()
 
 
 class BenchServer(LiveServer):
