@@ -109,20 +109,15 @@ class Settings:
             "unless already set) follow it. A class above this CPU's is ignored with a warning.")
     native: bool = _setting(
         "CHAT_NATIVE", True, _bool,
-        doc="Run each decode step on the CPU as one C++ call (`chat/engine/native.cpp`: the layers' norms, "
-            "rotary positions, attention and SwiGLU as plain loops) and a GGUF's products on the same library's "
-            "block kernels (`chat/engine/blocks.cpp`, see `CHAT_QUANT`): 2-4x torch's operators and int4 kernel "
-            "at one stream. Built while the engine is idle after the first start with the machine's C++ compiler "
-            "(`$CXX`, `c++` or `g++`: install `g++`), 20-40 s once, kept under `CHAT_CACHE_DIR` (later starts "
-            "load it at once and read the weights straight onto the block kernels); checked against dense "
-            "weights and torch's step before use. Without a compiler, or `false`: torch's operators and int4 "
-            "kernel. `/readyz` reports which (`decode`, `weights`).")
+        doc="Run each decode step on the CPU as one C++ call (`chat/engine/native.cpp`) and a GGUF's products on "
+            "the same library's block kernels (`blocks.cpp`, see `CHAT_QUANT`): 2-4x torch's operators at one "
+            "stream. Built with the machine's C++ compiler (`$CXX`, `c++` or `g++`) while idle after the first "
+            "start, 20-40 s once, kept under `CHAT_CACHE_DIR`; checked against torch's step before use. Without "
+            "a compiler, or `false`: torch's operators and int4 kernel. `/readyz` reports which (`decode`).")
     draft: str = _setting(
         "CHAT_DRAFT", "ngram", _choice("ngram", "off"),
-        doc="`ngram`: while one answer runs alone, guess its next tokens from its own prompt and answer (the "
-            "tokens that followed its latest few the last time they appeared) and check them in one C++ step: "
-            "several tokens per read of the weights when an answer quotes or edits its context; exactly the "
-            "answer it would make without (`chat/engine/drafts.py`). `off`: one token per step.")
+        doc="`ngram`: an answer running alone guesses its next tokens from its own context and checks them in one "
+            "C++ step (several tokens a step when it quotes or edits; the same answer as without). `off`: none.")
     device: str = _setting(
         "CHAT_DEVICE", "auto", _choice("auto", "cpu", "cuda"),
         doc="`auto`, `cpu` or `cuda`. `auto` uses CUDA when available.")
@@ -201,9 +196,8 @@ class Settings:
             "`0` turns prefix reuse off.")
     kv_disk_mb: int = _setting(
         "CHAT_KV_DISK_MB", 2048, int, low=0, high=10_000_000,
-        doc="Disk for conversations' KV under `<CHAT_CACHE_DIR>/kv/` (written in the background after each answer, "
-            "oldest out first, a deleted conversation's with it), so a turn after a restart, or on another worker, "
-            "continues from it instead of prefilling the history again. `0`: memory only.")
+        doc="Disk for conversations' KV under `<CHAT_CACHE_DIR>/kv/` (oldest out first), so a turn after a restart "
+            "does not prefill the history again. `0`: memory only.")
     max_active_per_connection: int = _setting(
         "CHAT_MAX_ACTIVE_PER_CONNECTION", 4, int, low=1, high=1000,
         doc="Answers one client (one identity cookie; a connection without one is its own client) may run at "

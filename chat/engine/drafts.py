@@ -20,7 +20,10 @@ and tries again once its rate has drifted back towards the prior).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
+
+from .sampling import sample_rows
 
 MIN_N, MAX_N = 2, 4  # n-gram lengths looked up, longest first
 MAX_DRAFT = 8  # tokens drafted at most in one step
@@ -135,18 +138,31 @@ class Drafter:
             row.idle()
         return guess[:count]
 
-    def timed(self, width: int, step: Any) -> Any:
-        """``step()``'s result, its cost kept as a step of ``width`` columns'."""
+    def step(self, slot: Any, kv: Any, runner: Any, take: Callable[[Any, int | str], bool]) -> bool:
+        """A lone row's step with drafts, when they pay (whether it ran): its last token and the drafts fed at
+        once (``runner.verify``), then its tokens sampled column by column as single steps would make them,
+        each handed to ``take(slot, token or error)`` (False: the row ended), up to the first draft the answer
+        did not make. ``kv`` keeps the columns that hold the answer's tokens; the others are written over."""
+        guess = self.guess(slot)
+        if not guess:
+            return False
         started = time.monotonic()
-        out = step()
-        self.costs.measured(width, time.monotonic() - started)
-        return out
-
-    def checked(self, slot: Any, drafted: int, right: int) -> None:
-        slot.drafts.checked(drafted, right)
+        logits = runner.verify(kv, [slot.last, *guess], slot.pos)
+        self.costs.measured(len(guess) + 1, time.monotonic() - started)
+        right = 0
+        for j in range(len(guess) + 1):
+            kv.advance(1)  # column j holds one of the answer's tokens: its last, or a draft it made
+            slot.pos += 1
+            token = sample_rows(logits[j:j + 1], [slot.params], [slot.generator], native=runner.sampler())[0]
+            if not take(slot, token) or j == len(guess) or token != guess[j]:
+                break
+            right += 1
+        kv.mask[:, kv.length:kv.length + len(guess) + 1] = 0  # the drafts the answer did not make
+        slot.drafts.checked(len(guess), right)
         self.steps += 1
-        self.drafted += drafted
+        self.drafted += len(guess)
         self.accepted += right
+        return True
 
     def stats(self) -> dict:
         return {"draft_steps": self.steps, "drafted_tokens": self.drafted, "draft_accepted_tokens": self.accepted}

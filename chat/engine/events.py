@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -65,3 +67,18 @@ class Done:
 
 Event = Queued | Started | Delta | Refused | Done
 END = (Done, Refused)  # the event types that end a generation
+
+
+def announce(plan: Any, done: Callable[..., None]) -> None:
+    """Tell what the scheduler decided (a ``scheduler.Plan``): who ended (``done(gen, reason, slot)``) or was
+    refused unstarted, who started, who waits where; then the plan's lists are empty."""
+    for gen, reason, slot in plan.ended:
+        done(gen, reason, slot)
+    for gen, exc in plan.refused:
+        gen.emit(Refused(exc.code, exc.message))
+    for slot in plan.started:
+        slot.gen.emit(Started(len(slot.prompt_ids)))
+    for gen, position in plan.queued:
+        gen.emit(Queued(position))
+    for told in (plan.ended, plan.refused, plan.started, plan.queued):
+        told.clear()

@@ -206,6 +206,10 @@ class PrefixCache:
         self.used = 0
         self.hits = self.misses = self.shared_hits = 0
         self.disk: DiskKV | None = None  # conversations' entries on disk too (CHAT_KV_DISK_MB)
+        # System prompts' preambles seen without their KV held (any thread adds: atomic; the engine pops them
+        # with popitem, prefills each alone while idle and shares it: ``share``)
+        self.wanted: dict[tuple, None] = {}
+        self.forgotten: collections.deque = collections.deque()  # deleted conversations (any thread appends)
         self.fetched: dict[str, tuple] = {}  # entries read from disk (off the engine thread) for prompts on the way
 
     def put(self, key: str | None, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -241,11 +245,24 @@ class PrefixCache:
                 self.fetched[key] = found
 
     def forget(self, key: str) -> None:
-        """A deleted conversation: its entry out of memory and off the disk."""
-        self.pop(key)
-        self.fetched.pop(key, None)
+        """A deleted conversation (any thread): its file off the disk now, its entry out of memory at the engine
+        thread's next ``tidy``."""
+        self.forgotten.append(key)
         if self.disk is not None:
             self.disk.drop(key)
+
+    def tidy(self) -> None:
+        """Drop the entries of conversations deleted since the last call (the engine thread)."""
+        while self.forgotten:
+            key = self.forgotten.popleft()
+            self.pop(key)
+            self.fetched.pop(key, None)
+
+    def want(self, ids: list[int]) -> None:
+        """Note a system prompt's preamble for prefilling while idle, unless it is held (any thread)."""
+        found = tuple(ids)
+        if len(found) >= 4 and len(self.wanted) < 16 and found not in self.preambles:
+            self.wanted[found] = None
 
     def flush(self) -> None:
         if self.disk is not None:

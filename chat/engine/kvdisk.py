@@ -53,6 +53,22 @@ def source_identity(path: Path | str | None) -> str:
     return "|".join(parts)
 
 
+def for_model(folder: Path, budget: int, model: str, source: Path | str | None, dims: tuple, *setup: object,
+              busy: Callable[[], bool] = lambda: False) -> DiskKV | None:
+    """This model's entries on disk, in its own folder under ``folder``: keyed by ``model`` (its name), its
+    ``source`` file or folder, the KV's ``dims`` (layers, heads, head dim, dtype, ...) and whatever else
+    changes the KV (``setup``: the weights' setting, the CPU class); None (logged) where it cannot be kept."""
+    layers, heads, dim, dtype = dims[:4]
+    name = fingerprint(model, source_identity(source), layers, heads, dim, dtype, *setup)
+    try:
+        disk = DiskKV(Path(folder) / name, budget, (layers, heads, dim), dtype)
+    except OSError as exc:
+        log.warning("conversations' KV stays in memory only: %s", exc)
+        return None
+    disk.busy = busy
+    return disk
+
+
 class DiskKV:
     """One model's conversation entries under ``folder``, at most ``budget`` bytes (the oldest out first)."""
 

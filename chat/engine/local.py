@@ -11,7 +11,6 @@ only prefills what is new.
 """
 from __future__ import annotations
 
-import collections
 import gc
 import logging
 import time
@@ -22,17 +21,17 @@ import torch
 
 from ..concurrency import run_in_thread, start_real_thread
 from ..config import Settings
-from ..errors import EngineUnavailable, Overloaded, PromptTooLong
+from ..errors import EngineUnavailable, Overloaded
 from . import cpu, drafts, grammar, kvdisk, prompt
 from . import model as model_loader
 from .base import Engine, GenParams, Generation
 from .decoder import Decoder
-from .events import Delta, Done, Queued, Refused, Started
+from .events import Delta, Done, announce
 from .kv import KVBuffer, PrefixCache, joined
 from .prefill import PrefillJob
 from .runner import ModelRunner, release_memory, runner_for
 from .sampling import sample_rows
-from .scheduler import Plan, Request, Scheduler
+from .scheduler import Request, Scheduler
 from .slot import Slot
 
 log = logging.getLogger(__name__)
@@ -60,10 +59,6 @@ class LocalEngine(Engine):
         self.closed = False  # the engine thread has ended
         self.trimmed = True
         self.chores: Iterator[None] | None = None  # idle work after start-up (runner.chores): a step per idle turn
-        # System prompts' preambles seen without their KV held, as keys (any thread adds: atomic; the engine
-        # pops them with popitem, prefills each alone while idle and shares it: PrefixCache.share)
-        self.preambles: dict[tuple, None] = {}
-        self.forgotten: collections.deque = collections.deque()  # deleted conversations' keys (any thread appends)
         self.tokens_generated = 0
         self.step_s = 0.05  # measured: a decode step's forward (moving average)
         self.drafter = drafts.Drafter()
@@ -167,15 +162,14 @@ class LocalEngine(Engine):
     def _iterate(self) -> None:
         """Carry out the scheduler's plan: its admissions, its prefill chunks, one decode step (or wait for work)."""
         queue = self.queue
-        while self.forgotten:
-            self.prefix.forget(self.forgotten.popleft())
+        self.prefix.tidy()  # deleted conversations' entries out
         plan = queue.plan(self.rows, self.step_s, lambda: self.stopping)
-        self._announce(plan)
+        announce(plan, self.done)
         while (chunk := queue.chunk(plan)) is not None:
             started = time.monotonic()
             logits = self.runner.prefill(chunk.job, chunk.columns)
             queue.ran(plan, chunk, time.monotonic() - started, logits)
-        self._announce(plan)  # prefills whose every prompt was cancelled
+        announce(plan, self.done)  # prefills whose every prompt was cancelled
         if self.rows:
             self._step()
             self.trimmed = False
@@ -186,8 +180,8 @@ class LocalEngine(Engine):
         if not queue.busy(self.rows):
             if self.prefix.disk is not None:
                 self.prefix.disk.idle.set()  # its writes wait for a moment like this
-            if self.preambles and not queue.queued():
-                self._warm(list(self.preambles.popitem()[0]))
+            if self.prefix.wanted and not queue.queued():
+                self._warm(list(self.prefix.wanted.popitem()[0]))
                 return
             if self.chores is not None and not queue.waiting:
                 if next(self.chores, _DONE) is _DONE:
@@ -211,10 +205,15 @@ class LocalEngine(Engine):
             self.vocab_size = runner.vocab_size
             self.grammars = grammar.Grammars(self.loaded.tokenizer, self.loaded.eos_ids, runner.vocab_size)
             self.chores = runner.chores(self.settings)
-            self._keep_on_disk()
+            settings = self.settings
+            if settings.kv_disk_mb > 0 and settings.kv_cache_mb > 0:  # conversations' KV on disk too
+                self.prefix.disk = kvdisk.for_model(
+                    Path(settings.model_cache_dir) / "kv", settings.kv_disk_mb * 1024 * 1024, self.loaded.name,
+                    self.loaded.source or settings.model, runner.dims, settings.quant, self.cpu,
+                    busy=lambda: bool(self.rows or self.queue.jobs))
             # the default system prompt's preamble first, so the first user after a start reuses it too
-            self._want_preamble([{"role": "system", "content": self.settings.system_prompt}]
-                                if self.settings.system_prompt else [])
+            system = [{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else []
+            self.prefix.want(prompt.preamble(self.loaded.tokenizer, system))
         # Everything loaded so far lives for the whole process: keep it out of the GC's
         # full collections, which otherwise stall the event loop for tenths of a second.
         gc.collect()
@@ -224,47 +223,18 @@ class LocalEngine(Engine):
         log.info("engine ready: %s, max batch %d, prefill chunk %d", self.model_name,
                  self.settings.max_batch, self.settings.prefill_chunk)
 
-    def _keep_on_disk(self) -> None:
-        """Conversations' KV on disk too (``kvdisk``), in this model's and path's own folder."""
-        settings, loaded = self.settings, self.loaded
-        if settings.kv_disk_mb <= 0 or settings.kv_cache_mb <= 0:
-            return
-        layers, heads, dim, dtype, _ = self.runner.dims
-        name = kvdisk.fingerprint(loaded.name, kvdisk.source_identity(loaded.source or settings.model), layers,
-                                  heads, dim, dtype, settings.quant, self.cpu)
-        try:
-            self.prefix.disk = kvdisk.DiskKV(Path(settings.model_cache_dir) / "kv" / name,
-                                             settings.kv_disk_mb * 1024 * 1024, (layers, heads, dim), dtype)
-        except OSError as exc:
-            log.warning("conversations' KV stays in memory only: %s", exc)
-            return
-        self.prefix.disk.busy = lambda: bool(self.rows or self.queue.jobs)
-
     def forget(self, key: str) -> None:
-        self.forgotten.append(key)  # the engine thread drops it from memory (its cache is the engine's own)
-        if self.prefix.disk is not None:
-            self.prefix.disk.drop(key)
+        self.prefix.forget(key)
         self.queue.wake.set()
 
     def fit(self, gen: Generation) -> list[int]:
         """The prompt ids, history trimmed so the answer has room in the context."""
-        max_new = min(gen.params.max_new_tokens, self.settings.max_new_tokens)
-        budget = self.settings.context_tokens - min(max_new, self.settings.context_tokens // 2)
-        if gen.params.raw_prompt:
-            ids = self.loaded.tokenizer.encode(gen.messages[-1]["content"])
-            if len(ids) > budget:
-                raise PromptTooLong(f"the prompt does not fit in the model's context of {budget} tokens")
-            return ids
-        ids = prompt.fit(self.loaded.tokenizer, gen.messages, budget, gen.params.tools)[0]
-        if not gen.params.tools:
-            self._want_preamble(gen.messages)
+        settings, params = self.settings, gen.params
+        ids = prompt.request_ids(self.loaded.tokenizer, gen.messages, params, settings.context_tokens,
+                                 settings.max_new_tokens)
+        if not params.tools and not params.raw_prompt:
+            self.prefix.want(prompt.preamble(self.loaded.tokenizer, gen.messages))
         return ids
-
-    def _want_preamble(self, messages: list) -> None:
-        """Note ``messages``' system prompt's preamble for idle prefilling unless its KV is held (any thread)."""
-        ids = tuple(prompt.preamble(self.loaded.tokenizer, messages))
-        if len(ids) >= 4 and len(self.preambles) < 16 and not self.prefix.has_preamble(ids):
-            self.preambles[ids] = None
 
     def _warm(self, ids: list[int]) -> None:
         """Prefill a preamble alone (as every prompt that reuses it would see it) and share its KV."""
@@ -330,34 +300,20 @@ class LocalEngine(Engine):
         self._accept_all(list(self.rows), logits)
 
     def _draft(self, slot: Slot) -> bool:
-        """A lone row's step with drafted tokens (``drafts``) when they pay: its last token and the drafts fed
-        at once, then its tokens sampled column by column as single steps would make them, up to the first
-        draft the answer did not make. Whether it ran."""
+        """A lone row's step with drafted tokens (``drafts``), where they can run and pay; whether it ran."""
         if (self.settings.draft == "off" or slot.matcher is not None or slot.params.logprobs is not None
                 or not self.runner.verifies(drafts.MAX_DRAFT + 1)):
             return False
-        guess = self.drafter.guess(slot)
-        if not guess:
+        assert self.kv is not None
+        return self.drafter.step(slot, self.kv, self.runner, self._take)
+
+    def _take(self, slot: Slot, token: int | str) -> bool:
+        """A drafted step's next token of ``slot`` (or why sampling failed); whether the row goes on."""
+        if isinstance(token, str):
+            self._finish(slot, "error", token)
             return False
-        kv = self.kv
-        assert kv is not None
-        logits = self.drafter.timed(len(guess) + 1, lambda: self.runner.verify(kv, [slot.last, *guess], slot.pos))
-        right = 0
-        for j in range(len(guess) + 1):
-            kv.advance(1)  # column j holds one of the answer's tokens: its last, or a draft it made
-            slot.pos += 1
-            token = sample_rows(logits[j:j + 1], [slot.params], [slot.generator], native=self.runner.sampler())[0]
-            if isinstance(token, str):
-                self._finish(slot, "error", token)
-                break
-            self._accept(slot, token)
-            if slot not in self.rows or j == len(guess) or token != guess[j]:
-                break
-            right += 1
-        if self.kv is not None:
-            self.kv.mask[:, self.kv.length:self.kv.length + len(guess) + 1] = 0  # drafts the answer did not make
-        self.drafter.checked(slot, len(guess), right)
-        return True
+        self._accept(slot, token)
+        return slot in self.rows
 
     def _accept_all(self, slots: list[Slot], logits: torch.Tensor) -> None:
         """Sample every row's next token in one pass, then emit each row's text; a row whose sampling fails
@@ -438,19 +394,6 @@ class LocalEngine(Engine):
             self.done(request.gen, reason)
 
     # ---- events: every emit goes through these ----
-
-    def _announce(self, plan: Plan) -> None:
-        """Tell what the scheduler decided: who ended or was refused unstarted, who started, who waits where."""
-        for gen, reason, slot in plan.ended:
-            self.done(gen, reason, slot)
-        for gen, exc in plan.refused:
-            gen.emit(Refused(exc.code, exc.message))
-        for slot in plan.started:
-            slot.gen.emit(Started(len(slot.prompt_ids)))
-        for gen, position in plan.queued:
-            gen.emit(Queued(position))
-        for told in (plan.ended, plan.refused, plan.started, plan.queued):
-            told.clear()
 
     def _delta(self, slot: Slot, text: str, last: bool = False) -> None:
         event = slot.delta(text, last)

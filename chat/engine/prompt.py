@@ -121,6 +121,18 @@ def fit(tokenizer: Any, messages: list, budget: int, tools: tuple = ()) -> tuple
 _PREAMBLES: dict = {}  # (tokenizer id, system prompt) -> its preamble ids; a few system prompts in a process
 
 
+def request_ids(tokenizer: Any, messages: list, params: Any, context: int, most_new: int) -> list[int]:
+    """A request's prompt ids (``params``: its GenParams), its history trimmed so that its answer, up to
+    ``most_new`` tokens but at most half the ``context``, has room; a raw prompt as it is, or ``PromptTooLong``."""
+    budget = context - min(min(params.max_new_tokens, most_new), context // 2)
+    if params.raw_prompt:
+        ids = tokenizer.encode(messages[-1]["content"])
+        if len(ids) > budget:
+            raise PromptTooLong(f"the prompt does not fit in the model's context of {budget} tokens")
+        return ids
+    return fit(tokenizer, messages, budget, params.tools)[0]
+
+
 def preamble(tokenizer: Any, messages: list) -> list[int]:
     """The ids every prompt of ``messages``' system prompt starts with, whatever the conversation: the system
     turn and the template up to the first user message's text (the common start of two probes' ids)."""

@@ -199,10 +199,11 @@ class DecoderRunner(_Runner):
         changes)."""
         decoder = self.decoder
         assert decoder is not None
-        if not decoder.native or not decoder.same_path(columns):
+        if not decoder.native:
             return False
-        if self._checked[0] is not decoder.native or self._checked[1] < columns:
-            self._checked = (decoder.native, columns, native.columns_agree(decoder, columns))
+        if self._checked[0] is not decoder.native or self._checked[1] < columns:  # once per step (and width)
+            self._checked = (decoder.native, columns,
+                             decoder.same_path(columns) and native.columns_agree(decoder, columns))
         return self._checked[2]
 
     def verify(self, kv: KVBuffer, tokens: list[int], position: int) -> torch.Tensor:
