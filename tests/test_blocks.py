@@ -3,11 +3,16 @@ it (nothing re-quantized), multiplied with 8-bit activations within rounding of 
 bits independent of its batch; the engine on them. Needs a C++ compiler (`make test` installs g++)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
-from chat.engine import gguf, quant, weights
+from chat.engine import cpu, gguf, quant, weights
+from helpers import ROOT
 from test_native import FILES, library  # noqa: F401  (the library fixture)
 from test_quant import blocks_of, int4_cpu, on_thread
 from tinygguf import tiny_gguf
@@ -63,6 +68,33 @@ def test_q8_0_as_signed_bytes_is_the_same_product(monkeypatch):
         out[matrix.kind] = on_thread(lambda matrix=matrix: matrix(x))
     assert quant.Blocks.S8 in out
     assert all(torch.equal(y, out[quant.Blocks.S8]) for y in out.values())
+
+
+PRODUCTS_ON_AVX2 = """
+import sys, torch
+from chat.engine import cpu, native, weights
+from test_blocks import TYPES
+from test_native import SHARED, drain
+from test_quant import blocks_of, on_thread
+native.load(drain(native.build(SHARED, cpu.detect("avx2"))))
+x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+torch.save({kind: on_thread(lambda: weights.blocks(blocks_of(kind, rows=80)[0])(x)) for kind in TYPES}, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(cpu.CLASSES.index(cpu.detect().machine) < cpu.CLASSES.index("avx2"), reason="no AVX2 here")
+def test_the_avx2_build_multiplies_to_the_same_bits(tmp_path):
+    """AVX2's maddubs (8-bit weights by the sign trick, widened at once) and this machine's build (VNNI where
+    it has it) sum the same integers in the same order: every type's product is the same, bit for bit."""
+    out = tmp_path / "avx2.pt"
+    run = subprocess.run([sys.executable, "-c", PRODUCTS_ON_AVX2, str(out)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    avx2 = torch.load(out)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for kind in TYPES:
+        here = on_thread(lambda: weights.blocks(blocks_of(kind, rows=80)[0])(x))
+        assert torch.equal(avx2[kind], here), kind
 
 
 def test_bad_shapes_are_refused():

@@ -155,6 +155,15 @@ struct Dot {
       acc16 = _mm256_setzero_si256();
     }
   }
+  // sum + the products of u (unsigned) and s (signed) 4 a lane, in int32 at once: for pairs that could
+  // saturate 16 bits if two were added (|q| up to 128 of 8-bit weights)
+  static inline __m256i now(__m256i sum, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(sum, u, s);
+#else
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+  }
   inline __m256 take() {
     flush();
     const __m256 f = _mm256_cvtepi32_ps(acc);
@@ -172,7 +181,7 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
   __m256 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    Dot dot[R], second[R];  // second: Q6_K's weights 16-31 (their own scale)
+    Dot dot[R];
     const uint8_t* chunks = qs + b * chunk_bytes(K);
     if constexpr (K == U8) {  // VNNI only: unsigned bytes times signed ones, 4 a lane, in int32
       for (int c = 0; c < 8; ++c) {
@@ -180,16 +189,27 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
         for (int r = 0; r < R; ++r) dot[r].add(q, broadcast4(a.q.data() + ((r0 + r) * nb + b) * 32 + 4 * c));
       }
     } else if constexpr (K == S8) {
-      for (int c = 0; c < 8; ++c) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + c * 32));
-        const __m256i magnitude = _mm256_sign_epi8(q, q);
-        for (int r = 0; r < R; ++r) {
-          const __m256i x = _mm256_sign_epi8(broadcast4(a.q.data() + ((r0 + r) * nb + b) * 32 + 4 * c), q);
-          Dot& d = (sub == 2 && c >= 4) ? second[r] : dot[r];
-          d.add(magnitude, x);
-          d.flush();  // 4 products of up to 127 * 127 a lane: widen each time
+      // |q| (the unsigned operand) times x with q's sign, summed straight into int32 (``Dot::now``)
+      __m256i sums[R];
+      for (int half = 0; half < 2; ++half) {  // Q6_K: weights 16-31 have their own scale
+        if (half == 0 || sub == 2)
+          for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+        for (int c = 4 * half; c < 4 * half + 4; ++c) {
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + c * 32));
+          const __m256i magnitude = _mm256_sign_epi8(q, q);
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = _mm256_sign_epi8(broadcast4(a.q.data() + ((r0 + r) * nb + b) * 32 + 4 * c), q);
+            sums[r] = Dot::now(sums[r], magnitude, x);
+          }
+        }
+        if (half == 1 || sub == 2) {
+          const __m256 s = scales8<Wide>(sc, (b * sub + (sub == 2 ? half : 0)) * GROUP);
+          for (int r = 0; r < R; ++r)
+            total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]),
+                                       _mm256_mul_ps(s, _mm256_set1_ps(a.d[(r0 + r) * nb + b])), total[r]);
         }
       }
+      continue;  // no min
     } else {
       for (int c = 0; c < 4; ++c) {
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + c * 32));
@@ -208,16 +228,11 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
       }
     }
     const __m256 s0 = scales8<Wide>(sc, b * sub * GROUP);
-    __m256 z = _mm256_setzero_ps();
-    if constexpr (K != S8) z = mn ? scales8<Wide>(mn, b * GROUP) : _mm256_mul_ps(_mm256_set1_ps(-w.centre), s0);
+    const __m256 z = mn ? scales8<Wide>(mn, b * GROUP) : _mm256_mul_ps(_mm256_set1_ps(-w.centre), s0);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * nb + b;
-      const __m256 da = _mm256_set1_ps(a.d[i]);
-      total[r] = _mm256_fmadd_ps(dot[r].take(), _mm256_mul_ps(s0, da), total[r]);
-      if (K == S8 && sub == 2)
-        total[r] = _mm256_fmadd_ps(second[r].take(), _mm256_mul_ps(scales8<Wide>(sc, (b * 2 + 1) * GROUP), da),
-                                   total[r]);
-      if constexpr (K != S8) total[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(a.ds[i]), total[r]);
+      total[r] = _mm256_fmadd_ps(dot[r].take(), _mm256_mul_ps(s0, _mm256_set1_ps(a.d[i])), total[r]);
+      total[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(a.ds[i]), total[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * GROUP, total[r]);
