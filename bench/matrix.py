@@ -1,7 +1,8 @@
 """``python -m bench.matrix``: this server beside llama.cpp's server on several model files and CPU classes.
 
-For each CPU class (``native``: this machine's; ``avx2``: ``CHAT_CPU_ISA=avx2``, torch's kernels told so, and
-llama.cpp built for AVX2 only) and each file (the bundled SmolLM2 Q4_1, and a Qwen2.5-0.5B-shaped file in
+For each CPU class (``native``: this machine's; ``avx512``: ``CHAT_CPU_ISA=avx512``, AVX-512 (with VNNI where
+the machine has it) without bf16; ``avx2``: ``CHAT_CPU_ISA=avx2``, llama.cpp built for AVX2 only; torch's
+kernels told the class) and each file (the bundled SmolLM2 Q4_1, and a Qwen2.5-0.5B-shaped file in
 Q4_K_M, Q8_0 and Q4_0, made by ``bench.qwen_shape`` with llama.cpp's ``llama-quantize``), one ``bench.run``
 of the comparison's phases (one stream, 8 streams, the first delta, llama.cpp's server on the same file),
 after the raw forward loop at batch 1 and 8 (this path's ceiling, ``bench.inprocess``). Writes
@@ -9,7 +10,9 @@ after the raw forward loop at batch 1 and 8 (this path's ceiling, ``bench.inproc
 
     LLAMA_SERVER=/path/native/llama-server LLAMA_SERVER_AVX2=/path/avx2/llama-server python -m bench.matrix
 
-A class whose llama.cpp build is not named is measured without it.
+A class whose llama.cpp build is not named is measured without it, except ``avx512``: without
+``LLAMA_SERVER_AVX512`` it runs beside the native build (whose products on quantized files are the same
+VNNI integer dot products; bf16 instructions serve only BF16 weights), and its row says so.
 """
 from __future__ import annotations
 
@@ -28,7 +31,15 @@ from . import qwen_shape
 from .server import ROOT
 
 FILES = {"bundled": None, "qwen-Q4_K_M": "Q4_K_M", "qwen-Q8_0": "Q8_0", "qwen-Q4_0": "Q4_0"}
-CLASSES = {"native": "LLAMA_SERVER", "avx2": "LLAMA_SERVER_AVX2"}
+CLASSES = {"native": "LLAMA_SERVER", "avx512": "LLAMA_SERVER_AVX512", "avx2": "LLAMA_SERVER_AVX2"}
+
+
+def peer_binary(name: str) -> tuple[str | None, str]:
+    """The llama.cpp server a class runs beside, and which build it is."""
+    binary = os.environ.get(CLASSES[name])
+    if binary or name != "avx512":
+        return binary, name
+    return os.environ.get(CLASSES["native"]), "native"
 
 
 def class_env(name: str) -> dict:
@@ -36,7 +47,7 @@ def class_env(name: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_SERVER", "CHAT_CPU_ISA")}
     for variable in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
         env.pop(variable, None)
-    binary = os.environ.get(CLASSES[name])
+    binary, _ = peer_binary(name)
     if binary:
         env["LLAMA_SERVER"] = binary
     if name != "native":
@@ -68,7 +79,8 @@ def one(file: str, klass: str, args) -> dict:
         res = json.loads((args.runs / f"{stem}.json").read_text())
     except (OSError, ValueError) as exc:
         return {"file": file, "class": klass, "error": f"bench.run exited {run.returncode}: {exc}"}
-    return {"file": file, "class": klass, **summary(res), **raw, "seconds": round(time.monotonic() - started)}
+    return {"file": file, "class": klass, "peer_build": peer_binary(klass)[1], **summary(res), **raw,
+            "seconds": round(time.monotonic() - started)}
 
 
 def _raw_loop(env: dict, args) -> dict:
@@ -123,7 +135,10 @@ def markdown(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['file']} | {r['class']} | {r['error']} |||||||||||")
             continue
-        lines.append(f"| {r['file']} | {r['cpu'] or r['class']} | {_f(r['ours_1'])} | {_f(r['peer_1'])} | "
+        klass = r["cpu"] or r["class"]
+        if r.get("peer_build", r["class"]) != r["class"]:
+            klass += f" (llama.cpp: {r['peer_build']} build)"
+        lines.append(f"| {r['file']} | {klass} | {_f(r['ours_1'])} | {_f(r['peer_1'])} | "
                      f"{_ratio(r['ours_1'], r['peer_1'])} | {_f(r['ours_8'])} | {_f(r['peer_8'])} | "
                      f"{_ratio(r['ours_8'], r['peer_8'])} | {_f(r['ours_ttfd_ms'])} / {_f(r['peer_ttfd_ms'])} | "
                      f"{_f(r['raw_1'])} / {_f(r['raw_8'])} | {_f(r['ready_s'])} | {_f(r['idle_rss_mib'])} | "
@@ -137,7 +152,10 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.matrix", description=__doc__.splitlines()[0])
     parser.add_argument("--files", default=",".join(FILES), help=f"comma-separated: {', '.join(FILES)}")
-    parser.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated: {', '.join(CLASSES)}")
+    machine = cpu.CLASSES.index(cpu.detect().machine)
+    below = [name for name in CLASSES if name == "native" or cpu.CLASSES.index(name) < machine]
+    parser.add_argument("--classes", default=",".join(below),
+                        help=f"comma-separated: {', '.join(CLASSES)} (default: native and those below it)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--raw-tokens", type=int, default=64, help="tokens of the raw loop (the ceiling)")
