@@ -93,7 +93,7 @@ def test_the_avx2_build_multiplies_to_the_same_bits(tmp_path):
     avx2 = torch.load(out)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     for kind in TYPES:
-        here = on_thread(lambda: weights.blocks(blocks_of(kind, rows=80)[0])(x))
+        here = on_thread(lambda kind=kind: weights.blocks(blocks_of(kind, rows=80)[0])(x))
         assert torch.equal(avx2[kind], here), kind
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from chat.engine import GenParams, drafts, native
+from chat.engine import Delta, GenParams, drafts, native
 from helpers import ask, collect, make_engine
 from test_native import SHARED, decoder, library  # noqa: F401 (fixtures)
 from test_quant import int4_cpu, on_thread
@@ -191,3 +191,26 @@ def test_a_kv_column_written_for_a_wrong_draft_is_never_read():
 def native_free_buffer():
     from chat.engine.kv import KVBuffer
     return KVBuffer(2, 1, 16, torch.bfloat16, torch.device("cpu"), rows=1, capacity=8, active=1)
+
+
+@int4_cpu
+def test_a_scored_prompt_has_the_log_probabilities_decode_steps_give(engines):
+    """A prompt scored position by position (/v1/completions with echo and logprobs) goes through the C++ step's
+    columns, each bit for bit a decode step: a token's log probability is the same echoed as generated."""
+    engine = engines["off"]
+    events = list(engine.submit([{"role": "user", "content": REPEAT}],
+                                GenParams(max_new_tokens=0, prompt_logprobs=0, raw_prompt=True)))
+    got = [e["logprob"] for d in events if isinstance(d, Delta) for e in d.prompt_logprobs][1:]
+    ids = engine.loaded.tokenizer.encode(REPEAT)
+    model = engine.decoder
+
+    def steps():
+        kv, out = model.cache(1, len(ids) + 8), []
+        for i in range(len(ids) - 1):
+            kv.open(1)
+            logits = model(torch.tensor([[ids[i]]]), kv, torch.tensor([[i]]))
+            kv.advance(1)
+            out.append(float(torch.log_softmax(logits[0], dim=-1)[ids[i + 1]]))
+        return out
+    assert model.native is not None and len(got) == len(ids) - 1 > 20
+    assert got == pytest.approx(on_thread(steps), abs=1e-6)

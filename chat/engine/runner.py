@@ -193,6 +193,19 @@ class DecoderRunner(_Runner):
         assert self.decoder is not None
         return self.decoder.formats()
 
+    def prefill(self, job: PrefillJob, columns: int) -> torch.Tensor | None:
+        """A scored prompt (every position's log probability, always a job of its own) goes through the C++
+        step once it is in, its columns together: each position's log probabilities are then the ones a
+        decode step gives that token (bit for bit where ``verifies``), not a prefill's other rounding."""
+        if job.score is not None and job.rows == 1 and self.native:
+            return job.step(self._columns, columns)
+        return job.step(self.forward, columns)
+
+    def _columns(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans: list | None = None,
+                 every: bool = False) -> torch.Tensor:
+        assert self.decoder is not None and every
+        return self.decoder.verify(input_ids, kv, position_ids).view(*input_ids.shape, -1)
+
     def verifies(self, columns: int) -> bool:
         """On the C++ step with products that take one path for any rows, once checked on this machine that
         its columns come out bit for bit as single steps (``native.columns_agree``; again after the step
