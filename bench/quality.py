@@ -1,8 +1,9 @@
 """Quality of the quantized path against dense weights: greedy answers and perplexity.
 
 Run as ``python -m bench.quality``; prints one JSON object. The model is the server's (``CHAT_MODEL``,
-default the bundled GGUF), loaded twice: ``CHAT_QUANT=auto`` (after the idle chores, as the
-server runs it) and ``CHAT_QUANT=off``. For each short question both answer greedily (the engine's
+default the bundled GGUF), loaded three times: ``CHAT_QUANT=auto`` (after the idle chores, as the
+server runs it), ``CHAT_QUANT=off`` and dense in float32 (the noise floor: the same exact weights, other
+rounding). For each short question both answer greedily (the engine's
 own decoder, no sampling); an answer is right when it contains one of the expected words (50
 short questions a 135M model gets about two thirds of). The
 perplexity of a fixed text is taken token by token through decode steps, where the int4 weights
@@ -118,8 +119,11 @@ def measure(steps: int) -> dict:
     base = Settings.from_env()
     result: dict = {"questions": [q for q, _ in QUESTIONS]}
     with torch.inference_mode():
-        for mode in ("auto", "off"):
-            settings = dataclasses.replace(base, quant=mode)
+        # "float32": dense again, in float32 arithmetic: how far two exact-weight paths' greedy answers
+        # part by rounding alone (the questions' noise floor)
+        for mode in ("auto", "off", "float32"):
+            settings = dataclasses.replace(base, quant="off", dtype="float32") if mode == "float32" else \
+                dataclasses.replace(base, quant=mode)
             loaded = loader.load(settings)
             if loaded.decoder is None:
                 raise SystemExit("the model does not run on the own decoder: nothing to compare")
@@ -129,11 +133,12 @@ def measure(steps: int) -> dict:
             right = [any(w.lower() in a.lower() for w in words) for a, (_, words) in zip(answers, QUESTIONS)]
             result[mode] = {"weights": loaded.weights, "answers": answers, "right": sum(right),
                             "perplexity": _perplexity(torch, loaded)}
-    q, d = result["auto"], result["off"]
+    q, d, f = result["auto"], result["off"], result["float32"]
     same = sum(a == b for a, b in zip(q["answers"], d["answers"]))
     prefix = [len(_common(a, b)) / max(len(b), 1) for a, b in zip(q["answers"], d["answers"])]
     result["summary"] = {
-        "right": f"{q['right']} / {d['right']} of {len(QUESTIONS)} (quantized / dense)",
+        "right": f"{q['right']} / {d['right']} / {f['right']} of {len(QUESTIONS)} (quantized / dense / dense float32)",
+        "dense_identical": sum(a == b for a, b in zip(d["answers"], f["answers"])),
         "identical": same, "mean_shared_prefix": sum(prefix) / len(prefix),
         "perplexity": [q["perplexity"], d["perplexity"]], "perplexity_ratio": q["perplexity"] / d["perplexity"]}
     return result

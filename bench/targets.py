@@ -178,7 +178,8 @@ def figures(res: dict) -> list[tuple[str, object]]:
         ("prefill of a long message: prompt tokens / in the server / in a plain process ms (p50)",
          _pair(((prefill.get("pairs") or [{}])[0]).get("prompt_tokens"), prefill.get("server_ms_p50"),
                prefill.get("plain_ms_p50"))),
-        ("quality: questions right quantized / dense, identical answers, mean shared prefix",
+        ("quality: questions right quantized / dense / dense float32, identical answers (quantized and dense; "
+         "dense and float32), mean shared prefix",
          _pair(*(_quality(res.get("quality") or {})))),
         ("quality: perplexity quantized / dense", _pair(*((res.get("quality") or {}).get("summary") or {}).get(
             "perplexity", [None, None]))),
@@ -219,5 +220,6 @@ def _three(value) -> str | None:
 def _quality(q: dict) -> tuple:
     if not q.get("summary"):
         return (None,)
-    return (q["auto"]["right"], q["off"]["right"], q["summary"]["identical"],
-            round(q["summary"]["mean_shared_prefix"], 2))
+    f = q.get("float32") or {}
+    return (q["auto"]["right"], q["off"]["right"], f.get("right"), q["summary"]["identical"],
+            q["summary"].get("dense_identical"), round(q["summary"]["mean_shared_prefix"], 2))
