@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace blocks {
@@ -85,8 +86,9 @@ Acts quantize(const at::Tensor& x) {
 // of each row side by side, so one integer dot product instruction multiplies 4 weights of all 8 rows by the
 // same 4 activations (broadcast), and each float lane holds one weight row's sum.
 //   U4: 4 chunks a block; chunk c holds weights 4c..4c+3 of each row in its low nibbles and 16+4c..
-//       in its high ones. U5: the same, and 8 bytes of fifth bits a chunk (32 for the low nibbles, 32 for
-//       the high ones; bit 4j+k: row j's k-th). S8: 8 chunks a block, chunk c: weights 4c..4c+3, signed.
+//       in its high ones. U5: the same, and 32 bytes of fifth bits a block, laid over the chunks' bytes:
+//       byte i's bit 2c holds the fifth bit of chunk c's low nibble in byte i, bit 2c+1 its high one's,
+//       so a shift and a mask give a chunk's 0x10s. S8: 8 chunks a block, chunk c: weights 4c..4c+3, signed.
 // Scales (and mins) per block: the group's 8 side by side (two sets for Q6_K: weights 0-15, 16-31).
 constexpr int64_t GROUP = 8;
 
@@ -115,13 +117,11 @@ inline __m256 scales8(const void* p, int64_t i) {  // 8 scales from index i
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
 }
 
-inline __m256i bits_to_bytes(const uint8_t* p) {  // 4 bytes -> 0x10 in byte i where bit i is set
-  uint32_t bits;
-  std::memcpy(&bits, p, 4);
-  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
-  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+template <int Bit>
+inline __m256i fifth(__m256i plane) {  // 0x10 in each byte whose bit ``Bit`` is set (16-bit shifts: no
+  // bit crosses into bit 4 of the neighbouring byte for shifts of at most 4)
+  const __m256i at4 = Bit <= 4 ? _mm256_slli_epi16(plane, 4 - Bit) : _mm256_srli_epi16(plane, Bit - 4);
+  return _mm256_and_si256(at4, _mm256_set1_epi8(0x10));
 }
 
 inline __m256i broadcast4(const int8_t* x) {
@@ -211,13 +211,16 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
       }
       continue;  // no min
     } else {
-      for (int c = 0; c < 4; ++c) {
+      __m256i plane = _mm256_setzero_si256();
+      if constexpr (K == U5) plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + b * 32));
+      const auto chunk = [&](auto at) {
+        constexpr int c = decltype(at)::value;
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + c * 32));
         __m256i low = _mm256_and_si256(packed, _mm256_set1_epi8(0x0F));
         __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
         if constexpr (K == U5) {
-          low = _mm256_or_si256(low, bits_to_bytes(qh + b * 32 + c * 8));
-          high = _mm256_or_si256(high, bits_to_bytes(qh + b * 32 + c * 8 + 4));
+          low = _mm256_or_si256(low, fifth<2 * c>(plane));
+          high = _mm256_or_si256(high, fifth<2 * c + 1>(plane));
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a.q.data() + ((r0 + r) * nb + b) * 32 + 4 * c;
@@ -225,7 +228,11 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
           dot[r].add(high, broadcast4(x + 16));
           if (K == U5 && c % 2 == 1) dot[r].flush();  // pairs of up to 2 * 31 * 127: four adds at most
         }
-      }
+      };
+      chunk(std::integral_constant<int, 0>{});
+      chunk(std::integral_constant<int, 1>{});
+      chunk(std::integral_constant<int, 2>{});
+      chunk(std::integral_constant<int, 3>{});
     }
     const __m256 s0 = scales8<Wide>(sc, b * sub * GROUP);
     const __m256 z = mn ? scales8<Wide>(mn, b * GROUP) : _mm256_mul_ps(_mm256_set1_ps(-w.centre), s0);
@@ -262,7 +269,7 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
             const int c = (k % 16) / 4;
             const uint8_t byte = chunks[c * 32 + j * 4 + k % 4];
             q = k < 16 ? byte & 15 : byte >> 4;
-            if (K == U5) q |= ((qh[b * 32 + c * 8 + (k < 16 ? 0 : 4) + (j * 4 + k % 4) / 8] >> ((j * 4 + k % 4) % 8)) & 1) << 4;
+            if (K == U5) q |= ((qh[b * 32 + j * 4 + k % 4] >> (2 * c + (k < 16 ? 0 : 1))) & 1) << 4;
           }
           sums[sub == 2 && k >= 16] += q * x[k];
         }

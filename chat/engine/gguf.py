@@ -242,12 +242,12 @@ def regroup(kind: int, raw: torch.Tensor, rows: int = 8) -> tuple:
     if kind in (Q4_0, Q4_1):
         return qs, empty, halves(0), mins, centre
     at = 2 if kind == Q5_0 else 4
-    word = raw[..., at:at + 4].contiguous().view(torch.int32)[..., 0].to(torch.int64)  # (groups, rows, blocks)
-    shifts = torch.tensor([[4 * c, 16 + 4 * c] for c in range(4)])  # (chunk, half)
-    fields = (word[..., None, None] >> shifts) & 0xF  # (groups, rows, blocks, chunk, half): 4 weights' bits
-    packed = (fields << (4 * torch.arange(rows))[:, None, None, None]).sum(1)  # bit 4 j + k: row j's k-th
-    qh = torch.stack([(packed >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
-    return qs, qh.reshape(groups, nb, 32), halves(0), mins, centre
+    word = raw[..., at:at + 4].contiguous().view(torch.int32)[..., 0]  # (groups, rows, blocks)
+    bits = ((word[..., None] >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)  # weight i's
+    # (groups, rows, blocks, half, chunk, k) -> byte 4 j + k of (groups, blocks), bit 2 c + half
+    bits = bits.reshape(groups, rows, nb, 2, 4, 4).permute(0, 2, 1, 5, 4, 3).reshape(groups, nb, rows * 4, 8)
+    qh = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    return qs, qh, halves(0), mins, centre
 
 
 def signed(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -196,10 +196,9 @@ class Blocks:
             low = grouped & 15
             packed = low[:, :, :, 0] | (low[:, :, :, 1] << 4)  # (groups, row, blocks, chunk, 4)
             qs = packed.permute(0, 2, 3, 1, 4).reshape(groups, nb, 128).contiguous()
-            if bits == 5:
-                fifth = (grouped >> 4).permute(0, 2, 4, 3, 1, 5).reshape(groups, nb, 4, 2, 32)  # bit 4 j + k
-                word = (fifth.to(torch.int64) << torch.arange(32)).sum(-1).to(torch.int32)
-                qh = word.contiguous().view(torch.uint8).reshape(groups, nb, 32)
+            if bits == 5:  # byte 4 j + k, bit 2 c + half: row j's weight 4 c + k (+ 16 for the high half)
+                fifth = (grouped >> 4).permute(0, 2, 4, 3, 1, 5).reshape(groups, nb, 8, 32)
+                qh = (fifth << torch.arange(8, dtype=torch.uint8)[:, None]).sum(2, dtype=torch.uint8)
         mins = z if z is not None and not symmetric else torch.empty(0)
         exact = all(bool((t.half().float() == t).all()) for t in (s, mins))
         dtype = torch.float16 if exact else torch.float32
@@ -226,8 +225,8 @@ class Blocks:
         packed = self.qs.reshape(groups, nb, 4, self.ROWS, 4).permute(0, 3, 1, 2, 4)  # (groups, row, blocks, c, 4)
         q = torch.stack([packed & 15, packed >> 4], dim=3)  # (groups, row, blocks, half, chunk, 4)
         if self.kind == self.U5:
-            word = self.qh.reshape(groups, nb, 4, 2, 4).contiguous().view(torch.int32)[..., 0]  # (g, b, c, half)
-            bits = (word[..., None] >> torch.arange(32, dtype=torch.int32)) & 1  # (g, b, c, half, 4 j + k)
+            # (groups, blocks, 2 c + half, 4 j + k)
+            bits = (self.qh[:, :, None] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
             bits = bits.reshape(groups, nb, 4, 2, self.ROWS, 4).permute(0, 4, 1, 3, 2, 5)
             q = q | (bits.to(torch.uint8) << 4)
         q = q.reshape(padded, nb, GROUP)[:rows].float()
