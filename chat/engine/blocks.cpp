@@ -66,6 +66,34 @@ Acts quantize(const at::Tensor& x) {
   a.ds.resize(a.rows * a.blocks);
   const uint16_t* in = reinterpret_cast<const uint16_t*>(x.data_ptr());
   for (int64_t i = 0; i < a.rows * a.blocks; ++i) {
+#if defined(__AVX2__)
+    // the loop below, 8 lanes at a time: the same roundings (nearest, ties to even), so the same bytes
+    __m256 v[4], top8 = _mm256_setzero_ps();
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int k = 0; k < 4; ++k) {
+      const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * 32 + 8 * k));
+      v[k] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+      top8 = _mm256_max_ps(top8, _mm256_and_ps(v[k], magnitude));
+    }
+    __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+    top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+    const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+    const float d = top / 127.f, inverse = top > 0.f ? 127.f / top : 0.f;
+    __m256i q[4];
+    for (int k = 0; k < 4; ++k)
+      q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(inverse)),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
+    // int32 -> int16 -> int8 (packs work within 128-bit halves: the permute puts the bytes back in order)
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + i * 32),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    a.d[i] = d;
+    a.ds[i] = d * static_cast<float>(_mm_cvtsi128_si32(sum4));
+#else
     float v[32], top = 0.f;
     for (int j = 0; j < 32; ++j) v[j] = bf(in[i * 32 + j]);
     for (int j = 0; j < 32; ++j) top = std::max(top, std::fabs(v[j]));
@@ -78,6 +106,7 @@ Acts quantize(const at::Tensor& x) {
     }
     a.d[i] = d;
     a.ds[i] = d * static_cast<float>(sum);
+#endif
   }
   return a;
 }
@@ -115,6 +144,16 @@ template <bool Wide>
 inline __m256 scales8(const void* p, int64_t i) {  // 8 scales from index i
   if constexpr (Wide) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+}
+
+inline void to_bf8(const float* in, uint16_t* out) {  // to_bf on 8 floats
+  const __m256 f = _mm256_loadu_ps(in);
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
 }
 
 template <int Bit>
@@ -308,8 +347,15 @@ void run(const Matrix& w, const Acts& a, uint16_t* y) {
       for (int64_t r = 0; r < m; r += ROWS) {
         const int64_t rows = std::min<int64_t>(ROWS, m - r);
         kernels[rows - 1](w, g, a, r, out);
-        for (int64_t i = 0; i < rows; ++i)
+        for (int64_t i = 0; i < rows; ++i) {
+#if defined(__AVX2__)
+          if (width == GROUP) {
+            to_bf8(out + i * GROUP, y + (r + i) * n + g * GROUP);
+            continue;
+          }
+#endif
           for (int64_t j = 0; j < width; ++j) y[(r + i) * n + g * GROUP + j] = to_bf(out[i * GROUP + j]);
+        }
       }
     }
   });
