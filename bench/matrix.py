@@ -103,6 +103,8 @@ def summary(res: dict) -> dict:
             "ours_8": eight.get("aggregate_tok_s"), "peer_8": (peer.get("streams") or {}).get("aggregate_tok_s"),
             "ours_ttfd_ms": _ms(single.get("ttfd_p50_s")),
             "peer_ttfd_ms": _ms((peer.get("single") or {}).get("ttfd_p50_s")),
+            "ours_new_ms": _ms((res.get("questions") or {}).get("ttfd_p50_s")),
+            "peer_new_ms": _ms((peer.get("questions") or {}).get("ttfd_p50_s")),
             "ready_s": (res.get("startup") or {}).get("ready_s"),
             "idle_rss_mib": _mib((res.get("memory") or {}).get("idle_rss")),
             "weights": ready.get("weights"), "formats": ready.get("formats"), "decode": ready.get("decode"),
@@ -127,13 +129,14 @@ def _f(v):
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| file | class | ours 1 stream | llama.cpp 1 | ratio | ours 8 streams | llama.cpp 8 | ratio | "
-             "first delta ours / llama.cpp ms | raw loop b1 / b8 tok/s | ready s | idle RSS MiB | decode |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "first delta ours / llama.cpp ms: same prompt again | new short questions (median) | "
+             "raw loop b1 / b8 tok/s | ready s | idle RSS MiB | decode |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         r.setdefault("raw_1", None)
         r.setdefault("raw_8", None)
         if "error" in r:
-            lines.append(f"| {r['file']} | {r['class']} | {r['error']} |||||||||||")
+            lines.append(f"| {r['file']} | {r['class']} | {r['error']} ||||||||||||")
             continue
         klass = r["cpu"] or r["class"]
         if r.get("peer_build", r["class"]) != r["class"]:
@@ -141,6 +144,7 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['file']} | {klass} | {_f(r['ours_1'])} | {_f(r['peer_1'])} | "
                      f"{_ratio(r['ours_1'], r['peer_1'])} | {_f(r['ours_8'])} | {_f(r['peer_8'])} | "
                      f"{_ratio(r['ours_8'], r['peer_8'])} | {_f(r['ours_ttfd_ms'])} / {_f(r['peer_ttfd_ms'])} | "
+                     f"{_f(r.get('ours_new_ms'))} / {_f(r.get('peer_new_ms'))} | "
                      f"{_f(r['raw_1'])} / {_f(r['raw_8'])} | {_f(r['ready_s'])} | {_f(r['idle_rss_mib'])} | "
                      f"{r['weights']}, {r['decode']} |")
     formats = {r["file"]: r.get("formats") for r in rows if r.get("formats")}
