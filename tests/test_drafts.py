@@ -196,7 +196,7 @@ def native_free_buffer():
 @int4_cpu
 def test_a_scored_prompt_has_the_log_probabilities_decode_steps_give(engines):
     """A prompt scored position by position (/v1/completions with echo and logprobs) goes through the C++ step's
-    columns, each bit for bit a decode step: a token's log probability is the same echoed as generated."""
+    columns, each bit for bit a decode step: the log probabilities of the text fed token by token."""
     engine = engines["off"]
     events = list(engine.submit([{"role": "user", "content": REPEAT}],
                                 GenParams(max_new_tokens=0, prompt_logprobs=0, raw_prompt=True)))

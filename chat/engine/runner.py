@@ -195,8 +195,9 @@ class DecoderRunner(_Runner):
 
     def prefill(self, job: PrefillJob, columns: int) -> torch.Tensor | None:
         """A scored prompt (every position's log probability, always a job of its own) goes through the C++
-        step once it is in, its columns together: each position's log probabilities are then the ones a
-        decode step gives that token (bit for bit where ``verifies``), not a prefill's other rounding."""
+        step once it is in, its columns together: each position's log probabilities are then the ones decode
+        steps feeding the text token by token give (bit for bit where ``verifies``), not a prefill's other
+        rounding."""
         if job.score is not None and job.rows == 1 and self.native:
             return job.step(self._columns, columns)
         return job.step(self.forward, columns)
