@@ -119,7 +119,8 @@ class Drafter:
     """The engine's drafting: what to guess for a lone row and how many, the steps' costs, and the counts
     ``/readyz`` reports (steps with drafts, tokens drafted, tokens the answers made as drafted)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on: bool = True) -> None:
+        self.on = on  # CHAT_DRAFT
         self.costs = Costs()
         self.steps = self.drafted = self.accepted = 0
 
@@ -142,7 +143,11 @@ class Drafter:
         """A lone row's step with drafts, when they pay (whether it ran): its last token and the drafts fed at
         once (``runner.verify``), then its tokens sampled column by column as single steps would make them,
         each handed to ``take(slot, token or error)`` (False: the row ended), up to the first draft the answer
-        did not make. ``kv`` keeps the columns that hold the answer's tokens; the others are written over."""
+        did not make. ``kv`` keeps the columns that hold the answer's tokens; the others are written over. Never
+        for a grammar's answer or one that reports log probabilities, nor without a C++ step that verifies."""
+        if (not self.on or slot.matcher is not None or slot.params.logprobs is not None
+                or not runner.verifies(MAX_DRAFT + 1)):
+            return False
         guess = self.guess(slot)
         if not guess:
             return False

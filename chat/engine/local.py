@@ -61,7 +61,7 @@ class LocalEngine(Engine):
         self.chores: Iterator[None] | None = None  # idle work after start-up (runner.chores): a step per idle turn
         self.tokens_generated = 0
         self.step_s = 0.05  # measured: a decode step's forward (moving average)
-        self.drafter = drafts.Drafter()
+        self.drafter = drafts.Drafter(settings.draft != "off")
         start_real_thread(self._run, name="engine")
 
     # ---- called from the web layer (any greenlet or thread) ----
@@ -287,7 +287,7 @@ class LocalEngine(Engine):
         if not self.rows:
             return
         assert self.kv is not None
-        if len(self.rows) == 1 and self._draft(self.rows[0]):
+        if len(self.rows) == 1 and self.drafter.step(self.rows[0], self.kv, self.runner, self._take):
             return
         started = time.monotonic()
         logits = self.runner.decode(self.kv, [s.last for s in self.rows], [s.pos for s in self.rows])
@@ -299,16 +299,8 @@ class LocalEngine(Engine):
             slot.pos += 1
         self._accept_all(list(self.rows), logits)
 
-    def _draft(self, slot: Slot) -> bool:
-        """A lone row's step with drafted tokens (``drafts``), where they can run and pay; whether it ran."""
-        if (self.settings.draft == "off" or slot.matcher is not None or slot.params.logprobs is not None
-                or not self.runner.verifies(drafts.MAX_DRAFT + 1)):
-            return False
-        assert self.kv is not None
-        return self.drafter.step(slot, self.kv, self.runner, self._take)
-
     def _take(self, slot: Slot, token: int | str) -> bool:
-        """A drafted step's next token of ``slot`` (or why sampling failed); whether the row goes on."""
+        """``slot``'s next token, or why sampling failed (the row ends with ``error``); whether the row goes on."""
         if isinstance(token, str):
             self._finish(slot, "error", token)
             return False
@@ -333,12 +325,9 @@ class LocalEngine(Engine):
         tokens = sample_rows(logits, [s.params for s in slots], [s.generator for s in slots],
                              native=self.runner.sampler())
         for j, (slot, token) in enumerate(zip(slots, tokens)):
-            if isinstance(token, str):
-                self._finish(slot, "error", token)
-                continue
-            if scores is not None and j in scores and token not in self.loaded.eos_ids:
+            if scores is not None and j in scores and not isinstance(token, str) and token not in self.loaded.eos_ids:
                 slot.pending.append(grammar.entry(self.grammars, scores[j], token, slot.params.logprobs or 0))
-            self._accept(slot, token)
+            self._take(slot, token)
         for slot in failed:
             if slot in self.rows:
                 log.warning("grammar failed: %s", slot.matcher.get_error())
