@@ -8,60 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from . import config_values as read
 from .errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _bool(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError("expected 1/0, true/false, yes/no or on/off")
-
-
-def _origins(raw: str) -> tuple[str, ...]:
-    return tuple(o.strip().rstrip("/") for o in raw.split(",") if o.strip())
-
-
-def _hosts(raw: str) -> tuple[str, ...]:
-    names = tuple(h.strip().lower().rstrip(".") for h in raw.split(",") if h.strip())
-    for name in names:
-        bare = name[2:] if name.startswith("*.") else name
-        if name != "*" and (not bare or not all(c.isalnum() or c in "-._:[]" for c in bare)):
-            raise ValueError(f"{name!r} is not a host name (expected names like chat.example.com, *.example.com or *)")
-    return names
-
-
-def _choice(*allowed: str):
-    def parse(raw: str) -> str:
-        value = raw.strip().lower()
-        if value not in allowed:
-            raise ValueError(f"expected one of {', '.join(allowed)}")
-        return value
-    return parse
-
-
-def _mb_or_auto(raw: str) -> int:
-    value = raw.strip().lower()
-    return -1 if value == "auto" else int(value)
-
-
-def _bind(raw: str) -> str:
-    host, sep, port = raw.strip().rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        if not raw.startswith("unix:"):
-            raise ValueError("expected HOST:PORT or unix:PATH")
-    return raw.strip()
-
-
-def _state_url(raw: str) -> str:
-    value = raw.strip()
-    if value and not value.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError("expected a redis://, rediss:// or unix:// URL")
-    return value
 
 
 def _setting(env: str, default: Any, parse: Callable[[str], Any] | None = None, *, low: float | None = None,
@@ -88,11 +38,11 @@ class Settings:
             "model (hub id: the part after `/`; folder: its name; `.gguf`: the file name without extension; "
             "remote: the backend's model).")
     dtype: str = _setting(
-        "CHAT_DTYPE", "auto", _choice("auto", "float32", "bfloat16"),
+        "CHAT_DTYPE", "auto", read.choice("auto", "float32", "bfloat16"),
         doc="Weight type: `auto`, `float32` or `bfloat16`. `auto` picks bfloat16 on CUDA and on CPUs with "
             "native bf16 (`avx512_bf16` or `amx_bf16`), and float32 elsewhere.")
     quant: str = _setting(
-        "CHAT_QUANT", "auto", _choice("auto", "int4", "off"),
+        "CHAT_QUANT", "auto", read.choice("auto", "int4", "off"),
         doc="Weights of a GGUF model on the CPU. `auto`: the file's blocks as stored (Q4_0..Q8_0, Q4_K, Q5_K, "
             "Q6_K; exact) on the C++ library's block kernels with 8-bit activations, as llama.cpp multiplies them "
             "(`weights: blocks`); float types and Q2_K/Q3_K dense. Until that library is built (a first start; "
@@ -102,24 +52,24 @@ class Settings:
             "`off`: dense only. CPUs without AVX2 use dense weights. `/readyz` and `/metrics` say which "
             "(`weights`, `formats`, `cpu`).")
     cpu_isa: str = _setting(
-        "CHAT_CPU_ISA", "auto", _choice("auto", "avx512_bf16", "avx512", "avx2", "generic"),
+        "CHAT_CPU_ISA", "auto", read.choice("auto", "avx512_bf16", "avx512", "avx2", "generic"),
         doc="The CPU class the engine uses: `auto` (this CPU's), or a lower one to test or measure that class on "
             "a better machine: the weights' policy, the C++ step's compiler flags and torch's own kernels "
             "(`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`, set when the engine starts "
             "unless already set) follow it. A class above this CPU's is ignored with a warning.")
     native: bool = _setting(
-        "CHAT_NATIVE", True, _bool,
+        "CHAT_NATIVE", True, read.boolean,
         doc="Run each decode step on the CPU as one C++ call (`chat/engine/native.cpp`) and a GGUF's products on "
             "the same library's block kernels (`blocks.cpp`, see `CHAT_QUANT`): 2-4x torch's operators at one "
             "stream. Built with the machine's C++ compiler (`$CXX`, `c++` or `g++`) while idle after the first "
             "start, 20-40 s once, kept under `CHAT_CACHE_DIR`; checked against torch's step before use. Without "
             "a compiler, or `false`: torch's operators and int4 kernel. `/readyz` reports which (`decode`).")
     draft: str = _setting(
-        "CHAT_DRAFT", "ngram", _choice("ngram", "off"),
+        "CHAT_DRAFT", "ngram", read.choice("ngram", "off"),
         doc="`ngram`: an answer running alone guesses its next tokens from its own context and checks them in one "
             "C++ step (several tokens a step when it quotes or edits; the same answer as without). `off`: none.")
     device: str = _setting(
-        "CHAT_DEVICE", "auto", _choice("auto", "cpu", "cuda"),
+        "CHAT_DEVICE", "auto", read.choice("auto", "cpu", "cuda"),
         doc="`auto`, `cpu` or `cuda`. `auto` uses CUDA when available.")
     threads: int = _setting(
         "CHAT_THREADS", 0, int, low=0, high=512,
@@ -139,7 +89,7 @@ class Settings:
             "and hosts can share; its schema is created and migrated at startup. Empty: "
             "`<CHAT_DATA_DIR>/chat.db`.")
     warmup: bool = _setting(
-        "CHAT_WARMUP", True, _bool,
+        "CHAT_WARMUP", True, read.boolean,
         doc="Run a tiny generation after loading, before `/readyz` reports ready, so the first user does not "
             "pay for it.")
 
@@ -221,7 +171,7 @@ class Settings:
             "`too_large` (start a new conversation), a `/v1` request holding more gets 413, and a prompt "
             "is built from at most this many of the newest stored messages. `0`: unlimited.")
     db_max_mb: int = _setting(
-        "CHAT_DB_MAX_MB", -1, _mb_or_auto, low=-1, high=10_000_000, shown="`auto`",
+        "CHAT_DB_MAX_MB", -1, read.mb_or_auto, low=-1, high=10_000_000, shown="`auto`",
         doc="Most the SQLite database may grow to, in MiB. Past it (or when the disk is full) new messages are "
             "refused with `overloaded` and what is stored stays intact. `auto`: what the database holds at "
             "start-up plus 80 % of the space then free on its disk (set at each start), so it never fills the "
@@ -243,7 +193,7 @@ class Settings:
             "`overloaded` at once.")
 
     bind: str = _setting(
-        "CHAT_BIND", "127.0.0.1:8000", _bind, section="Server",
+        "CHAT_BIND", "127.0.0.1:8000", read.bind, section="Server",
         doc="Where gunicorn listens: `HOST:PORT` or `unix:PATH`.")
     workers: int = _setting(
         "CHAT_WORKERS", 1, int, low=1, high=64,
@@ -251,7 +201,7 @@ class Settings:
             "workers, run one engine process (`CHAT_ENGINE_ONLY`) and point the workers at it with "
             "`CHAT_BACKEND=openai`. See [scaling.md](scaling.md).")
     engine_only: bool = _setting(
-        "CHAT_ENGINE_ONLY", False, _bool,
+        "CHAT_ENGINE_ONLY", False, read.boolean,
         doc="Serve only the OpenAI-compatible `/v1` API with `/healthz`, `/readyz` and `/metrics`: no page, no "
             "`/ws`, no conversations API, and no database is opened. This is the one engine process per host "
             "that web workers reach with `CHAT_BACKEND=openai`. Per-address limits "
@@ -284,15 +234,15 @@ class Settings:
         doc="A path for gunicorn's control socket (for `gunicornc -s PATH`), one per instance. Empty: none "
             "(gunicorn's default path is shared by every instance of a user, and deleted by the first to stop).")
     log_level: str = _setting(
-        "CHAT_LOG_LEVEL", "info", _choice("debug", "info", "warning", "error"),
+        "CHAT_LOG_LEVEL", "info", read.choice("debug", "info", "warning", "error"),
         doc="`debug`, `info`, `warning` or `error`, for the app and for gunicorn.")
 
     allowed_origins: tuple = _setting(
-        "CHAT_ALLOWED_ORIGINS", (), _origins, section="Security",
+        "CHAT_ALLOWED_ORIGINS", (), read.origins, section="Security",
         doc="Extra browser origins allowed to open `/ws`, comma-separated (for example "
             "`https://app.example.com`). The page's own origin is always allowed, and `*` allows any origin.")
     allowed_hosts: tuple = _setting(
-        "CHAT_ALLOWED_HOSTS", (), _hosts,
+        "CHAT_ALLOWED_HOSTS", (), read.hosts,
         doc="Host names this server answers to, comma-separated (`chat.example.com`, `*.example.com`, `*` for "
             "any). Always allowed: IP addresses, `localhost` and `*.localhost`, `CHAT_BIND`'s host and the hosts "
             "of `CHAT_ALLOWED_ORIGINS`. Any other `Host` (or trusted `X-Forwarded-Host`) gets 403, page, API and "
@@ -321,24 +271,24 @@ class Settings:
         "CHAT_MAX_CONNECTIONS_PER_IP", 32, int, low=0, high=100_000,
         doc="Open WebSocket connections per client IP. More are refused with 429. `0`: unlimited.")
     log_content: bool = _setting(
-        "CHAT_LOG_CONTENT", False, _bool,
+        "CHAT_LOG_CONTENT", False, read.boolean,
         doc="When on, each answer's log line also contains the text: the user's message and the answer.")
     sharing: bool = _setting(
-        "CHAT_SHARING", False, _bool,
+        "CHAT_SHARING", False, read.boolean,
         doc="When on, a conversation's owner may make a read-only link to it (`/s/<token>`, from the page's "
             "**⋯ → Share link**), which anyone holding the link can read until the owner revokes it. The "
             "link shows that one conversation's current version and nothing else. Off: no links are "
             "made and existing ones stop working.")
 
     state_url: str = _setting(
-        "CHAT_STATE_URL", "", _state_url, section="Scaling out",
+        "CHAT_STATE_URL", "", read.state_url, section="Scaling out",
         doc="Redis for state every worker and host shares, for example `redis://127.0.0.1:6379/0`: running "
             "answers and their event streams (so `resume` and `cancel` work on any worker), busy "
             "conversations, rate limits and per-address counts. Empty: all of it in this process, which is "
             "right for one worker. See [scaling.md](scaling.md).")
 
     backend: str = _setting(
-        "CHAT_BACKEND", "local", _choice("local", "openai"), section="Remote backend",
+        "CHAT_BACKEND", "local", read.choice("local", "openai"), section="Remote backend",
         doc="`local` runs the model in this process. `openai` loads no model and sends every generation to an "
             "OpenAI-compatible server.")
     backend_url: str = _setting(
