@@ -12,11 +12,11 @@ beyond the byte budget; a deleted conversation's file goes with it.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
 import os
-import collections
 import time
 from collections.abc import Callable
 from pathlib import Path
