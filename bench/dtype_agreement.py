@@ -28,11 +28,10 @@ def compare(tokens: int) -> list[dict]:
     """Greedy answers in both dtypes, with the length of their common token prefix."""
     import torch
 
-    from chat.engine import model as loader
-    from chat.engine import prompt
-    from chat.config import Settings
-
     from bench.inprocess import decoder_steps
+    from chat.config import Settings
+    from chat.engine.core import prompt
+    from chat.engine.model import loader
 
     answers = {}
     for dtype in ("float32", "bfloat16"):

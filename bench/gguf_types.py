@@ -49,7 +49,7 @@ TEXT = (
 
 
 def quantize(tool: str, kind: str, folder: Path) -> Path:
-    from chat.engine.model import bundled_gguf
+    from chat.engine.model.loader import bundled_gguf
     target = folder / f"smollm2-{kind}.gguf"
     if not target.exists():
         tmp = target.with_name(target.name + ".tmp")
@@ -64,7 +64,7 @@ def ours(path: Path, ctx: int) -> dict:
     import torch
 
     from chat.config import Settings
-    from chat.engine import model as loader
+    from chat.engine.model import loader
 
     settings = dataclasses.replace(Settings.from_env(), model=str(path))
     with torch.inference_mode():

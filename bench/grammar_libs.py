@@ -134,7 +134,7 @@ LIBS = {"llguidance": bench_llguidance, "xgrammar": bench_xgrammar, "outlines-co
 
 
 def main() -> None:
-    from chat.engine.model import bundled_gguf, gguf_tokenizer
+    from chat.engine.model.loader import bundled_gguf, gguf_tokenizer
     base = gguf_tokenizer(bundled_gguf())
     which = sys.argv[1:] or list(LIBS)
     results = {}

@@ -1,6 +1,6 @@
 """In-process limit: a plain greedy generation and a raw forward loop, on a worker thread.
 
-Both run what the server runs: the engine's own decoder (``chat/engine/decoder.py``, int4 or dense
+Both run what the server runs: the engine's own decoder (``chat/engine/model/decoder.py``, int4 or dense
 weights as ``CHAT_QUANT`` makes them, after the idle chores that add the dense copies and the
 crossovers), with no batching, scheduling, sampling or streaming around it; for a model the own
 decoder does not cover, transformers' ``generate`` and forward.
@@ -75,9 +75,9 @@ def setup(prompt_text: str):
     from transformers.generation.streamers import BaseStreamer
     from transformers.utils import logging as hf_logging
 
-    from chat.engine import model as loader
-    from chat.engine import prompt
     from chat.config import Settings
+    from chat.engine.core import prompt
+    from chat.engine.model import loader
 
     hf_logging.set_verbosity_error()
 

@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from chat.engine import cpu
-from chat.engine.model import bundled_gguf
+from chat.engine.kernels import cpu
+from chat.engine.model.loader import bundled_gguf
 
 from . import qwen_shape
 from .server import ROOT

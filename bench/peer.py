@@ -3,7 +3,7 @@ OpenAI-compatible streaming ``/v1/chat/completions``.
 
 It runs when ``LLAMA_SERVER`` names a ``llama-server`` binary (build one with
 ``OUT=DIR ../shared/peers/build-llamacpp.sh``); without it the report says the peer was skipped.
-The GGUF is the one this server loads (``chat.engine.model`` finds it: the bundled model, or
+The GGUF is the one this server loads (``chat.engine.model.loader`` finds it: the bundled model, or
 ``CHAT_MODEL`` when that is a ``.gguf`` file). llama.cpp runs as ``-t 2 --parallel 8 -c 16384
 --kv-unified``.
 """

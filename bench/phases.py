@@ -38,7 +38,7 @@ def basic_machine() -> dict:
 def machine_facts(env: dict) -> dict:
     """CPU, cores, torch/transformers versions and threads, dtype, native bf16, CHAT_QUANT, the GGUF."""
     code = ("import json, torch, transformers\n"
-            "from chat.engine import cpu, model as m\n"
+            "from chat.engine.kernels import cpu\nfrom chat.engine.model import loader as m\n"
             "from chat.config import Settings\n"
             "s = Settings.from_env()\n"
             "if s.threads:\n"

@@ -85,7 +85,7 @@ TEXT = (
 
 def _answers(torch, loaded, steps: int) -> list[str]:
     from bench.inprocess import decoder_steps
-    from chat.engine import prompt
+    from chat.engine.core import prompt
 
     out = []
     for question, _ in QUESTIONS:
@@ -114,7 +114,7 @@ def measure(steps: int) -> dict:
     import torch
 
     from chat.config import Settings
-    from chat.engine import model as loader
+    from chat.engine.model import loader
 
     base = Settings.from_env()
     result: dict = {"questions": [q for q, _ in QUESTIONS]}

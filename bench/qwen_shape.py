@@ -20,7 +20,7 @@ def write_f16(target: Path) -> Path:
     import gguf
     import numpy as np
 
-    from chat.engine.model import bundled_gguf
+    from chat.engine.model.loader import bundled_gguf
 
     src = gguf.GGUFReader(str(bundled_gguf()))
 

@@ -78,7 +78,8 @@ def mask_cost(engine, reps: int) -> dict:
     """8 rows that cannot end within the budget, constrained (a 2000-character string: most of the
     vocabulary allowed, the dearest kind of mask) or free; aggregate tok/s, alternating runs."""
     from chat import structured
-    from chat.engine import GenParams, grammar
+    from chat.engine import GenParams
+    from chat.engine.core import grammar
     spent: list[float] = []
     original = grammar.apply_masks
 
@@ -114,7 +115,7 @@ def mask_cost(engine, reps: int) -> dict:
 
 def compile_times(engine) -> dict:
     from chat import structured
-    from chat.engine.grammar import Grammars
+    from chat.engine.core.grammar import Grammars
     fresh = Grammars(engine.loaded.tokenizer, engine.loaded.eos_ids, engine.grammars.vocab)
     t0 = time.perf_counter()
     fresh.tokenizer  # noqa: B018 (the one-off tokenizer conversion, timed apart)
@@ -164,7 +165,7 @@ def main() -> None:
     import threading
 
     from chat.config import Settings
-    from chat.engine.local import LocalEngine
+    from chat.engine.core.local import LocalEngine
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["compile", "validity", "mask", "scoring"]
     engine = LocalEngine(Settings.from_env({}, max_batch=BATCH * 2))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import statistics
 
 from . import peer, webtier
-from .phases import MiB, RAW
+from .phases import RAW, MiB
+
 
 def reference(res: dict) -> dict:
     """The in-process limit: the mean of its run before the server started and its run right after the

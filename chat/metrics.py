@@ -97,11 +97,12 @@ class Metrics:
             self.rate.observe(done.timings["tokens_per_s"])
 
     def render(self) -> bytes:
-        if self.engine.weights:  # one label: the weights may move (onto the block products, once built)
+        facts = self.engine.describe() if self.engine.ready else {}
+        if facts.get("weights"):  # one label: the weights may move (onto the block products, once built)
             self.weights.clear()
-            self.weights.labels(self.engine.weights).set(1)
-        if self.engine.cpu:
-            self.cpu.labels(self.engine.cpu).set(1)
+            self.weights.labels(facts["weights"]).set(1)
+        if facts.get("cpu"):
+            self.cpu.labels(facts["cpu"]).set(1)
         if not self.multiprocess:
             return generate_latest(self.registry)
         from prometheus_client import multiprocess as mp

@@ -1,6 +1,6 @@
 """Structured answers: ``response_format`` and ``tools`` checked and turned into a grammar the engine
 constrains decoding with (llguidance's JSON-schema and Lark formats), and tool calls read back out
-of the answer's text. No torch here; the engine compiles the grammar (``engine/grammar.py``).
+of the answer's text. No torch here; the engine compiles the grammar (``engine/core/grammar.py``).
 
 Tool calls use Qwen2.5's own text format, whichever model answers: ``<tool_call>\\n{"name": ...,
 "arguments": {...}}\\n</tool_call>``, one block per call. A history's tool calls and tool results are

@@ -11,11 +11,22 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from fakes import AppServer, FakeEngine
 from helpers import (  # noqa: F401  (re-exported: modules written before helpers.py import them from here)
-    GUNICORN, ROOT, WS, LiveServer, conv_of, conversation, cookie_for, free_port, http_get, in_threads,
-    start_of, text_of, wait_settled)
+    GUNICORN,
+    ROOT,
+    WS,
+    LiveServer,
+    conv_of,
+    conversation,
+    cookie_for,
+    free_port,
+    http_get,
+    in_threads,
+    start_of,
+    text_of,
+    wait_settled,
+)
 from pg import BACKENDS, PostgresServer, database
 from redis_server import RedisServer
 from tinymodel import tiny_model_dir

@@ -368,7 +368,7 @@ def make_engine(tiny_model, tmp_path, **overrides):
     """The local engine on the tiny model, loaded and ready; torch's decode step unless ``native=True``
     (the C++ step switches in while the engine is idle, which a test must wait for: test_native.py)."""
     from chat.config import Settings
-    from chat.engine.local import LocalEngine
+    from chat.engine.core.local import LocalEngine
     overrides = {"dtype": "float32", "native": False, "max_new_tokens": 4096, "context_tokens": 8192, "threads": 1,
                  **overrides}
     settings = Settings.from_env({}, model=str(tiny_model), data_dir=str(tmp_path), **overrides)

@@ -10,7 +10,6 @@ import time
 from helpers import free_port
 
 
-
 class RedisServer:
     """``start()``/``stop()``/``restart()`` a redis-server without persistence (a restart loses all)."""
 

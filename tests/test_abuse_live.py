@@ -15,9 +15,9 @@ import time
 import urllib.request
 
 import pytest
+from conftest import WS, conv_of, http_get
 
 from chat.store import db_cap_mb
-from conftest import WS, conv_of, http_get
 
 FIGURES: dict = {}
 

@@ -1,4 +1,4 @@
-"""The C++ library's block products (chat/engine/blocks.cpp): every GGUF block type kept as the file has
+"""The C++ library's block products (chat/engine/kernels/blocks.cpp): every GGUF block type kept as the file has
 it (nothing re-quantized), multiplied with 8-bit activations within rounding of the dense product, a row's
 bits independent of its batch; the engine on them. Needs a C++ compiler (`make test` installs g++)."""
 from __future__ import annotations
@@ -10,12 +10,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-from chat.engine import cpu, gguf, quant, weights
 from helpers import ROOT
 from test_native import FILES, library  # noqa: F401  (the library fixture)
 from test_quant import blocks_of, int4_cpu, on_thread
 from tinygguf import tiny_gguf
+
+from chat.engine.kernels import cpu, gguf, quant
+from chat.engine.model import weights
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 pytestmark = pytest.mark.usefixtures("library")  # built (or found) and loaded once
@@ -72,11 +73,12 @@ def test_q8_0_as_signed_bytes_is_the_same_product(monkeypatch):
 
 PRODUCTS_ON_AVX2 = """
 import sys, torch
-from chat.engine import cpu, native, weights
+from chat.engine.kernels import build, cpu
+from chat.engine.model import weights
 from test_blocks import TYPES
 from test_native import SHARED, drain
 from test_quant import blocks_of, on_thread
-native.load(drain(native.build(SHARED, cpu.detect("avx2"))))
+build.load(drain(build.build(SHARED, cpu.detect("avx2"))))
 x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
 torch.save({kind: on_thread(lambda: weights.blocks(blocks_of(kind, rows=80)[0])(x)) for kind in TYPES}, sys.argv[1])
 """

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import time
 
-
-
 XSS = '<img src=x onerror="window.__xss=1"><script>window.__xss=2</script><b id="injected">bold?</b>'
 
 MARKDOWN = """# Title

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from helpers import Chat
 
 AXE = Path(__file__).parent / "vendor" / "axe-core" / "axe.min.js"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import Chat
 
 ANSWER = ("Euler: $e^{i\\pi} + 1 = 0$. It costs $5 and $10.\n\n"

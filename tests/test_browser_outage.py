@@ -8,7 +8,6 @@ import time
 from http.server import ThreadingHTTPServer
 
 import pytest
-
 from helpers import UPSTREAM_MODELS, Chat, Upstream, free_port, http_get, until
 
 USERS = "[...document.querySelectorAll('[data-testid=message-user] .msg-body')].map(e => e.textContent)"

@@ -10,7 +10,6 @@ import time
 from http.server import ThreadingHTTPServer
 
 import pytest
-
 from helpers import UPSTREAM_MODELS, Chat, Upstream
 
 LAST_ASSISTANT = "[...document.querySelectorAll('[data-testid=message-assistant]')].pop()"

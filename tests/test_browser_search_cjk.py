@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 SENTENCE = "😀😀 你好，请用中文介绍一下你自己"
 
 

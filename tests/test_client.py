@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from flask import Flask, abort, request
 from flask_sock import Sock
+from helpers import free_port
 from werkzeug.serving import make_server
 
 from chat import client
-from helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable

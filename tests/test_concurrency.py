@@ -35,8 +35,10 @@ def test_run_in_thread_leaves_the_gevent_loop_free_and_passes_errors_back():
 
 
 def test_submit_fits_the_prompt_through_run_in_thread(tiny_model, tmp_path, monkeypatch):
-    from chat.engine import GenParams, local
     from helpers import ask, collect, make_engine
+
+    from chat.engine import GenParams
+    from chat.engine.core import local
 
     calls = []
 

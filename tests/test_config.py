@@ -6,11 +6,11 @@ import re
 import subprocess
 
 import pytest
+from helpers import GUNICORN, ROOT
 
 from chat import docs
 from chat.config import Settings
 from chat.errors import ConfigError
-from helpers import GUNICORN, ROOT
 
 CLIENT_VARIABLES = {"CHAT_URL", "CHAT_CLIENT_ID"}  # read by python -m chat.client, not by the server
 

@@ -2,13 +2,13 @@
 import json
 
 import pytest
+from fakes import FakeEngine
 
 from chat import create_app
 from chat.config import Settings
+from chat.store import Store
 from chat.web import conversations_api as conversations
 from chat.web.identity import COOKIE
-from chat.store import Store
-from fakes import FakeEngine
 
 ALICE = "alice-client-0123456789"
 BOB = "bob-client-0123456789ab"

@@ -4,10 +4,19 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from helpers import (WS, conv_of, cookie_for, finished_answer_resumes, http_get, in_threads,
-                     one_of_two_sockets_leaves, resume_after_forced_drops, text_of, two_sockets_follow_one_answer,
-                     wait_settled)
+from helpers import (
+    WS,
+    conv_of,
+    cookie_for,
+    finished_answer_resumes,
+    http_get,
+    in_threads,
+    one_of_two_sockets_leaves,
+    resume_after_forced_drops,
+    text_of,
+    two_sockets_follow_one_answer,
+    wait_settled,
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The CPU classes (chat/engine/cpu.py): how a CPU is classed, what CHAT_CPU_ISA limits, and the engine on
+"""The CPU classes (chat/engine/kernels/cpu.py): how a CPU is classed, what CHAT_CPU_ISA limits, and the engine on
 the AVX2 class on whatever machine runs the tests (torch's kernels told so before torch is imported)."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
-
-from chat.engine import cpu, quant
 from helpers import ROOT
 from tinygguf import tiny_gguf
+
+from chat.engine.kernels import cpu, quant
 
 AVX2 = {"avx", "avx2", "fma", "f16c"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
@@ -77,7 +77,8 @@ others = [engine.submit([{"role": "user", "content": f"other {i}"}], GenParams(t
 batched = text(engine.submit([{"role": "user", "content": "tell me"}], seeded))
 for gen in others:
     text(gen)
-print(json.dumps({"weights": engine.weights, "cpu": engine.cpu, "decode": engine.stats()["decode"],
+facts = engine.describe()
+print(json.dumps({"weights": facts["weights"], "cpu": facts["cpu"], "decode": facts["decode"],
                   "capability": torch.backends.cpu.get_cpu_capability(), "text": greedy,
                   "seeded": [alone, batched],
                   "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA")}), flush=True)

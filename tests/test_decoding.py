@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from chat.engine import prompt
-from chat.engine.decoding import IncrementalDecoder, StopMatcher
+from chat.engine.core import prompt
+from chat.engine.core.decoding import IncrementalDecoder, StopMatcher
 from chat.errors import PromptTooLong
 
 TEXTS = [

@@ -118,3 +118,65 @@ def test_the_layout_names_every_module_of_chat():
     assert sorted(modules - documented) == [], "modules docs/development.md's layout leaves out"
     gone = {p for p in documented if p.startswith("chat/") and not (ROOT / p).exists()}
     assert sorted(gone) == [], "docs/development.md's layout names files that are gone"
+
+
+# ---- docs/development.md's "Where to add" recipes cite files and names that exist
+
+CODE_SUFFIXES = (".py", ".cpp", ".h", ".js", ".md", ".html", ".css", ".yaml", ".txt", ".toml")
+IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def code_text() -> str:
+    """Every source the recipes may name: chat/'s Python and C++, the tests, the page's scripts."""
+    files = [p for p in (ROOT / "chat").rglob("*") if p.suffix in (".py", ".cpp", ".h")]
+    files += list((ROOT / "tests").glob("*.py")) + list((ROOT / "static").rglob("*.js"))
+    return "\n".join(p.read_text(errors="replace") for p in files if "vendor" not in p.parts)
+
+
+def cited(section: str) -> tuple[set[str], set[str]]:
+    """The paths and the identifiers a text cites in backticks (``name()`` as ``name``)."""
+    paths, names = set(), set()
+    for token in re.findall(r"`([^`\n]+)`", section):
+        token = token.strip().removesuffix("()")
+        if token.startswith("/"):  # a URL's path (/v1, /ws): the API's, not a file
+            continue
+        if "/" in token or token.endswith(CODE_SUFFIXES):
+            paths.add(token)
+        elif IDENTIFIER.match(token):
+            names.add(token)
+    return paths, names
+
+
+def missing(paths: set[str], names: set[str], code: str) -> list[str]:
+    """What of ``paths`` and ``names`` is not in the repository: a path relative to the root, a bare file name
+    anywhere under chat/ or tests/, a name as a word of the code (a dotted name by its last part)."""
+    gone = []
+    for path in paths:
+        first = path.split()[0].rstrip("'s,:")
+        if "/" in first:
+            ok = (ROOT / first).exists() or (ROOT / "chat" / "engine" / first).exists()
+        else:
+            ok = any(True for _ in (ROOT / "chat").rglob(first)) or (ROOT / "tests" / first).exists()
+        if not ok:
+            gone.append(path)
+    for name in names:
+        if not re.search(rf"\b{re.escape(name.rsplit('.', 1)[-1])}\b", code):
+            gone.append(name)
+    return sorted(gone)
+
+
+def test_the_where_to_add_recipes_cite_what_exists():
+    text = (ROOT / "docs" / "development.md").read_text()
+    section = text.split("## Where to add", 1)[1].split("\n## ", 1)[0]
+    for recipe in ("### A WebSocket message type", "### A storage backend", "### A sampling filter",
+                   "A GGUF block type", "A CPU kernel", "A model architecture"):
+        assert recipe in section, f"docs/development.md has no recipe for {recipe}"
+    paths, names = cited(section)
+    assert len(paths) > 20 and len(names) > 40, "the recipes cite too little for the check to mean anything"
+    assert missing(paths, names, code_text()) == []
+
+
+def test_the_recipe_check_catches_what_is_gone():
+    code = "def real_name(): pass"
+    assert missing({"chat/engine/nowhere.py"}, {"real_name", "module.real_name", "gone_name"}, code) == [
+        "chat/engine/nowhere.py", "gone_name"]

@@ -1,4 +1,4 @@
-"""Drafted tokens (chat/engine/drafts.py): prompt-lookup guesses, the draft length that pays, a C++ step of
+"""Drafted tokens (chat/engine/core/drafts.py): prompt-lookup guesses, the draft length that pays, a C++ step of
 several columns that is bit for bit the single steps, and answers exactly the same with drafts as without
 (greedy, seeded and cut short). Needs a C++ compiler, like test_native.py."""
 from __future__ import annotations
@@ -8,13 +8,14 @@ import time
 
 import pytest
 import torch
-
-from chat.engine import Delta, GenParams, drafts, native
 from helpers import ask, collect, make_engine
 from test_native import SHARED, decoder, library  # noqa: F401 (fixtures)
 from test_quant import int4_cpu, on_thread
 
-from chat.engine.slot import Slot
+from chat.engine import Delta, GenParams
+from chat.engine.core import drafts
+from chat.engine.core.slot import Slot
+from chat.engine.model import native
 
 
 def test_ngrams_propose_what_followed_the_longest_latest_match():
@@ -189,7 +190,7 @@ def test_a_kv_column_written_for_a_wrong_draft_is_never_read():
 
 
 def native_free_buffer():
-    from chat.engine.kv import KVBuffer
+    from chat.engine.kv.buffer import KVBuffer
     return KVBuffer(2, 1, 16, torch.bfloat16, torch.device("cpu"), rows=1, capacity=8, active=1)
 
 

@@ -8,9 +8,17 @@ from __future__ import annotations
 import signal
 import time
 
-from helpers import (WS, chat_streams_and_stores_the_answer, conv_of, conversation, cookie_for, http_get, metric,
-                     resume_after_forced_drops, text_of)
-
+from helpers import (
+    WS,
+    chat_streams_and_stores_the_answer,
+    conv_of,
+    conversation,
+    cookie_for,
+    http_get,
+    metric,
+    resume_after_forced_drops,
+    text_of,
+)
 
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
 

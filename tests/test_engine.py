@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import pytest
+from helpers import QUESTIONS, ask, collect, make_engine
 
 from chat.engine import Delta, Done, GenParams, Queued, Started
 from chat.errors import Overloaded
-from helpers import QUESTIONS, ask, collect, make_engine
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +82,9 @@ def test_prefix_reuse_gives_identical_greedy_answers(engine):
 
 
 def test_a_new_conversation_reuses_its_system_prompts_shared_preamble(tiny_model, tmp_path):
-    from chat.engine import prompt
     from helpers import until
+
+    from chat.engine.core import prompt
     eng = make_engine(tiny_model, tmp_path, system_prompt="You are the default.")
     try:
         tokenizer = eng.loaded.tokenizer
@@ -181,7 +182,7 @@ def test_a_failing_step_ends_the_batch_with_error_and_the_engine_goes_on(tiny_mo
 def test_greedy_output_equals_transformers_generate(engine):
     import torch
 
-    from chat.engine import prompt
+    from chat.engine.core import prompt
     messages = ask("compare me with generate")
     text, events = collect(engine.submit(messages, GenParams(temperature=0, max_new_tokens=32)))
     loaded = engine.loaded
@@ -198,7 +199,7 @@ def test_greedy_output_equals_transformers_generate(engine):
 
 
 def test_continue_leaves_the_answer_open_and_reuses_the_prefix(engine):
-    from chat.engine import prompt
+    from chat.engine.core import prompt
     history = ask("a question to continue")
     first, _ = collect(engine.submit(history, GenParams(temperature=0, max_new_tokens=8), key="conv-c"))
     tokenizer = engine.loaded.tokenizer

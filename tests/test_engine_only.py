@@ -8,14 +8,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from fakes import FakeEngine
+from helpers import ROOT, WS, conv_of, cookie_for, http_get, in_threads, text_of, wait_settled
 
 from chat.config import Settings
-from chat.engine import GenParams, Generation
+from chat.engine import Generation, GenParams
 from chat.engine.events import Started
 from chat.errors import ProtocolError
 from chat.state.local_limits import LocalLimits as Limits
-from helpers import ROOT, WS, conv_of, cookie_for, http_get, in_threads, text_of, wait_settled
-from fakes import FakeEngine
 
 # Per-address limits low enough that 20 requests from one address would hit every one of them.
 TIGHT = {"max_active_per_ip": 2, "rate_limit_per_ip_per_min": 5, "rate_limit_per_min": 0, "max_batch": 4}

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
+from helpers import QUESTIONS, ask, collect, in_threads, make_engine
 
 from chat.engine import Delta, GenParams
-from helpers import QUESTIONS, ask, collect, in_threads, make_engine
 
 GREEDY = GenParams(temperature=0, max_new_tokens=24)
 LONG = "please summarise the following notes carefully: " + "the committee met and argued at length. " * 30
@@ -83,7 +83,7 @@ def test_requests_sent_together_to_an_idle_engine_share_one_prefill(tiny_model, 
     then the rest (which made the last user's first token wait for two prefills)."""
     import threading
 
-    from chat.engine import scheduler
+    from chat.engine.core import scheduler
 
     monkeypatch.setattr(scheduler, "GATHER_S", 30.0)  # a slow CI box must not make this flaky
     eng = make_engine(tiny_model, tmp_path)
@@ -120,7 +120,7 @@ def test_chunks_shrink_when_they_cost_more_than_a_couple_of_decode_steps(tiny_mo
     smaller (to MIN_CHUNK at least), so running rows never wait long between two tokens."""
     import time
 
-    from chat.engine.prefill import MIN_CHUNK
+    from chat.engine.model.prefill import MIN_CHUNK
 
     eng = make_engine(tiny_model, tmp_path, prefill_chunk=64)
     forward, prefills = eng.runner.forward, []
@@ -155,7 +155,7 @@ def test_chunks_shrink_when_they_cost_more_than_a_couple_of_decode_steps(tiny_mo
 
 
 def test_plan_splits_rows_whose_spans_differ_a_lot():
-    from chat.engine.attention import plan
+    from chat.engine.model.attention import plan
 
     assert plan([10, 20, 0, 5], 300) is None  # similar rows: one call over everything
     assert plan([2100, 2100, 2100, 2100, 0], 2174) == [(0, 4, 2100), (4, 5, 0)]

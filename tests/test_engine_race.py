@@ -5,8 +5,9 @@ import random
 import sys
 import threading
 
-from chat.engine import Delta, Done, GenParams
 from helpers import ask, in_threads, make_engine
+
+from chat.engine import Delta, Done, GenParams
 
 
 def last_reason(gen) -> str:

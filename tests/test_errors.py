@@ -1,11 +1,11 @@
 """Errors are converted once, at the edge: JSON on the API routes (404 and 500 included), pages untouched."""
 import pytest
+from fakes import FakeEngine
 
 from chat import create_app
 from chat.config import Settings
 from chat.errors import PROTOCOL_STATUS, ChatError, EngineError, Overloaded, PromptTooLong, ProtocolError
 from chat.store import Store
-from fakes import FakeEngine
 
 
 @pytest.fixture

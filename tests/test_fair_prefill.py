@@ -6,10 +6,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+from helpers import ask, events_of, make_engine
 
 from chat.engine import Delta, GenParams
-from chat.engine.scheduler import PREFILL_FORWARD_TOKENS
-from helpers import ask, events_of, make_engine
+from chat.engine.core.scheduler import PREFILL_FORWARD_TOKENS
 
 CHUNK = 32
 

@@ -10,7 +10,6 @@ import uuid
 
 import pytest
 import websocket
-
 from helpers import WS, conv_of, handshake_status, http_get
 
 KEY = "s3cret-key_0123"

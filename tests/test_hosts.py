@@ -6,12 +6,12 @@ import http.client
 import json
 
 import pytest
+from fakes import FakeEngine
+from helpers import handshake_status, make_app
 
 from chat.config import Settings
 from chat.errors import ConfigError
 from chat.web import hosts
-from fakes import FakeEngine
-from helpers import handshake_status, make_app
 
 REBIND = "rebind.attacker.example"
 

@@ -9,11 +9,11 @@ import urllib.error
 import urllib.request
 
 import pytest
+from helpers import WS, ask, collect, events_of, make_engine
 
 from chat import params as sampling
 from chat.engine import Delta, Done, GenParams, Refused
-from chat.engine.sampling import sample
-from helpers import WS, ask, collect, events_of, make_engine
+from chat.engine.model.sampling import sample
 
 torch = pytest.importorskip("torch")
 

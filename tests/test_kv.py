@@ -5,8 +5,8 @@ import random
 
 import torch
 
-from chat.engine import kv as kv_module
-from chat.engine.kv import KVBuffer
+from chat.engine.kv import buffer as kv_module
+from chat.engine.kv.buffer import KVBuffer
 
 
 def row(length: int, value: float):

@@ -1,4 +1,4 @@
-"""Conversations' KV on disk (chat/engine/kvdisk.py, CHAT_KV_DISK_MB): a turn after a restart continues from
+"""Conversations' KV on disk (chat/engine/kv/disk.py, CHAT_KV_DISK_MB): a turn after a restart continues from
 it and answers as a warm turn does; a torn file is deleted and the turn prefilled; a deleted conversation's
 file goes; the byte budget drops the oldest; another model never reads it."""
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 
 import torch
-
-from chat.engine import GenParams, kvdisk
 from helpers import ask, collect, make_engine
+
+from chat.engine import GenParams
+from chat.engine.kv import disk as kvdisk
 
 PARAMS = GenParams(temperature=0, max_new_tokens=24)
 TURN1 = ask("Tell me about the sea, the wind and the long grey harbour walls.")

@@ -114,3 +114,46 @@ def test_one_package_imports_each_library(library, owner):
     importers = {str(path.relative_to(CHAT.parent)) for path in CHAT.rglob("*.py") if library in outside_imports(path)}
     assert importers, f"nothing imports {library}: the rule checks nothing"
     assert {path for path in importers if not path.startswith(owner + "/")} == set()
+
+
+# The engine's rooms, each a package of chat/engine/, and the rooms each may import (every room may import
+# the engine's interface, chat/engine/base.py and events.py, and what lies outside chat/engine/). The serving
+# core decides and runs the model room; the model room runs forwards over the kernels and the KV storage;
+# the kernels and the KV storage import no other room; the remote engine stands beside the local one.
+ROOMS = {
+    "kernels": set(),
+    "kv": set(),
+    "model": {"kernels", "kv"},
+    "core": {"model", "kernels", "kv"},
+    "remote": set(),
+}
+
+
+def room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["chat", "engine"] and parts[2] in ROOMS else None
+
+
+def test_the_engine_is_its_rooms_and_the_interface():
+    engine = CHAT / "engine"
+    loose = sorted(p.name for p in engine.glob("*.py") if p.name not in ("__init__.py", "base.py", "events.py"))
+    assert loose == [], "modules of chat/engine/ outside a room"
+    assert sorted(p.name for p in engine.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(ROOMS)
+
+
+def test_each_engine_room_imports_only_the_rooms_below_it():
+    wrong = {f"{name} -> {target}" for name, targets in graph().items() if room(name)
+             for target in targets if room(target) and room(target) != room(name)
+             and room(target) not in ROOMS[room(name)]}
+    assert sorted(wrong) == []
+
+
+def test_the_rooms_rule_catches_a_wrong_import():
+    assert room("chat.engine.kernels.quant") == "kernels" and room("chat.engine.base") is None
+    assert "core" not in ROOMS["model"] and "model" not in ROOMS["kernels"]
+
+
+def test_the_scheduler_decides_without_torch_or_the_runner():
+    scheduler = CHAT / "engine" / "core" / "scheduler.py"
+    assert "torch" not in outside_imports(scheduler)
+    assert "chat.engine.model.runner" not in graph()["chat.engine.core.scheduler"]

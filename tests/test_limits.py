@@ -2,7 +2,7 @@
 import pytest
 
 from chat.config import Settings
-from chat.engine import GenParams, Generation
+from chat.engine import Generation, GenParams
 from chat.engine.events import Done, Refused, Started
 from chat.errors import ProtocolError
 from chat.limits import address_of

@@ -7,12 +7,12 @@ import threading
 from http.server import ThreadingHTTPServer
 
 import pytest
+from helpers import UPSTREAM_MODELS, WS, Upstream, conv_of, cookie_for, text_of, wait_for
+from helpers import events_of as collect
 
 from chat.config import Settings
 from chat.engine import GenParams
-from chat.engine.remote import RemoteEngine
-from helpers import UPSTREAM_MODELS, WS, Upstream, conv_of, cookie_for, text_of, wait_for
-from helpers import events_of as collect
+from chat.engine.remote.client import RemoteEngine
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The C++ decode step (chat/engine/native.cpp): built and kept, checked against torch's step,
+"""The C++ decode step (chat/engine/kernels/native.cpp): built and kept, checked against torch's step,
 a row's bits independent of its batch, used by the engine once built, and left alone when it
 cannot be built or disagrees. Needs a C++ compiler (`make test` installs g++)."""
 from __future__ import annotations
@@ -8,11 +8,13 @@ import time
 
 import pytest
 import torch
-
-from chat.engine import GenParams, cpu, gguf, native, quant, weights
 from helpers import QUESTIONS, ROOT, ask, collect, make_engine
 from test_quant import int4_cpu, on_thread
 from tinygguf import tiny_gguf
+
+from chat.engine import GenParams
+from chat.engine.kernels import build, cpu, gguf, quant
+from chat.engine.model import native, weights
 
 SHARED = ROOT / "data" / "model-cache"  # where the live test servers keep theirs: built once a checkout
 MODES = ["off", pytest.param("int4", marks=int4_cpu)]
@@ -29,9 +31,9 @@ def drain(gen):
 
 @pytest.fixture(scope="module")
 def library():
-    path = drain(native.build(SHARED))
+    path = drain(build.build(SHARED))
     assert path is not None and path.exists(), "the C++ decode step did not build (see the log)"
-    native.load(path)
+    build.load(path)
     return path
 
 
@@ -131,24 +133,24 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds(decoder):
 
 def test_a_kept_build_is_loaded_not_rebuilt(library, monkeypatch):
     before = library.stat().st_mtime_ns
-    monkeypatch.setattr(native, "command", lambda cxx, target: pytest.fail("compiled again"))
-    assert drain(native.build(SHARED)) == library and library.stat().st_mtime_ns == before
+    monkeypatch.setattr(build, "command", lambda cxx, target: pytest.fail("compiled again"))
+    assert drain(build.build(SHARED)) == library and library.stat().st_mtime_ns == before
 
 
 def test_a_build_that_fails_is_logged_and_leaves_torch_ops(tmp_path, monkeypatch, caplog):
     broken = tmp_path / "native.cpp"
     broken.write_text("this is not C++;\n")
-    monkeypatch.setattr(native, "SOURCES", (broken,))
-    with caplog.at_level(logging.WARNING, logger="chat.engine.native"):
-        assert drain(native.build(tmp_path)) is None
+    monkeypatch.setattr(build, "SOURCES", (broken,))
+    with caplog.at_level(logging.WARNING, logger="chat.engine.kernels.build"):
+        assert drain(build.build(tmp_path)) is None
     assert "could not build the C++ decode step" in caplog.text
     assert not list((tmp_path / "native").glob("*.so*"))  # no half-written library left to load
 
 
 def test_without_a_compiler_decode_steps_stay_on_torch(tmp_path, monkeypatch, caplog):
     decoder = on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf()), "off"))
-    monkeypatch.setattr(native, "compiler", lambda: None)
-    with caplog.at_level(logging.INFO, logger="chat.engine.native"):
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    with caplog.at_level(logging.INFO, logger="chat.engine.kernels.build"):
         on_thread(lambda: drain(native.attach(decoder, tmp_path)))
     assert decoder.native is None and "no C++ compiler" in caplog.text
 
@@ -157,7 +159,7 @@ def test_an_unwritable_cache_folder_leaves_torch_ops(tmp_path, caplog):
     decoder = on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf()), "off"))
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")
-    with caplog.at_level(logging.WARNING, logger="chat.engine.native"):
+    with caplog.at_level(logging.WARNING, logger="chat.engine.kernels.build"):
         on_thread(lambda: drain(native.attach(decoder, blocked)))
     assert decoder.native is None and "could not build the C++ decode step" in caplog.text
 
@@ -166,7 +168,7 @@ def test_a_model_shape_the_step_does_not_cover_leaves_torch_ops(library, caplog)
     # heads of 24 numbers: the C++ loops take multiples of 16
     decoder = on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf(hidden=96)), "off"))
     assert decoder.shape.head_dim == 24
-    with caplog.at_level(logging.WARNING, logger="chat.engine.native"):
+    with caplog.at_level(logging.WARNING, logger="chat.engine.model.native"):
         on_thread(lambda: drain(native.attach(decoder, SHARED)))
     assert decoder.native is None and "does not run this model" in caplog.text
 
@@ -175,7 +177,7 @@ def test_a_step_that_disagrees_with_torch_is_not_used(library, monkeypatch, capl
     decoder = on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf()), "off"))
     real = native.Step.__call__
     monkeypatch.setattr(native.Step, "__call__", lambda self, h, kv, cos, sin: real(self, h, kv, cos, sin).roll(1, -1))
-    with caplog.at_level(logging.WARNING, logger="chat.engine.native"):
+    with caplog.at_level(logging.WARNING, logger="chat.engine.model.native"):
         on_thread(lambda: drain(native.attach(decoder, SHARED)))
     assert decoder.native is None and "disagrees" in caplog.text
 
@@ -197,7 +199,7 @@ def test_the_engine_switches_to_the_step_and_seeded_answers_repeat_in_a_batch(na
     engine = native_engine
     assert engine.stats()["decode"] == "native"
     if quant.quantized(cpu.detect().isa):  # quantized on load straight onto the block products (a kept build)
-        assert engine.weights == "blocks" and set(engine.formats.values()) == {"q8"}
+        assert engine.describe()["weights"] == "blocks" and set(engine.describe()["formats"].values()) == {"q8"}
     params = GenParams(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=40)
     alone = collect(engine.submit(ask("sample me"), params))[0]
     others = [engine.submit(ask(q), GenParams(temperature=1.0, max_new_tokens=80)) for q in QUESTIONS]
@@ -211,7 +213,7 @@ def test_the_c_sampler_draws_what_the_torch_sampler_draws(library):
     """Every filter and their mixes, peaked and flat distributions, greedy rows beside sampled ones:
     the same tokens from the same uniform numbers, but where the draw lands within rounding of the
     border between two tokens (its sums run in another order than torch's): then a neighbour."""
-    from chat.engine.sampling import sample
+    from chat.engine.model.sampling import sample
 
     cases = [dict(temperature=0.0), dict(temperature=0.7, top_p=1.0), dict(temperature=1.3, top_p=0.9),
              dict(temperature=0.7, top_k=40), dict(temperature=1.0, min_p=0.05),
@@ -270,7 +272,7 @@ def test_a_long_prompt_joining_running_rows_changes_no_answer(native_engine, mon
 def test_an_architecture_needing_what_the_step_does_not_compute_stays_on_torch(library):
     from dataclasses import replace
 
-    from chat.engine.architecture import FEATURES
+    from chat.engine.model.architecture import FEATURES
 
     def run():
         decoder = weights.from_gguf(gguf.read(tiny_gguf()), "off")
@@ -287,16 +289,16 @@ def test_an_architecture_needing_what_the_step_does_not_compute_stays_on_torch(l
 def test_a_gguf_loaded_before_the_build_moves_onto_the_block_products(tmp_path, library, monkeypatch):
     """A first start (no build kept yet) serves on the int4 kernel; once the library is built the
     products move onto its blocks, checked first, and answers go on."""
-    monkeypatch.setattr(native, "kept", lambda cache_dir, cpu=None: False)
+    monkeypatch.setattr(build, "kept", lambda cache_dir, cpu=None: False)
     engine = make_engine(tiny_gguf(), tmp_path, dtype="bfloat16", native=True, cache_dir=str(SHARED))
     try:
-        assert engine.weights == "int4"
+        assert engine.describe()["weights"] == "int4"
         deadline = time.monotonic() + 120
         while engine.stats()["finishing"]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert engine.weights == "blocks" and engine.stats()["decode"] == "native"
-        assert engine.formats == {"qkv": "q4", "o": "q4", "gate_up": "q4", "down": "q4", "output": "q8"}
+        assert engine.describe()["weights"] == "blocks" and engine.stats()["decode"] == "native"
+        assert engine.describe()["formats"] == {"qkv": "q4", "o": "q4", "gate_up": "q4", "down": "q4", "output": "q8"}
         text = collect(engine.submit(ask("hello"), GenParams(temperature=0, max_new_tokens=12)))[0]
         assert text
     finally:
@@ -307,11 +309,13 @@ def test_a_gguf_loaded_before_the_build_moves_onto_the_block_products(tmp_path, 
 def test_newcomers_together_each_start_from_the_preamble_on_the_block_kernels(native_engine):
     """On the block kernels a forward costs in proportion to its rows: newcomers arriving together each
     start from their system prompt's preamble instead of sharing one forward over their whole prompts."""
-    from chat.engine import Done, prompt
     from helpers import until
 
+    from chat.engine import Done
+    from chat.engine.core import prompt
+
     engine = native_engine
-    assert engine.weights == "blocks" and not engine.wide_prefill
+    assert engine.describe()["weights"] == "blocks" and not engine.queue.wide_prefill
     params = GenParams(temperature=0, max_new_tokens=4)
     collect(engine.submit(ask("warm the preamble"), params))
     mine = prompt.preamble(engine.loaded.tokenizer, ask("x"))
@@ -325,17 +329,17 @@ def test_newcomers_together_each_start_from_the_preamble_on_the_block_kernels(na
 def test_a_hub_model_loaded_before_the_build_moves_onto_the_block_products(tiny_model, tmp_path, monkeypatch):
     """A hub or folder model quantized on load before the library is built (a first start) serves on the
     int4 kernel, then is read again and moved onto the block products once the library is built."""
-    monkeypatch.setattr(native, "kept", lambda cache_dir, cpu=None: False)
+    monkeypatch.setattr(build, "kept", lambda cache_dir, cpu=None: False)
     engine = make_engine(tiny_model, tmp_path, dtype="bfloat16", native=True, cache_dir=str(SHARED))
     try:
-        assert engine.weights == "int4"
+        assert engine.describe()["weights"] == "int4"
         params = GenParams(temperature=0, max_new_tokens=12)
         deadline = time.monotonic() + 120
         while engine.stats()["finishing"]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert engine.weights == "blocks" and engine.stats()["decode"] == "native"
-        assert set(engine.formats.values()) == {"q8"}
+        assert engine.describe()["weights"] == "blocks" and engine.stats()["decode"] == "native"
+        assert set(engine.describe()["formats"].values()) == {"q8"}
         assert collect(engine.submit(ask("hello"), params))[0]
     finally:
         engine.shutdown()

@@ -8,9 +8,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from services import Nginx
 
 from chat.client import Session
-from services import Nginx
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "deploy" / "nginx.conf"

@@ -10,9 +10,8 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from helpers import WS, free_port, text_of
 from fakes import FakeEngine
+from helpers import WS, free_port, text_of
 from services import Nginx, render_site, start_nginx
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,13 +9,13 @@ import threading
 
 import pytest
 import websocket
+from conftest import WS, conv_of
+from redis_server import RedisServer
 
 from chat.config import Settings
 from chat.errors import ProtocolError
 from chat.state import open_state
 from chat.web.access_log import redact_query, redact_request_line, redact_uri
-from conftest import WS, conv_of
-from redis_server import RedisServer
 
 LONE = "\\ud800"  # as it arrives in JSON text
 ALICE = "alice-odd-client-0123456789"

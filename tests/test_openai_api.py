@@ -6,11 +6,11 @@ import json
 import time
 
 import pytest
+from fakes import WORDS, AppServer, FakeEngine
+from helpers import make_app, metric, wait_for
 
 from chat.config import Settings
 from chat.errors import Overloaded, PromptTooLong
-from fakes import WORDS, AppServer, FakeEngine
-from helpers import make_app, metric, wait_for
 
 openai = pytest.importorskip("openai")
 

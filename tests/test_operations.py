@@ -8,7 +8,6 @@ import re
 import threading
 
 import websocket
-
 from helpers import WS, at_rest, conv_of, handshake_status, http_get, in_threads, metric, text_of, until, wait_for
 
 
@@ -201,9 +200,9 @@ def test_metrics_render_with_objects_whose_class_lookup_raises():
     import weakref
 
     import gevent
+    from fakes import FakeEngine
 
     from chat.metrics import Metrics
-    from fakes import FakeEngine
 
     class Thing:
         pass

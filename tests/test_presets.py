@@ -4,13 +4,13 @@ another client's."""
 from __future__ import annotations
 
 import pytest
+from fakes import FakeEngine
 
 from chat import create_app
 from chat.config import Settings
 from chat.store import Store
 from chat.store.presets import MAX_PRESETS
 from chat.web.identity import COOKIE
-from fakes import FakeEngine
 
 ALICE = "alice-client-0123456789"
 BOB = "bob-client-0123456789ab"

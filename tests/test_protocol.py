@@ -6,10 +6,8 @@ import time
 
 import pytest
 import websocket
-
-from helpers import (WS, chat_streams_and_stores_the_answer, conv_of, cookie_for, http_get, in_threads, start_of,
-                     text_of)
 from fakes import FakeEngine
+from helpers import WS, chat_streams_and_stores_the_answer, conv_of, cookie_for, http_get, in_threads, start_of, text_of
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40}
 LONG_ANSWERS = dict(answer_words=100_000, delay=0.001)

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tinygguf import tiny_gguf
 
 from chat.config import Settings
-from chat.engine import Delta, GenParams, cpu, crossover, gguf, quant, weights
-from chat.engine import model as loader
-from chat.engine.local import LocalEngine
-from tinygguf import tiny_gguf
+from chat.engine import Delta, GenParams
+from chat.engine.core.local import LocalEngine
+from chat.engine.kernels import cpu, crossover, gguf, quant
+from chat.engine.model import loader, weights
 
 torch = pytest.importorskip("torch")
 # The int4 kernel runs on every x86 class with AVX2 (cpu.py); only a "generic" CPU keeps dense weights.
@@ -204,7 +205,7 @@ def test_the_loader_falls_back_to_dense_when_the_self_check_fails(tiny_file, tmp
     real = quant._mm
     monkeypatch.setattr(quant, "_mm", lambda x, packed, group, scales: real(x, packed, group, scales) * 1.5)
     settings = Settings.from_env({}, model=str(tiny_file), data_dir=str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="chat.engine.model"):
+    with caplog.at_level(logging.WARNING, logger="chat.engine.model.loader"):
         loaded = on_thread(lambda: loader.load(settings))
     assert loaded.weights == "bfloat16" and loaded.decoder is not None
     assert "disagrees" in caplog.text
@@ -285,7 +286,7 @@ def test_idle_chores_measure_and_keep_the_crossovers(quant_engine, tiny_file, tm
 
 def test_seeded_answers_repeat_on_the_quantized_path_alone_and_in_a_batch(quant_engine):
     expected = "int4" if loader.cpu_has_native_bf16() else "bfloat16"
-    assert quant_engine.weights in (expected, "float32")
+    assert quant_engine.describe()["weights"] in (expected, "float32")
     ask = [{"role": "user", "content": "tell me something"}]
     params = GenParams(temperature=0.9, top_p=0.95, seed=1234, max_new_tokens=40)
     first = _text(quant_engine.submit(ask, params))

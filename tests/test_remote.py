@@ -13,14 +13,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
-from chat.config import Settings
-from chat.errors import EngineUnavailable, Overloaded
-from chat.engine.remote import RemoteEngine
-from chat.engine import Delta, Done, GenParams, Refused, Started
 from fakes import WORDS, AppServer, FakeEngine
 from helpers import ROOT, free_port, make_app, wait_for
 from helpers import events_of as collect
+
+from chat.config import Settings
+from chat.engine import Delta, Done, GenParams, Refused, Started
+from chat.engine.remote.client import RemoteEngine
+from chat.errors import EngineUnavailable, Overloaded
 
 HELLO = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
 
@@ -378,7 +378,7 @@ import json, time
 import gevent
 from gevent.server import StreamServer
 from chat.config import Settings
-from chat.engine.remote import RemoteEngine
+from chat.engine.remote.client import RemoteEngine
 from chat.engine import Delta, Done, GenParams
 
 def chunk(text):

@@ -7,11 +7,11 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from helpers import events_of, wait_for
 
 from chat.config import Settings
 from chat.engine import Delta, GenParams
-from chat.engine.remote import BYTES_PER_TOKEN, MIN_ANSWER_BYTES, RemoteEngine
-from helpers import events_of, wait_for
+from chat.engine.remote.client import BYTES_PER_TOKEN, MIN_ANSWER_BYTES, RemoteEngine
 
 HELLO = [{"role": "user", "content": "hi"}]
 

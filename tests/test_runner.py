@@ -3,11 +3,11 @@ does not run (Phi), in the same batching engine: greedy answers equal ``generate
 from __future__ import annotations
 
 import pytest
-
-from chat.engine import GenParams
-from chat.engine.runner import DecoderRunner, ModelRunner, TransformersRunner
 from helpers import QUESTIONS, ask, collect, make_engine
 from tinymodel import tiny_phi_dir
+
+from chat.engine import GenParams
+from chat.engine.model.runner import DecoderRunner, ModelRunner, TransformersRunner
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +20,13 @@ def engine(tmp_path_factory):
 def test_an_architecture_the_own_decoder_does_not_run_gets_transformers_forward(engine):
     assert isinstance(engine.runner, TransformersRunner) and engine.decoder is None
     assert engine.loaded.model.config.model_type == "phi"
-    assert engine.stats()["decode"] == "torch" and engine.weights == "float32"
+    assert engine.stats()["decode"] == "torch" and engine.describe()["weights"] == "float32"
 
 
 def test_greedy_equals_transformers_generate(engine):
     import torch
 
-    from chat.engine import prompt
+    from chat.engine.core import prompt
     for question in QUESTIONS[:2]:
         messages = ask(question)
         text, events = collect(engine.submit(messages, GenParams(temperature=0, max_new_tokens=24)))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from chat.engine import GenParams
-from chat.engine.sampling import sample
+from chat.engine.model.sampling import sample
 
 VOCAB = 200
 DRAWS = 6000

@@ -6,9 +6,19 @@ import json
 import signal
 
 import pytest
-
-from helpers import (ROOT, WS, cancel_and_stop_from_the_other, conv_of, conversation, cookie_for, http_get,
-                     resume_after_forced_drops, text_of, wait_for, wait_settled)
+from helpers import (
+    ROOT,
+    WS,
+    cancel_and_stop_from_the_other,
+    conv_of,
+    conversation,
+    cookie_for,
+    http_get,
+    resume_after_forced_drops,
+    text_of,
+    wait_for,
+    wait_settled,
+)
 from services import Nginx
 
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from chat.errors import SearchTimeout
-from chat.store import Store
-from chat.store import pg_schema, schema
+from chat.store import Store, pg_schema, schema
 from chat.store.search import INDEXED_CHARS, parse
 from chat.store.snippets import SNIPPET_CHARS, fold
 

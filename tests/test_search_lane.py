@@ -8,10 +8,10 @@ import textwrap
 import threading
 
 import pytest
+from conftest import ROOT
 
 from chat.errors import ProtocolError
 from chat.searches import MAX_PER_ADDRESS, MAX_SEARCHES, Searches
-from conftest import ROOT
 
 # Under gevent: a search stuck in the database for 5 s is answered SearchTimeout at its budget,
 # while a greenlet keeps ticking (the loop is free), and its slot is taken until the thread ends.

@@ -7,13 +7,13 @@ import json
 import re
 
 import pytest
+from fakes import FakeEngine
+from helpers import add_answer
 
 from chat import create_app
 from chat.config import Settings
 from chat.store import Store
 from chat.web.identity import COOKIE
-from fakes import FakeEngine
-from helpers import add_answer
 
 ALICE = "alice-client-0123456789"
 BOB = "bob-client-0123456789ab"

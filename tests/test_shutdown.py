@@ -7,9 +7,8 @@ import threading
 
 import pytest
 import websocket
-
-from helpers import WS, conv_of, cookie_for, conversation, text_of
 from fakes import FakeEngine
+from helpers import WS, conv_of, conversation, cookie_for, text_of
 
 
 def test_shutdown_ends_answers_in_order_then_close_releases_the_store(app_factory):

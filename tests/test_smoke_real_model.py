@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from chat.engine import cpu, quant
 from helpers import WS, http_get, text_of, wait_for
+
+from chat.engine.kernels import cpu, quant
 
 
 @pytest.mark.real_model
@@ -18,7 +18,7 @@ def test_bundled_model_knows_the_capital_of_france(server_factory):
     client.close()
     assert frames[-1]["type"] == "done" and frames[-1]["reason"] == "stop", frames[-1]
     assert "Paris" in text_of(frames)
-    # The GGUF's own 4-bit blocks run the decode steps on every x86 class with AVX2 (engine/cpu.py): on the
+    # The GGUF's own 4-bit blocks run the decode steps on every x86 class with AVX2 (engine/kernels/cpu.py): on the
     # C++ library's block products from the start when its build is kept, else on torch's int4 kernel until
     # it is built (while idle).
     isa = cpu.detect().isa

@@ -11,7 +11,6 @@ import time
 import urllib.request
 
 import websocket
-
 from helpers import WS, at_rest, conv_of, http_get, metric, wait_for
 
 USERS = 4

@@ -1,4 +1,4 @@
-"""``chat.engine.sse.Body``: an upstream's streamed body as lines, de-chunked off the socket; and
+"""``chat.engine.remote.sse.Body``: an upstream's streamed body as lines, de-chunked off the socket; and
 ``concurrency.receiver``, which reads the socket under gevent without gevent's per-read machinery."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 import textwrap
 
 import pytest
-
-from chat.engine.sse import MAX_LINE_BYTES, Body
 from helpers import ROOT
+
+from chat.engine.remote.sse import MAX_LINE_BYTES, Body
 
 EVENTS = [b'data: {"choices":[{"delta":{"content":"%d"}}]}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]
 LINES = [line for event in EVENTS for line in event.split(b"\n")[:-1]]

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from chat.config import Settings
-from chat.engine import GenParams, Generation
+from chat.engine import Generation, GenParams
 from chat.engine.events import Done, Started
 from chat.errors import ProtocolError
 from chat.limits import Limits

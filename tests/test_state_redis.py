@@ -5,11 +5,19 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from helpers import (WS, cancel_and_stop_from_the_other, conv_of, cookie_for, finished_answer_resumes,
-                     one_of_two_sockets_leaves, resume_after_forced_drops, text_of, two_sockets_follow_one_answer,
-                     wait_settled)
 from fakes import AppServer, FakeEngine
+from helpers import (
+    WS,
+    cancel_and_stop_from_the_other,
+    conv_of,
+    cookie_for,
+    finished_answer_resumes,
+    one_of_two_sockets_leaves,
+    resume_after_forced_drops,
+    text_of,
+    two_sockets_follow_one_answer,
+    wait_settled,
+)
 
 LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
 
@@ -17,10 +25,11 @@ LONG = {"temperature": 0.8, "seed": 5, "max_new_tokens": 4000}
 @pytest.fixture
 def pair(redis_server, tmp_path):
     """Two apps on one database and one Redis, like two workers; settings apply to both."""
+    import redis
+
     from chat import create_app
     from chat.config import Settings
     from chat.store import Store
-    import redis
     redis.Redis.from_url(redis_server.url).flushall()
     servers = []
 
@@ -146,9 +155,10 @@ def test_per_address_limits_count_on_every_worker(pair):
 
 
 def test_a_dead_workers_counts_lapse_with_its_lease(redis_server):
+    import redis
+
     from chat.config import Settings
     from chat.state.redis_state import RedisState as SharedState
-    import redis
     redis.Redis.from_url(redis_server.url).flushall()
     settings = Settings(state_url=redis_server.url, max_active_per_ip=1, rate_limit_per_ip_per_min=0)
     dead, alive = SharedState(settings), SharedState(settings)

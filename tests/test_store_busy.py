@@ -5,13 +5,13 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
+from fakes import AppServer, FakeEngine
+from helpers import WS
 
 from chat import create_app
 from chat.config import Settings
 from chat.store import Store
 from chat.store import sqlite as backend
-from fakes import AppServer, FakeEngine
-from helpers import WS
 
 
 @pytest.fixture

@@ -4,11 +4,11 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-
-from chat.store import MIGRATIONS, Store
-from chat.store import pg_schema
 from helpers import ALICE, BOB, LIMIT
-from helpers import add_answer as _answer, error_code as _code
+from helpers import add_answer as _answer
+from helpers import error_code as _code
+
+from chat.store import MIGRATIONS, Store, pg_schema
 
 
 def _ids(store, client=ALICE):

@@ -8,12 +8,12 @@ import threading
 from pathlib import Path
 
 import pytest
+from fakes import AppServer, FakeEngine
+from helpers import WS, conv_of, cookie_for, http_get, text_of, wait_settled
 
 from chat import create_app
 from chat.config import Settings
 from chat.store import Store, open_store
-from helpers import WS, conv_of, cookie_for, http_get, text_of, wait_settled
-from fakes import AppServer, FakeEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 ALICE = "alice-client-0123456789"

@@ -3,10 +3,11 @@ import json
 import sqlite3
 
 import pytest
+from helpers import ALICE, BOB, LIMIT
+from helpers import add_answer as _answer
+from helpers import error_code as _code
 
 from chat.store import MIGRATIONS, Store
-from helpers import ALICE, BOB, LIMIT
-from helpers import add_answer as _answer, error_code as _code
 
 
 @pytest.fixture

@@ -7,10 +7,9 @@ import math
 
 import jsonschema
 import pytest
-from pydantic import BaseModel, Field
-
 from fakes import AppServer
 from helpers import WS, make_app, make_engine, text_of
+from pydantic import BaseModel, Field
 
 openai = pytest.importorskip("openai")
 
@@ -105,9 +104,10 @@ def test_sdk_parse_with_pydantic(sdk):
 
 
 def test_constrained_row_leaves_the_others_alone(engine):
+    from helpers import QUESTIONS, ask, collect
+
     from chat import structured
     from chat.engine import GenParams
-    from helpers import QUESTIONS, ask, collect
     alone = [collect(engine.submit(ask(q), GenParams(temperature=0, max_new_tokens=30)))[0] for q in QUESTIONS]
     grammar = structured.schema_grammar(PERSON)
     gens = [engine.submit(ask(q), GenParams(temperature=0, max_new_tokens=30)) for q in QUESTIONS]
@@ -188,7 +188,7 @@ def test_tool_results_in_history(sdk, engine):
 
 
 def test_tools_prompt_reaches_the_model(engine):
-    from chat.engine import prompt
+    from chat.engine.core import prompt
     tok = engine.loaded.tokenizer
     ids = prompt.render(tok, [{"role": "user", "content": "hi"}], (WEATHER,))
     text = tok.decode(ids)
@@ -382,7 +382,7 @@ def test_a_failed_matcher_never_masks_its_whole_row(engine):
     import torch
 
     from chat import structured
-    from chat.engine import grammar
+    from chat.engine.core import grammar
 
     class Row:
         def __init__(self, matcher):

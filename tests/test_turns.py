@@ -5,9 +5,8 @@ import json
 import sqlite3
 
 import pytest
-
-from helpers import WS, conv_of, cookie_for, http_get
 from fakes import FakeEngine
+from helpers import WS, conv_of, cookie_for, http_get
 
 NOWHERE = "0123456789abcdef0123456789abcdef"
 

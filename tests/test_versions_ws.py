@@ -10,7 +10,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from helpers import WS, conv_of, conversation, cookie_for, start_of, text_of, wait_settled
 
 SHORT = {"temperature": 0, "max_new_tokens": 8}

@@ -6,7 +6,6 @@ import time
 
 import pytest
 import websocket
-
 from helpers import WS
 
 

@@ -31,7 +31,7 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
-    from chat.engine.model import bundled_gguf
+    from chat.engine.model.loader import bundled_gguf
 
     source = GGUFReader(str(bundled_gguf()))
     rng = np.random.default_rng(seed)

@@ -16,7 +16,7 @@ def tiny_model_dir(name: str = "tiny-qwen2", hidden: int = 64, layers: int = 2, 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from chat.engine.model import bundled_gguf, gguf_tokenizer
+    from chat.engine.model.loader import bundled_gguf, gguf_tokenizer
     tokenizer = gguf_tokenizer(bundled_gguf())  # the bundled model's, read from its GGUF
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
@@ -42,7 +42,7 @@ def tiny_phi_dir(hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
     import torch
     from transformers import PhiConfig, PhiForCausalLM
 
-    from chat.engine.model import bundled_gguf, gguf_tokenizer
+    from chat.engine.model.loader import bundled_gguf, gguf_tokenizer
     tokenizer = gguf_tokenizer(bundled_gguf())
     torch.manual_seed(seed)
     config = PhiConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,

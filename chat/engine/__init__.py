@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import Engine, GenParams, Generation
+from .base import Engine, Generation, GenParams
 from .events import Delta, Done, Queued, Refused, Started
 
 if TYPE_CHECKING:
@@ -20,9 +20,9 @@ __all__ = ["Engine", "GenParams", "Generation", "Queued", "Started", "Delta", "D
 def make_engine(settings: Settings) -> Engine:
     """The engine named by the settings: the local model, or a remote OpenAI-compatible one."""
     if settings.backend == "openai":
-        from .remote import RemoteEngine
+        from .remote.client import RemoteEngine
         return RemoteEngine(settings)
-    from .cpu import limit
+    from .kernels.cpu import limit
     limit(settings.cpu_isa)  # before torch is imported: its kernels read the CPU class once
-    from .local import LocalEngine
+    from .core.local import LocalEngine
     return LocalEngine(settings)

@@ -165,9 +165,6 @@ class Engine:
 
     model_name: str = "model"
     vocab_size: int | None = None  # the model's vocabulary (top_k's bound), when the engine knows it
-    weights: str | None = None  # what the local model's decode step multiplies by ("int4", "bfloat16"...)
-    formats: dict[str, str] | None = None  # the same per class of product (Decoder.formats)
-    cpu: str | None = None  # the CPU class the local engine runs (engine/cpu.py)
     ready: bool = False
     error: str | None = None
 
@@ -187,6 +184,12 @@ class Engine:
     def stats(self) -> dict:
         """Active and queued counts for health and metrics."""
         return {"active": 0, "queued": 0}
+
+    def describe(self) -> dict:
+        """What ``/readyz`` shows of a ready engine beyond its model's name: the local engine's weights (what its
+        decode step multiplies by: "int4", "blocks", "bfloat16"...), CPU class, formats per class of product,
+        decode step, idle chores and draft counts ({} for an engine with nothing to tell)."""
+        return {}
 
     def forget(self, key: str) -> None:
         """A conversation was deleted: drop whatever the engine keeps for ``key`` (its KV, in memory and on disk)."""

@@ -22,18 +22,7 @@ def readyz() -> ResponseReturnValue:
     engine = app_state().engine
     if engine.ready:
         ready: dict[str, object] = {"status": "ready", "model": engine.model_name}
-        if engine.weights:  # the local model's: what its decode step multiplies by, on which CPU class
-            ready["weights"] = engine.weights
-            if engine.cpu:
-                ready["cpu"] = engine.cpu
-            if engine.formats:
-                ready["formats"] = engine.formats
-            stats = engine.stats()
-            # Still measuring crossovers and building the C++ step while idle (CHAT_QUANT, CHAT_NATIVE).
-            ready["finishing"] = bool(stats.get("finishing"))
-            ready["decode"] = stats.get("decode", "torch")  # the decode step: "native" (C++) or "torch"
-            for name in ("draft_steps", "drafted_tokens", "draft_accepted_tokens"):  # CHAT_DRAFT's counts
-                ready[name] = stats.get(name, 0)
+        ready.update(engine.describe())  # the local model's weights, CPU class, decode step, ...
         return jsonify(ready)
     if engine.error:  # the reason (paths, backend URL) is in the server log, not for anyone who asks
         return jsonify({"status": "failed"}), 503

@@ -10,11 +10,11 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..concurrency import real_lock, receiver, spawn
-from ..config import Settings
-from ..errors import BackendError, ConfigError, EngineError, Overloaded
-from .base import Engine, GenParams, Generation
-from .events import Delta, Done, Refused, Started
+from ...concurrency import real_lock, receiver, spawn
+from ...config import Settings
+from ...errors import BackendError, ConfigError, EngineError, Overloaded
+from ..base import Engine, Generation, GenParams
+from ..events import Delta, Done, Refused, Started
 from .sse import Body
 
 log = logging.getLogger(__name__)

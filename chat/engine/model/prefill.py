@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import torch
 
-from .kv import KVBuffer
+from ..kv.buffer import KVBuffer
 
 MIN_CHUNK = 16  # prompt tokens: a long prompt still advances when its chunks cost more than planned
 

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..config import Settings
-from ..errors import ConfigError
-from . import cpu, crossover, gguf, native, quant, weights
+from ...config import Settings
+from ...errors import ConfigError
+from ..kernels import build, cpu, crossover, gguf, quant
+from . import native, weights
 from .decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,7 @@ def _load_direct(settings: Settings, device: torch.device, dtype: torch.dtype) -
     if mode != "off":
         dtype = torch.bfloat16  # the int4 kernel's activations, on every class (emulated without native bf16)
     # the C++ library's block products from the start when a build of it is kept (else once it is built: ``finish``)
-    blocks = mode != "off" and settings.native and native.kept(settings.model_cache_dir, machine)
+    blocks = mode != "off" and settings.native and build.kept(settings.model_cache_dir, machine)
     try:
         decoder = weights.from_gguf(f, mode, dtype, dense_copies=quant.dense_copies(machine.isa, blocks),
                                    blocks=blocks)
@@ -238,7 +239,7 @@ def finish(loaded: LoadedModel, settings: Settings) -> Iterator[None]:
     machine = cpu.detect(settings.cpu_isa)
     built = False
     if settings.native and decoder.dtype == torch.bfloat16 and loaded.device.type == "cpu":
-        built = yield from native.library(settings.model_cache_dir, machine)
+        built = yield from build.library(settings.model_cache_dir, machine)
     if built and decoder.weights == "int4" and source is not None and source.suffix == ".gguf":
         yield
         weights.to_blocks(gguf.read(source), decoder, quant.dense_copies(machine.isa, blocks=True))
@@ -308,7 +309,7 @@ def _load_transformers(settings: Settings, device: torch.device, dtype: torch.dt
         except weights.Unsupported as exc:
             log.info("%s: %s; using transformers' forward", name, exc)
     if decoder is not None and quantize:
-        blocks = settings.native and native.kept(settings.model_cache_dir, machine)
+        blocks = settings.native and build.kept(settings.model_cache_dir, machine)
         copies = quant.dense_copies(machine.isa, blocks) and settings.quant == "auto"
         if weights.quantize(decoder, copies, blocks=blocks):
             log.info("CPU class %s: %s quantized on load to Q8_0 on the %s (%s)", machine.describe(), name,

@@ -19,18 +19,21 @@ from pathlib import Path
 
 import torch
 
-from ..concurrency import run_in_thread, start_real_thread
-from ..config import Settings
-from ..errors import EngineUnavailable, Overloaded
-from . import cpu, drafts, grammar, kvdisk, prompt
-from . import model as model_loader
-from .base import Engine, GenParams, Generation
-from .decoder import Decoder
-from .events import Delta, Done, announce
-from .kv import KVBuffer, PrefixCache, joined
-from .prefill import PrefillJob
-from .runner import ModelRunner, release_memory, runner_for
-from .sampling import sample_rows
+from ...concurrency import real_lock, run_in_thread, start_real_thread
+from ...config import Settings
+from ...errors import EngineError, EngineUnavailable, Overloaded
+from ..base import Engine, Generation, GenParams
+from ..events import Delta, Done, Refused, announce
+from ..kernels import cpu
+from ..kv import disk as kvdisk
+from ..kv.buffer import KVBuffer, joined
+from ..kv.prefix import PrefixCache
+from ..model import loader as model_loader
+from ..model.decoder import Decoder
+from ..model.prefill import PrefillJob
+from ..model.runner import ModelRunner, release_memory, runner_for
+from ..model.sampling import sample_rows
+from . import drafts, grammar, prompt
 from .scheduler import Request, Scheduler
 from .slot import Slot
 
@@ -45,6 +48,10 @@ class LocalEngine(Engine):
     runner: ModelRunner
     grammars: grammar.Grammars
 
+    weights: str  # what the decode step multiplies by (``describe``), once loaded
+    formats: dict[str, str] | None
+    cpu: str
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.model_name = settings.model_name or "loading"
@@ -53,7 +60,10 @@ class LocalEngine(Engine):
         self.rows: list[Slot] = []  # decoding; row i is row i of self.kv
         self.kv: KVBuffer | None = None
         self.prefix = PrefixCache(settings.kv_cache_mb * 1024 * 1024)
-        self.queue = Scheduler(settings, self.prefix, self)
+        self.queue = Scheduler(settings, self.prefix)
+        # Generations submitted while the model loads: prepared on the engine thread once it is in.
+        self.early: list[Generation] = []
+        self.early_lock = real_lock()
         self.accepting = True
         self.stopping: str | None = None  # reason, once shutdown was asked
         self.closed = False  # the engine thread has ended
@@ -76,17 +86,19 @@ class LocalEngine(Engine):
         queue = self.queue
         # Only len() of the engine's structures: atomic, unlike iterating them.
         full = len(self.rows) + queue.prefilling >= self.settings.max_batch
-        if full and queue.queued() >= self.settings.max_queue:
+        if full and self.queued() >= self.settings.max_queue:
             raise Overloaded("the server is at capacity; try again shortly")
         gen = Generation(messages=messages, params=params, key=key, owner=owner, notify=self._notify)
-        request = Request(gen)
         queue.arriving.add(1)
         try:
-            if self.ready:
+            with self.early_lock:
+                early = not self.ready
+                if early:
+                    self.early.append(gen)
+            if not early:
                 # Fit now, so a message too long for the context is refused instead of queued;
                 # on a real thread, so a long history never holds up the event loop.
-                request.prompt_ids, request.matcher = run_in_thread(self.prepare, gen)
-            queue.put(request)
+                queue.put(Request(gen, *run_in_thread(self.prepare, gen)))
         finally:
             queue.arriving.add(-1)  # before the wake-up, so a gathering engine sees it landed
             queue.wake.set()
@@ -94,17 +106,34 @@ class LocalEngine(Engine):
             self._fail_inbox(self.stopping or "shutdown")
         return gen
 
+    def queued(self) -> int:
+        """Generations waiting to start (len() only: atomic, unlike iterating)."""
+        return self.queue.queued() + len(self.early)
+
     def _notify(self, _gen: Generation) -> None:
         """A generation was cancelled: the engine ends it at its next iteration."""
         self.queue.wake.set()
 
     def stats(self) -> dict:
-        return {"active": len(self.rows) + self.queue.prefilling, "queued": self.queue.queued(),
+        return {"active": len(self.rows) + self.queue.prefilling, "queued": self.queued(),
                 "prefix_cache_bytes": self.prefix.used, "prefix_hits": self.prefix.hits,
                 "prefix_misses": self.prefix.misses, "prefix_shared_hits": self.prefix.shared_hits,
                 "tokens_generated": self.tokens_generated, **self.drafter.stats(),
                 "finishing": self.chores is not None,
                 "decode": "native" if self.ready and self.runner.native else "torch"}
+
+    def describe(self) -> dict:
+        """The loaded model's facts: what its decode step multiplies by (the idle chores may move it: ``formats``
+        per class of product), on which CPU class, in C++ or torch, whether idle chores are still under way
+        (crossovers, the C++ build) and the drafts' counts."""
+        if not self.ready:
+            return {}
+        stats = self.stats()
+        facts = {"weights": self.weights, "cpu": self.cpu, "finishing": stats["finishing"], "decode": stats["decode"],
+                 **self.drafter.stats()}
+        if self.formats:
+            facts["formats"] = self.formats
+        return facts
 
     def drain(self) -> None:
         """Stop taking new requests; running and queued ones go on."""
@@ -120,15 +149,6 @@ class LocalEngine(Engine):
         """The own decoder the runner runs, or None on transformers' forward."""
         return self.runner.decoder
 
-    @property
-    def dims(self) -> tuple:
-        """A KV buffer's (layers, heads, head dim, dtype, device) for this model (the scheduler's jobs)."""
-        return self.runner.dims
-
-    @property
-    def wide_prefill(self) -> bool:
-        return self.runner.wide_prefill
-
     # ---- the engine thread ----
 
     def _run(self) -> None:
@@ -140,8 +160,26 @@ class LocalEngine(Engine):
             self.closed = True
             self._fail_inbox("error")
             return
+        with self.early_lock:
+            self.ready = True
+            early, self.early = self.early, []
+        log.info("engine ready: %s, max batch %d, prefill chunk %d", self.model_name,
+                 self.settings.max_batch, self.settings.prefill_chunk)
+        self._prepare_early(early)
         with torch.inference_mode():  # every tensor the engine makes is an inference tensor
             self._loop()
+
+    def _prepare_early(self, early: list[Generation]) -> None:
+        """Fit the generations submitted while the model loaded (refusing those that do not fit) and queue them
+        ahead of any submitted since."""
+        requests = []
+        for gen in early:
+            try:
+                requests.append(Request(gen, *self.prepare(gen)))
+            except EngineError as exc:
+                gen.emit(Refused(exc.code, exc.message))
+        self.queue.inbox.extendleft(reversed(requests))
+        self.queue.wake.set()
 
     def _loop(self) -> None:
         while not self.stopping:
@@ -186,7 +224,9 @@ class LocalEngine(Engine):
             if self.chores is not None and not queue.waiting:
                 if next(self.chores, _DONE) is _DONE:
                     self.chores = None
-                    self.weights, self.formats = self.runner.weights, self.runner.formats()  # the chores may move them
+                    # the chores may move the weights (onto the block products, once built)
+                    self.weights, self.formats = self.runner.weights, self.runner.formats()
+                    self.queue.wide_prefill = self.runner.wide_prefill
                 return  # one step of idle work at a time, then look for requests again
             if not self.trimmed:
                 release_memory()
@@ -199,11 +239,12 @@ class LocalEngine(Engine):
             self.model_name = self.loaded.name
             runner = self.runner = runner_for(self.loaded)
             if self.settings.warmup:
-                runner.warm_up()
+                runner.warm_up(prompt.render(self.loaded.tokenizer, [{"role": "user", "content": "Hi"}]))
             self.weights, self.formats = runner.weights, runner.formats()
             self.cpu = cpu.detect(self.settings.cpu_isa).isa
             self.vocab_size = runner.vocab_size
             self.grammars = grammar.Grammars(self.loaded.tokenizer, self.loaded.eos_ids, runner.vocab_size)
+            self.queue.loaded(runner.dims, self.loaded.tokenizer, runner.wide_prefill)
             self.chores = runner.chores(self.settings)
             settings = self.settings
             if settings.kv_disk_mb > 0 and settings.kv_cache_mb > 0:  # conversations' KV on disk too
@@ -219,9 +260,6 @@ class LocalEngine(Engine):
         gc.collect()
         gc.freeze()
         release_memory()  # loading's temporaries (a GGUF's unpacked blocks: hundreds of MB)
-        self.ready = True
-        log.info("engine ready: %s, max batch %d, prefill chunk %d", self.model_name,
-                 self.settings.max_batch, self.settings.prefill_chunk)
 
     def forget(self, key: str) -> None:
         self.prefix.forget(key)
@@ -240,7 +278,7 @@ class LocalEngine(Engine):
         """Prefill a preamble alone (as every prompt that reuses it would see it) and share its KV."""
         if self.prefix.has_preamble(ids):
             return
-        job = PrefillJob([ids], self.dims)
+        job = PrefillJob([ids], self.runner.dims)
         self.runner.prefill(job, len(ids))
         self.prefix.share(ids, *job.kv.row(0, copy=True))
 
@@ -252,12 +290,6 @@ class LocalEngine(Engine):
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self.grammars.tokenizer  # noqa: B018 (built on first use, here rather than on the engine thread)
         return ids, self.grammars.matcher(params.grammar) if params.grammar else None
-
-    def new_slot(self, gen: Generation, ids: list, matcher: object = None) -> Slot:
-        """A request's slot as it starts (the scheduler's admission)."""
-        slot = Slot(gen, ids, self.loaded.tokenizer, self.settings)
-        slot.matcher = matcher
-        return slot
 
     # ---- joining and decoding ----
 
@@ -379,6 +411,10 @@ class LocalEngine(Engine):
                 self.done(slot.gen, reason, slot)
 
     def _fail_inbox(self, reason: str) -> None:
+        with self.early_lock:
+            early, self.early = self.early, []
+        for gen in early:
+            self.done(gen, reason)
         for request in self.queue.drain_inbox():
             self.done(request.gen, reason)
 

@@ -21,10 +21,10 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from . import quant
+from ..kernels import quant
+from ..kernels.quant import Linear
+from ..kv.buffer import KVBuffer
 from .architecture import ARCHITECTURES, Architecture
-from .kv import KVBuffer
-from .quant import Linear
 
 
 @dataclass

@@ -21,19 +21,18 @@ import collections
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any
 
-import torch
-
-from ..concurrency import Counter, Wakeup
-from ..config import Settings
-from ..errors import EngineError
-from . import sampling
-from .base import Generation
-from .kv import PrefixCache
-from .prefill import MIN_CHUNK, PrefillJob
+from ...concurrency import Counter, Wakeup
+from ...config import Settings
+from ...errors import EngineError
+from ..base import Generation
+from ..kv.prefix import PrefixCache
+from ..model import sampling
+from ..model.prefill import MIN_CHUNK, PrefillJob
 from .slot import Slot
 
+Logits = Any  # a forward's logits (a torch tensor: the model room's)
 
 STALL = 2.0  # a prefill chunk between two decode steps takes at most about this many decode steps
 GATHER_S = 0.05  # the most an idle engine waits for requests being submitted along with the first
@@ -51,26 +50,9 @@ class Request:
     """A generation waiting for the engine: what only the engine knows of it."""
 
     gen: Generation
-    prompt_ids: list | None = None  # fitted at submit once the model is ready, else at admission
-    matcher: object = None  # the grammar's matcher (engine/grammar.py), compiled with the prompt ids
+    prompt_ids: list  # fitted before it reaches the scheduler (``LocalEngine.prepare``)
+    matcher: object = None  # the grammar's matcher (engine/core/grammar.py), compiled with the prompt ids
     position: int | None = None  # the queue position last told to the consumer
-
-
-class Host(Protocol):
-    """What the scheduler asks of its engine: a waiter's prompt fitted, a slot made, a KV buffer's shape."""
-
-    @property
-    def dims(self) -> tuple: ...
-
-    @property
-    def wide_prefill(self) -> bool:
-        """Whether a forward of many rows costs little more than one of a few (dense products there): then
-        newcomers arriving together are prefilled in one forward rather than each from its preamble."""
-        ...
-
-    def prepare(self, gen: Generation) -> tuple[list[int], object]: ...
-
-    def new_slot(self, gen: Generation, ids: list, matcher: object = None) -> Slot: ...
 
 
 @dataclass(eq=False)
@@ -108,14 +90,20 @@ class Scheduler:
     """The queue of one ``LocalEngine`` and its prompts being prefilled: it decides, the engine runs.
 
     Each iteration's ``plan`` takes new requests, admits what fits, and then hands out prefill chunks
-    within the iteration's budget; ``cut`` says which decoding rows end before the decode step. The
-    engine (``host``) only fits prompts and makes slots for it; events and forwards are the engine's.
+    within the iteration's budget; ``cut`` says which decoding rows end before the decode step. Requests
+    reach it prepared (prompt ids fitted, grammar compiled: ``LocalEngine.prepare``, off the engine thread);
+    events and forwards are the engine's. It plans once ``loaded`` told it the model's KV shape.
     """
 
-    def __init__(self, settings: Settings, prefix: PrefixCache, host: Host) -> None:
+    def __init__(self, settings: Settings, prefix: PrefixCache) -> None:
         self.settings = settings
         self.prefix = prefix
-        self.host = host
+        self.dims: tuple | None = None  # a KV buffer's (layers, heads, head dim, dtype, device): ``loaded``
+        self.tokenizer: Any = None  # the slots' (their text)
+        # Whether a forward of many rows costs little more than one of a few (dense products): then newcomers
+        # arriving together are prefilled in one forward rather than each from its preamble. The engine keeps
+        # it current (the idle chores may move the weights onto the block products).
+        self.wide_prefill = False
         self.inbox: collections.deque = collections.deque()  # producers append, the engine pops
         self.waiting: collections.deque = collections.deque()  # Requests; engine thread only
         self.jobs: collections.deque = collections.deque()  # prefills in progress; engine thread only
@@ -126,6 +114,10 @@ class Scheduler:
         self.token_s = 0.0  # seconds a prompt token costs in a chunk beside decoding rows (measured)
         self.spent: dict[str, int] = {}  # prompt tokens prefilled per owner since prefill last went idle
         self.budget_tokens = max(PREFILL_TOKENS, 2 * self.settings.context_tokens)
+
+    def loaded(self, dims: tuple, tokenizer: Any, wide_prefill: bool) -> None:
+        """The model is in: the shape of its KV buffers, its tokenizer (the slots'), how its prefill scales."""
+        self.dims, self.tokenizer, self.wide_prefill = dims, tokenizer, wide_prefill
 
     # ---- any thread
 
@@ -241,14 +233,10 @@ class Scheduler:
             if wrong is not None:  # refused alone: the batch never sees these parameters
                 plan.refused.append((gen, EngineError(wrong, "bad_message", 400)))
                 continue
-            try:
-                if request.prompt_ids is None:
-                    request.prompt_ids, request.matcher = self.host.prepare(gen)
-            except EngineError as exc:
-                plan.refused.append((gen, exc))
-                continue
             room -= 1
-            started.append(self.host.new_slot(gen, request.prompt_ids, request.matcher))
+            slot = Slot(gen, request.prompt_ids, self.tokenizer, self.settings)
+            slot.matcher = request.matcher
+            started.append(slot)
         # Several newcomers without a conversation's KV arriving together share their chunks where prefill
         # runs on dense products (one forward for all: cheaper than a forward each, even from a shared
         # preamble); on the block kernels, whose many-row forwards cost in proportion to their rows, and for
@@ -256,7 +244,7 @@ class Scheduler:
         # seeded, sampled prompt never takes a preamble: whether one is held when it arrives must not change
         # its answer (its KV, prefilled alone, rounds apart); a scored prompt (every position's log
         # probability) reuses nothing.
-        burst = self.host.wide_prefill and sum(not _alone(s) and s.gen.key not in self.prefix.entries
+        burst = self.wide_prefill and sum(not _alone(s) and s.gen.key not in self.prefix.entries
                                                for s in started) > 1
         for slot in started:
             gen, seeded = slot.gen, _seeded(slot)
@@ -282,7 +270,8 @@ class Scheduler:
             # Fresh prompts still waiting for their first chunk: fewer, wider forwards.
             self.jobs.pop()
             slots = last.slots + slots
-        job = PrefillJob([s.prompt_ids for s in slots], self.host.dims, reused)
+        assert self.dims is not None
+        job = PrefillJob([s.prompt_ids for s in slots], self.dims, reused)
         job.slots = slots
         job.score = max((s.params.prompt_logprobs for s in slots if s.params.prompt_logprobs is not None),
                         default=None)
@@ -316,7 +305,7 @@ class Scheduler:
             return Chunk(job, columns)
         return None
 
-    def ran(self, plan: Plan, chunk: Chunk, spent: float, logits: torch.Tensor | None) -> None:
+    def ran(self, plan: Plan, chunk: Chunk, spent: float, logits: Logits | None) -> None:
         """``chunk`` ran in ``spent`` seconds; ``logits``: its job's last position's, once the job is done."""
         job, columns = chunk.job, chunk.columns
         if plan.decoding:
@@ -343,7 +332,7 @@ class Scheduler:
             return min(self.spent.get(owner(s.gen), 0) for s in job.slots)
         return min(self.jobs, key=served)  # min keeps the first (oldest) of equals
 
-    def take_joining(self) -> Iterator[tuple[PrefillJob, torch.Tensor]]:
+    def take_joining(self) -> Iterator[tuple[PrefillJob, Logits]]:
         """Prefilled jobs, oldest first, each with its last position's logits."""
         while self.joining:
             yield self.joining.popleft()

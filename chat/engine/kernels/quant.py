@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import logging
 import weakref
+from typing import Union
 
 import torch
 import torch.nn.functional as F
-from typing import Union
 
 from . import gguf
 
@@ -147,7 +147,7 @@ def by_group(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 class Blocks:
     """A matrix (out, in) kept as blocks of 32 weights for the C++ library's product with 8-bit activations
-    (``blocks.cpp``; it must be loaded: ``native.load``): 4-bit weights as nibbles (``U4``), 5-bit ones with
+    (``blocks.cpp``; it must be loaded: ``build.load``): 4-bit weights as nibbles (``U4``), 5-bit ones with
     a plane of fifth bits (``U5``), 8-bit ones signed (``S8``; two scales a block for Q6_K's 16-weight
     sub-blocks), each block with its scale and, unless the type is symmetric, its min: w = s * q + z, the
     file's numbers unchanged (scales and mins in f16 where they are exactly f16, else float32). Rows go in

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Any
 from collections import OrderedDict
+from typing import Any
 
 import llguidance
 import llguidance.hf
 import numpy as np
 import torch
 
-from ..errors import EngineError
+from ...errors import EngineError
 
 CACHE_SIZE = 128  # compiled grammars kept (most recently used)
 TOP_MAX = 20  # alternatives per token, as OpenAI allows

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from .base import GenParams
+from ..base import GenParams
 
 log = logging.getLogger(__name__)
 NARROW = 64  # topk of 64 of 49,152 logits x 8 rows: ~1.3 ms here; of 256: ~6 ms

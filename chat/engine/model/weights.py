@@ -25,10 +25,10 @@ import logging
 
 import torch
 
-from . import gguf, quant
+from ..kernels import gguf, quant
+from ..kernels.quant import Linear
 from .architecture import Architecture, for_gguf, for_hf
 from .decoder import Decoder, Embedding, Layer, Shape
-from .quant import Linear
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, 
               blocks: bool = False) -> Decoder:
     """The decoder of a GGUF file's weights (see the module's docstring for ``mode``). ``dense_copies``:
     whether ``auto`` keeps dense copies of the int4 products for long prefills (``quant.POLICY``);
-    ``blocks``: the file's blocks on the C++ library's products (loaded: ``native.load``) instead of the
+    ``blocks``: the file's blocks on the C++ library's products (loaded: ``build.load``) instead of the
     int4 kernel."""
     shape, arch = gguf_shape(f), gguf_architecture(f)
     if dtype != torch.bfloat16:

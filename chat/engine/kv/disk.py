@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..concurrency import Wakeup, start_real_thread
+from ...concurrency import Wakeup, start_real_thread
 
 log = logging.getLogger(__name__)
 MAGIC = b"CHAT-KV1"

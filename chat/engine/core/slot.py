@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import random
 import time
-
 from typing import Any
 
 import torch
 
-from ..config import Settings
-
-from .base import Generation
+from ...config import Settings
+from ..base import Generation
+from ..events import Delta, Done
 from .decoding import IncrementalDecoder, StopMatcher
-from .events import Delta, Done
 
 
 class Slot:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .sampling import sample_rows
+from ..model.sampling import sample_rows
 
 MIN_N, MAX_N = 2, 4  # n-gram lengths looked up, longest first
 MAX_DRAFT = 8  # tokens drafted at most in one step

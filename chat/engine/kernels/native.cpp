@@ -2,7 +2,7 @@
 // column per row, with the norms, rotary positions, key/value writes, attention and SwiGLU as
 // plain loops and the products on ATen's kernels (int4 or dense, as the Python side picks).
 //
-// Built by chat/engine/native.py with the C++ compiler it finds, loaded with
+// Built by chat/engine/model/native.py with the C++ compiler it finds, loaded with
 // torch.ops.load_library. Eager torch spends ~40 operator calls a layer on vectors of a few
 // hundred numbers (3 µs each here, more than their arithmetic); this is the same step with four.
 //
@@ -383,7 +383,7 @@ float weights(const float* __restrict x, float* __restrict w, int64_t n, float t
   return total;
 }
 
-// Next token of each row of ``logits`` (rows, vocab) float32, as chat/engine/sampling.py draws it:
+// Next token of each row of ``logits`` (rows, vocab) float32, as chat/engine/model/sampling.py draws it:
 // temperature <= 0 is argmax; else probabilities over the whole vocabulary at that temperature,
 // then top-k, top-p over what top-k kept, min-p against the most likely, and the token where the
 // row's uniform ``u`` falls in the kept probabilities (most likely first; with none of the three

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..errors import PromptTooLong
+from ...errors import PromptTooLong
 
 _PAD = " \t\n"  # around a marker: a template that trims the text (``| trim``) strips it, and we see it
 _MARK = re.compile("(\ue000M(\\d+)\ue001)")  # private-use characters: no template trims or escapes them
@@ -48,7 +48,7 @@ def with_tools(tokenizer: Any, messages: list, tools: tuple) -> tuple[list, dict
         return messages, {}
     if renders_tools(tokenizer):
         return messages, {"tools": list(tools)}
-    from ..structured import tools_prompt
+    from ...structured import tools_prompt
     head = tools_prompt(list(tools))
     if messages and messages[0]["role"] == "system":
         return [{"role": "system", "content": f"{messages[0]['content']}\n\n{head}"}, *messages[1:]], {}

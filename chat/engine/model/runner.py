@@ -15,12 +15,12 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from ..config import Settings
-from . import attention, native, prompt
-from . import model as model_loader
-from .base import GenParams
+from ...config import Settings
+from ..base import GenParams
+from ..kv.buffer import KVBuffer
+from . import attention, native
+from . import loader as model_loader
 from .decoder import Decoder
-from .kv import KVBuffer
 from .prefill import PrefillJob
 from .sampling import sample
 
@@ -87,8 +87,8 @@ class ModelRunner(Protocol):
         """Idle work after start-up, a step per idle iteration of the engine."""
         ...
 
-    def warm_up(self) -> None:
-        """A tiny generation, so the first user pays for no lazy initialisation."""
+    def warm_up(self, ids: list[int]) -> None:
+        """A tiny generation from prompt ``ids``, so the first user pays for no lazy initialisation."""
         ...
 
 
@@ -147,10 +147,10 @@ class _Runner:
         """Idle work after start-up, a step per idle turn of the engine."""
         return iter(())
 
-    def warm_up(self) -> None:
-        """Run a tiny generation, chunked and sampled, so the first user pays for no lazy initialisation."""
+    def warm_up(self, ids: list[int]) -> None:
+        """Run a tiny generation from prompt ``ids``, chunked and sampled, so the first user pays for no lazy
+        initialisation."""
         started = time.monotonic()
-        ids = prompt.render(self.loaded.tokenizer, [{"role": "user", "content": "Hi"}])
         job = PrefillJob([ids], self.dims)
         logits = self.prefill(job, len(ids) // 2)
         logits = logits if logits is not None else self.prefill(job, len(ids))
