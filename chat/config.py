@@ -44,7 +44,8 @@ class Settings:
     quant: str = _setting(
         "CHAT_QUANT", "auto", read.choice("auto", "int4", "off"),
         doc="Weights of a GGUF model on the CPU. `auto`: the file's blocks (Q4_0..Q8_0 as stored; Q4_K, Q5_K, "
-            "Q6_K from their decoded parts; exact) on the C++ library's block kernels with 8-bit activations, as llama.cpp multiplies them "
+            "Q6_K from their decoded parts; exact) on the C++ library's block kernels with 8-bit activations, "
+            "as llama.cpp multiplies them "
             "(`weights: blocks`); float types and Q2_K/Q3_K dense. Until that library is built (a first start; "
             "`CHAT_NATIVE`) and without a C++ compiler: torch's int4 kernel (`weights: int4`; s and z in bf16), "
             "with dense bf16 copies for long prefills on CPUs with native bf16. Either is checked against dense "
@@ -59,9 +60,9 @@ class Settings:
             "unless already set) follow it. A class above this CPU's is ignored with a warning.")
     native: bool = _setting(
         "CHAT_NATIVE", True, read.boolean,
-        doc="Run each decode step on the CPU as one C++ call (`chat/engine/kernels/native.cpp`) and a GGUF's products on "
-            "the same library's block kernels (`blocks.cpp`, see `CHAT_QUANT`): 2-4x torch's operators at one "
-            "stream. Built with the machine's C++ compiler (`$CXX`, `c++` or `g++`) while idle after the first "
+        doc="Run each decode step on the CPU as one C++ call (`chat/engine/kernels/native.cpp`) and a GGUF's "
+            "products on the same library's block kernels (`blocks.cpp`, see `CHAT_QUANT`): 2-4x torch's operators "
+            "at one stream. Built with the machine's C++ compiler (`$CXX`, `c++` or `g++`) while idle after the first "
             "start, 15-25 s once, kept under `CHAT_CACHE_DIR`; checked against torch's step before use. Without "
             "a compiler, or `false`: torch's operators and int4 kernel. `/readyz` reports which (`decode`).")
     draft: str = _setting(

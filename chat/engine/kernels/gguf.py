@@ -30,17 +30,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from .blocktypes import TYPES
+
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
-NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
-         Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", BF16: "BF16", 10: "Q2_K", 11: "Q3_K"}
 BLOCK = 32
-_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 _FLOAT = {F32: np.float32, F16: np.float16}
-# Other block types: (weights, bytes) per block, for walking the file; dequantized by gguf-py.
-_OTHER_BLOCKS = {Q5_0: (32, 22), Q5_1: (32, 24), 10: (256, 84), 11: (256, 110), Q4_K: (256, 144),
-                 Q5_K: (256, 176), Q6_K: (256, 210)}
-AFFINE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K)  # w = s * q + z per 32 weights: see ``affine``
-BITS = {Q4_0: 4, Q4_1: 4, Q4_K: 4, Q5_0: 5, Q5_1: 5, Q5_K: 5, Q8_0: 8}
+# Views of the one table (blocktypes.TYPES) that the code here and the loader read.
+NAMES = {k: t.name for k, t in TYPES.items()}
+AFFINE = tuple(k for k, t in TYPES.items() if t.bits)  # w = s * q + z per 32 weights: see ``affine``
+BITS = {k: t.bits for k, t in TYPES.items() if t.bits}
 
 
 def type_name(kind: int) -> str:
@@ -65,7 +63,7 @@ class Tensor:
 
     def blocks(self) -> np.ndarray:
         """(rows, blocks per row, bytes per block) of a block-quantized tensor."""
-        size = _BLOCK_BYTES.get(self.kind) or _OTHER_BLOCKS[self.kind][1]
+        size = TYPES[self.kind].block_bytes
         return self.raw.reshape(self.rows, -1, size)
 
 
@@ -118,16 +116,9 @@ def read(path: str | Path) -> GGUFFile:
 
 def _nbytes(kind: int, shape: tuple, path: Path) -> int:
     count = int(np.prod(shape))
-    if kind in _FLOAT:
-        return count * np.dtype(_FLOAT[kind]).itemsize
-    if kind == BF16:
-        return count * 2
-    if kind in _BLOCK_BYTES:
-        return count // BLOCK * _BLOCK_BYTES[kind]
-    if kind in _OTHER_BLOCKS:
-        per, size = _OTHER_BLOCKS[kind]
-        return count // per * size
-    raise ValueError(f"{path}: tensor type {kind} is not supported")
+    if kind not in TYPES:
+        raise ValueError(f"{path}: tensor type {kind} is not supported")
+    return count // TYPES[kind].per_block * TYPES[kind].block_bytes
 
 
 def _string(blob: memoryview, pos: int) -> tuple[str, int]:
@@ -210,8 +201,8 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-SIGNED = (Q8_0, Q6_K)  # w = s * q with signed q: see ``signed``
-STORED = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # regrouped for the block products straight from their bytes: ``regroup``
+SIGNED = tuple(k for k, t in TYPES.items() if t.signed)  # w = s * q with signed q: see ``signed``
+STORED = tuple(k for k, t in TYPES.items() if t.stored)  # to the block products from their bytes: ``regroup``
 
 
 def raw_blocks(t: Tensor) -> torch.Tensor:

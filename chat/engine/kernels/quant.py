@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass
 from typing import Union
 
 import torch
@@ -54,19 +55,34 @@ GROUP = gguf.BLOCK
 # slower than fp32 at 8+ rows and int4 is on par with fp32 at many rows and far ahead at few: int4 alone (a
 # float32 dense copy would quadruple the memory for no gain). ``generic`` (no AVX2, or not x86) has only
 # the kernel's reference path: dense float32 weights.
-POLICY = {"avx512_bf16": "int4 + dense bf16 copies, or blocks alone", "avx512": "int4 or blocks",
-          "avx2": "int4 or blocks", "generic": "dense float32"}
+@dataclass(frozen=True)
+class Policy:
+    """What ``CHAT_QUANT=auto`` runs on one CPU class: read by the loader (``dense_copies``, ``quantized``)."""
+
+    quantized: bool  # quantized products at all (the int4 kernel, then the block products); else dense float32
+    int4_dense_copies: bool  # dense bf16 copies beside the int4 products, for prefills (never beside blocks)
+
+    def __str__(self) -> str:
+        if not self.quantized:
+            return "dense float32"
+        return "int4 + dense bf16 copies, or blocks alone" if self.int4_dense_copies else "int4 or blocks"
+
+
+POLICY = {"avx512_bf16": Policy(quantized=True, int4_dense_copies=True),
+          "avx512": Policy(quantized=True, int4_dense_copies=False),
+          "avx2": Policy(quantized=True, int4_dense_copies=False),
+          "generic": Policy(quantized=False, int4_dense_copies=False)}
 
 
 def dense_copies(isa: str, blocks: bool = False) -> bool:
     """Whether ``CHAT_QUANT=auto`` keeps dense copies of the quantized products on this CPU class (``blocks``:
-    the products are the C++ library's blocks)."""
-    return isa == "avx512_bf16" and not blocks
+    the products are the C++ library's blocks, which never keep them)."""
+    return POLICY[isa].int4_dense_copies and not blocks
 
 
 def quantized(isa: str) -> bool:
-    """Whether this CPU class runs the int4 kernel at all."""
-    return isa != "generic"
+    """Whether this CPU class runs quantized products at all."""
+    return POLICY[isa].quantized
 
 
 _mm = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -153,8 +169,9 @@ class Blocks:
     file's numbers unchanged (scales and mins in f16 where they are exactly f16, else float32). Rows go in
     groups of 8, each block's bytes interleaved 4 by 4 across the group (``blocks.cpp`` draws it)."""
 
-    U4, U5, S8, U8 = 0, 1, 2, 3
+    U4, U5, S8, U8 = 0, 1, 2, 3  # the C++ library's ids of the forms
     KINDS = {U4: "q4", U5: "q5", S8: "q8", U8: "q8"}
+    FORMS = {"q4": U4, "q5": U5, "q8": S8}  # a block type's ``product`` (blocktypes.py) -> its form
     ROWS = 8  # rows a group
 
     def __init__(self, kind: int, rows: int, qs: torch.Tensor, qh: torch.Tensor, scales: torch.Tensor,

@@ -10,7 +10,9 @@ beyond that core. Adding an architecture is one more ``Architecture`` in ``ARCHI
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Container
 from dataclasses import dataclass
+from typing import Any
 
 # Block features beyond the Llama core, and what each means for the weights (read where the file has them).
 FEATURES = {
@@ -20,11 +22,50 @@ FEATURES = {
 
 
 @dataclass(frozen=True)
+class Limits:
+    """What the own decoder and the C++ step compute of a block's shape; a file or a config outside these runs
+    on transformers' forward (``Architecture.gguf_problem``/``hf_problem`` name what is outside)."""
+
+    rope_scaling: tuple[str, ...] = ("none",)  # rotary scaling kinds computed ("none": the base theta alone)
+    partial_rotary: bool = False  # rotary positions over part of a head
+    activations: tuple[str, ...] = ("silu",)  # the gated MLP's activation (transformers' hidden_act)
+    sliding_window: bool = False  # attention over a window of the latest positions
+    mlp_bias: bool = False
+
+
+@dataclass(frozen=True)
 class Architecture:
     name: str  # GGUF's general.architecture
     hf_types: tuple[str, ...]  # transformers' config.model_type values read with this description
     features: frozenset[str] = frozenset()
     interleaved_qk: bool = False  # llama.cpp's converter interleaved each q/k head's rotary halves
+    limits: Limits = Limits()
+
+    def gguf_problem(self, meta: Callable[[str, Any], Any], tensors: Container[str], head_dim: int) -> str | None:
+        """What of a GGUF file's block (``meta(key, default)``: its ``<arch>.`` metadata) is outside ``limits``,
+        or None. Linear rope scaling by 1.0 is none."""
+        kind = meta("rope.scaling.type", "none")
+        if kind == "linear" and meta("rope.scaling.factor", 1.0) == 1.0:
+            kind = "none"
+        if kind not in self.limits.rope_scaling or ("rope_freqs.weight" in tensors and kind == "none") \
+                or (kind == "none" and meta("rope.scaling.factor", 1.0) != 1.0):
+            return "rope scaling"
+        if not self.limits.partial_rotary and meta("rope.dimension_count", head_dim) != head_dim:
+            return "partial rotary"
+        return None
+
+    def hf_problem(self, cfg: Any) -> str | None:
+        """What of a transformers text config is outside ``limits``, or None."""
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        windowed = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window",
+                                                                    cfg.model_type == "mistral")
+        if (kind if kind != "default" else "none") not in self.limits.rope_scaling \
+                or getattr(cfg, "hidden_act", "silu") not in self.limits.activations \
+                or getattr(cfg, "mlp_bias", False) and not self.limits.mlp_bias \
+                or windowed and not self.limits.sliding_window:
+            return "rope scaling, activation, MLP bias or sliding window"
+        return None
 
     def products(self, layer: int) -> list[list[str]]:
         """The GGUF names behind each of a layer's four products: q/k/v, output, gate/up, down."""

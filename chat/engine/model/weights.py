@@ -26,6 +26,7 @@ import logging
 import torch
 
 from ..kernels import gguf, quant
+from ..kernels.blocktypes import TYPES
 from ..kernels.quant import Linear
 from .architecture import Architecture, for_gguf, for_hf
 from .decoder import Decoder, Embedding, Layer, Shape
@@ -49,15 +50,13 @@ def gguf_architecture(f: gguf.GGUFFile) -> Architecture:
 
 
 def gguf_shape(f: gguf.GGUFFile) -> Shape:
-    gguf_architecture(f)
-    if f.meta("rope.scaling.type", "none") not in ("none", "linear") or "rope_freqs.weight" in f.tensors \
-            or f.meta("rope.scaling.factor", 1.0) != 1.0:
-        raise Unsupported("rope scaling")
+    arch = gguf_architecture(f)
     heads = f.meta("attention.head_count")
     hidden = f.meta("embedding_length")
     head_dim = f.meta("attention.key_length") or hidden // heads
-    if f.meta("rope.dimension_count", head_dim) != head_dim:
-        raise Unsupported("partial rotary")
+    problem = arch.gguf_problem(f.meta, f.tensors, head_dim)
+    if problem:
+        raise Unsupported(problem)
     return Shape(layers=f.meta("block_count"), hidden=hidden, heads=heads,
                  kv_heads=f.meta("attention.head_count_kv") or heads, head_dim=head_dim,
                  eps=f.meta("attention.layer_norm_rms_epsilon"), rope_theta=f.meta("rope.freq_base", 10000.0),
@@ -94,8 +93,9 @@ class _Reader:
         ``blocks`` (the C++ library's block products): the GGUF type itself, None for a dense one."""
         kind = self.tensor(name).kind
         if blocks:
-            return kind if kind in gguf.AFFINE or kind in gguf.SIGNED else None
-        return None if kind not in gguf.AFFINE else 4 if gguf.BITS[kind] == 4 else 8
+            return kind if TYPES[kind].product else None
+        bits = TYPES[kind].bits
+        return None if bits is None else 4 if bits == 4 else 8
 
     def blocks(self, names: list[str]) -> quant.Blocks:
         """Tensors of one type stacked along the outputs, as a block product."""
@@ -131,7 +131,9 @@ def _block_product(kind: int, parts: list) -> quant.Blocks:
 
 def _stored(kind: int, raw: torch.Tensor) -> quant.Blocks:
     qs, qh, scales, mins, centre = gguf.regroup(kind, raw, quant.Blocks.ROWS)
-    form = {4: quant.Blocks.U4, 5: quant.Blocks.U5, 8: quant.Blocks.S8}[gguf.BITS[kind]]
+    product = TYPES[kind].product
+    assert product is not None, gguf.type_name(kind)
+    form = quant.Blocks.FORMS[product]
     if form == quant.Blocks.S8 and quant.unsigned_bytes():
         form, qs, centre = quant.Blocks.U8, qs ^ 0x80, 128.0  # q + 128: VNNI's dot product takes it at full range
     return quant.Blocks(form, raw.shape[0], qs, qh, scales, mins, centre)
@@ -323,10 +325,9 @@ def from_hf(model: torch.nn.Module) -> Decoder:
     arch = for_hf(cfg.model_type)
     if arch is None:
         raise Unsupported(f"model type {cfg.model_type!r}")
-    if rope.get("rope_type", rope.get("type", "default")) != "default" or getattr(cfg, "hidden_act", "silu") != "silu" \
-            or getattr(cfg, "mlp_bias", False) or getattr(cfg, "sliding_window", None) and getattr(
-                cfg, "use_sliding_window", cfg.model_type == "mistral"):
-        raise Unsupported("rope scaling, activation, MLP bias or sliding window")
+    problem = arch.hf_problem(cfg)
+    if problem:
+        raise Unsupported(problem)
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
