@@ -162,7 +162,7 @@ class Drafter:
             if not take(slot, token) or j == len(guess) or token != guess[j]:
                 break
             right += 1
-        kv.mask[:, kv.length:kv.length + len(guess) + 1] = 0  # the drafts the answer did not make
+        kv.close(len(guess) + 1)  # the drafts the answer did not make
         slot.drafts.checked(len(guess), right)
         self.steps += 1
         self.drafted += len(guess)

@@ -93,6 +93,11 @@ class KVBuffer:
         """A forward wrote the ``count`` columns opened for it: they are the rows' newest."""
         self.length += count
 
+    def close(self, count: int) -> None:
+        """Unmark the next ``count`` columns (opened and written, but not advanced over: a drafted step's columns
+        the answer did not keep), so no later mask reads them as real."""
+        self.mask[:, self.length:self.length + count] = 0
+
     def clear(self, r: int, count: int) -> None:
         """Zero row ``r``'s next ``count`` columns (padding a forward wrote: never read, kept finite)."""
         for t in self.keys + self.values:
