@@ -37,15 +37,19 @@ def library():
     return path
 
 
-# The tiny llama (Q4_1 layers, Q8_0 table), and a Qwen2 (q/k/v biases) whose layers mix K-quants, 5-bit and
-# 8-bit types and a dense Q6_K part, with a dense Q6_K output layer: every form the step multiplies by.
-FILES = {"llama": {}, "qwen2-mix": {"hidden": 256, "qtype": "mix", "arch": "qwen2", "head": "Q6_K"}}
+# The tiny llama (Q4_1 layers, Q8_0 table), a Qwen2 (q/k/v biases) whose layers mix K-quants, 5-bit and
+# 8-bit types and a dense Q6_K part, with a dense Q6_K output layer: every form the step multiplies by; and a
+# Qwen3 (q/k head norms).
+FILES = {"llama": {}, "qwen2-mix": {"hidden": 256, "qtype": "mix", "arch": "qwen2", "head": "Q6_K"},
+         "qwen3": {"arch": "qwen3", "head_dim": 32}}  # per-head q/k norms, heads wider than hidden / heads
 
 
 @pytest.fixture(scope="module", params=[("off", "llama"), pytest.param(("int4", "llama"), marks=int4_cpu),
                                         pytest.param(("int4", "qwen2-mix"), marks=int4_cpu),
                                         pytest.param(("blocks", "llama"), marks=int4_cpu),
-                                        pytest.param(("blocks", "qwen2-mix"), marks=int4_cpu)], ids="-".join)
+                                        pytest.param(("blocks", "qwen2-mix"), marks=int4_cpu),
+                                        ("off", "qwen3"), pytest.param(("blocks", "qwen3"), marks=int4_cpu)],
+                ids="-".join)
 def decoder(request, library):
     mode, file = request.param  # blocks: the library's block products (int4 everywhere else)
     f = gguf.read(tiny_gguf(**FILES[file]))

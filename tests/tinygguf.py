@@ -21,11 +21,13 @@ MIX = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_
 
 
 def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, qtype: str = "Q4_1",
-              seed: int = 0, arch: str = "llama", head: str = "Q8_0") -> Path:
+              seed: int = 0, arch: str = "llama", head: str = "Q8_0", head_dim: int | None = None) -> Path:
     """A .gguf file, built once and cached: every attention and MLP matrix in ``qtype`` (Q4_0, Q4_1, Q5_0,
     Q5_1, Q8_0, or "mix": ``MIX``), the token table (shared with the output layer) in ``head``. Weights
-    are wide (std 0.2), so greedy answers have no near-ties. ``arch`` qwen2 adds q/k/v biases."""
-    target = CACHE / f"tiny-{arch}-{qtype}-{head}-h{hidden}-l{layers}-s{seed}.gguf"
+    are wide (std 0.2), so greedy answers have no near-ties. ``arch`` qwen2 adds q/k/v biases, qwen3 per-head
+    q/k norms; ``head_dim`` other than hidden / heads sets the heads' size apart (Qwen3's are wider)."""
+    sized = f"-d{head_dim}" if head_dim else ""
+    target = CACHE / f"tiny-{arch}-{qtype}-{head}-h{hidden}{sized}-l{layers}-s{seed}.gguf"
     if target.is_file():
         return target
     import numpy as np
@@ -36,7 +38,7 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
     source = GGUFReader(str(bundled_gguf()))
     rng = np.random.default_rng(seed)
     kind = GGMLQuantizationType[qtype] if qtype != "mix" else None
-    head_dim = hidden // heads
+    head_dim = head_dim or hidden // heads
     vocab = len(source.fields["tokenizer.ggml.tokens"].data)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -50,6 +52,9 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    if head_dim != hidden // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     for key in TOKENIZER_KEYS:
         field = source.fields[key]
         value = field.contents()
@@ -88,8 +93,8 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
     def bias(name: str, size: int) -> None:
         w.add_tensor(name, rng.normal(0, 0.2, size).astype(np.float32))
 
-    def norm(name: str) -> None:
-        w.add_tensor(name, (1 + rng.normal(0, 0.1, hidden)).astype(np.float32))
+    def norm(name: str, size: int = hidden) -> None:
+        w.add_tensor(name, (1 + rng.normal(0, 0.1, size)).astype(np.float32))
 
     matrix("token_embd.weight", vocab, hidden, GGMLQuantizationType[head])
     norm("output_norm.weight")
@@ -97,14 +102,17 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
         p = f"blk.{i}."
         norm(p + "attn_norm.weight")
         norm(p + "ffn_norm.weight")
-        matrix(p + "attn_q.weight", hidden, hidden)
+        matrix(p + "attn_q.weight", heads * head_dim, hidden)
         matrix(p + "attn_k.weight", kv_heads * head_dim, hidden)
         matrix(p + "attn_v.weight", kv_heads * head_dim, hidden)
         if arch == "qwen2":
-            bias(p + "attn_q.bias", hidden)
+            bias(p + "attn_q.bias", heads * head_dim)
             bias(p + "attn_k.bias", kv_heads * head_dim)
             bias(p + "attn_v.bias", kv_heads * head_dim)
-        matrix(p + "attn_output.weight", hidden, hidden)
+        if arch == "qwen3":
+            norm(p + "attn_q_norm.weight", head_dim)
+            norm(p + "attn_k_norm.weight", head_dim)
+        matrix(p + "attn_output.weight", hidden, heads * head_dim)
         matrix(p + "ffn_gate.weight", hidden * 2, hidden)
         matrix(p + "ffn_up.weight", hidden * 2, hidden)
         matrix(p + "ffn_down.weight", hidden, hidden * 2)

@@ -119,6 +119,7 @@ struct Product {  // one of the decoder's matrices: int4 segments side by side, 
 
 struct Layer {
   at::Tensor attn_norm, mlp_norm;
+  at::Tensor q_norm, k_norm;  // per-head RMSNorms of the queries and keys (qk_norm), or undefined
   Product qkv, o, gate_up, down;
 };
 
@@ -147,6 +148,16 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// One head's n values normed as ``norm`` rounds a row: weight * bf16(x * rsqrt(mean(x^2) + eps)), into ``out``.
+void norm_head(const uint16_t* in, const at::Tensor& weight, double eps, int64_t n, uint16_t* out) {
+  const uint16_t* w = bits(weight);
+  float row[512];
+  widen(in, row, n);
+  const float sum = dot(row, row, n);
+  const float scale = 1.f / std::sqrt(sum / n + static_cast<float>(eps));
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf(bf(w[i]) * bf(to_bf(bf(in[i]) * scale)));
+}
+
 // h += y, rounded to bf16 (in place).
 void add_into(at::Tensor& h, const at::Tensor& y) {
   uint16_t* a = bits(h);
@@ -168,10 +179,11 @@ at::Tensor swiglu(const at::Tensor& gu) {
 }
 
 // Rotary positions for the query and key heads of a (rows x cols, (heads + 2 kv_heads) * dim) q/k/v
-// product; queries go to ``q`` (float), keys and values into the layer's buffers: query i is column
-// col + i % cols of buffer row i / cols.
+// product (each head normed first where the layer has q/k norms); queries go to ``q`` (float), keys and
+// values into the layer's buffers: query i is column col + i % cols of buffer row i / cols.
 void rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const Model& m,
-                    at::Tensor& q, at::Tensor& keys, at::Tensor& values, int64_t col, int64_t cols) {
+                    const Layer& layer, at::Tensor& q, at::Tensor& keys, at::Tensor& values, int64_t col,
+                    int64_t cols) {
   const int64_t queries = qkv.size(0), d = m.dim, half = d / 2, width = qkv.size(1);
   const auto ks = keys.strides(), vs = values.strides();
   for (int64_t r = 0; r < queries; ++r) {
@@ -181,7 +193,12 @@ void rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
     const uint16_t* s = bits(sin) + r * d;
     for (int64_t h = 0; h < m.heads + m.kv_heads; ++h) {
       const uint16_t* x = row + h * d;
-      uint16_t rotated[512];
+      uint16_t normed[512], rotated[512];
+      const at::Tensor& head_norm = h < m.heads ? layer.q_norm : layer.k_norm;
+      if (head_norm.defined()) {
+        norm_head(x, head_norm, m.eps, d, normed);
+        x = normed;
+      }
       for (int64_t i = 0; i < d; ++i) {
         // x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16
         const float turned = i < half ? -bf(x[i + half]) : bf(x[i - half]);
@@ -257,13 +274,13 @@ at::Tensor opt(const at::Tensor& t) { return t.numel() ? t : at::Tensor(); }
 
 int64_t keep(at::TensorList norms, at::TensorList tensors, at::IntArrayRef layout, at::TensorList biases,
              at::IntArrayRef crossovers, int64_t heads, int64_t kv_heads, int64_t dim, double eps) {
-  // Per layer: norms [attn, mlp]; then for each of its products [qkv, o, gate_up, down] a bias (empty:
+  // Per layer: norms [attn, mlp, q heads, k heads] (the last two empty: none); then for each of its products [qkv, o, gate_up, down] a bias (empty:
   // none), a crossover, and in ``layout``: [has a dense copy, segments, then each segment's int4 terms
   // (0: a dense segment; -1: a block matrix, whose id follows)], whose tensors come in that order from
   // ``tensors``: the dense copy, then per segment its dense matrix or its terms' (packed, scales) pairs.
   Model m;
   m.heads = heads, m.kv_heads = kv_heads, m.dim = dim, m.eps = eps;
-  const int64_t n = norms.size() / 2;
+  const int64_t n = norms.size() / 4;
   TORCH_CHECK(n > 0 && norms[0].numel() % LANES == 0, "hidden size not a multiple of ", LANES);
   TORCH_CHECK(dim <= 512 && dim % LANES == 0 && heads % kv_heads == 0, "unsupported head shape");
   TORCH_CHECK(biases.size() == static_cast<size_t>(n * 4) && crossovers.size() == static_cast<size_t>(n * 4),
@@ -279,8 +296,15 @@ int64_t keep(at::TensorList norms, at::TensorList tensors, at::IntArrayRef layou
   };
   for (int64_t l = 0; l < n; ++l) {
     Layer layer;
-    layer.attn_norm = norms[2 * l].contiguous();
-    layer.mlp_norm = norms[2 * l + 1].contiguous();
+    layer.attn_norm = norms[4 * l].contiguous();
+    layer.mlp_norm = norms[4 * l + 1].contiguous();
+    layer.q_norm = opt(norms[4 * l + 2].contiguous());
+    layer.k_norm = opt(norms[4 * l + 3].contiguous());
+    TORCH_CHECK(layer.q_norm.defined() == layer.k_norm.defined() &&
+                    (!layer.q_norm.defined() || (layer.q_norm.numel() == dim && layer.k_norm.numel() == dim &&
+                                                 layer.q_norm.scalar_type() == at::kBFloat16 &&
+                                                 layer.k_norm.scalar_type() == at::kBFloat16)),
+                "bf16 q and k head norms of the head size expected, both or neither");
     TORCH_CHECK(layer.attn_norm.scalar_type() == at::kBFloat16 && layer.mlp_norm.scalar_type() == at::kBFloat16,
                 "bf16 norm weights expected");
     Product* parts[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
@@ -348,7 +372,7 @@ at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, a
                     k.size(1) == m.kv_heads && k.size(3) == m.dim && col + cols <= k.size(2),
                 "key/value buffers of the wrong shape");
     at::Tensor qkv = layer.qkv(norm(h, layer.attn_norm, m.eps)).contiguous();
-    rope_and_store(qkv, c, s, m, q, k, v, col, cols);
+    rope_and_store(qkv, c, s, m, layer, q, k, v, col, cols);
     add_into(h, layer.o(attend(q, k, v, first.data_ptr<int64_t>(), col, cols, m)).contiguous());
     add_into(h, layer.down(swiglu(layer.gate_up(norm(h, layer.mlp_norm, m.eps)).contiguous())).contiguous());
   }

@@ -18,6 +18,8 @@ from typing import Any
 FEATURES = {
     "qkv_bias": "the q, k and v products may have biases (attn_q/attn_k/attn_v.bias: Qwen2's have)",
     "o_bias": "the attention output product may have a bias (attn_output.bias)",
+    "qk_norm": "an RMSNorm over each query and key head before rotary positions (attn_q_norm/attn_k_norm.weight: "
+               "Qwen3's)",
 }
 
 
@@ -84,11 +86,18 @@ class Architecture:
     def norms(layer: int) -> tuple[str, str]:
         return f"blk.{layer}.attn_norm.weight", f"blk.{layer}.ffn_norm.weight"
 
+    def head_norms(self, layer: int) -> tuple[str, str] | None:
+        """The per-head query and key norms' names, where the architecture has them (``qk_norm``)."""
+        if "qk_norm" not in self.features:
+            return None
+        return f"blk.{layer}.attn_q_norm.weight", f"blk.{layer}.attn_k_norm.weight"
+
 
 ARCHITECTURES = {
     a.name: a for a in (
         Architecture("llama", ("llama", "mistral"), frozenset({"qkv_bias", "o_bias"}), interleaved_qk=True),
         Architecture("qwen2", ("qwen2",), frozenset({"qkv_bias", "o_bias"})),
+        Architecture("qwen3", ("qwen3",), frozenset({"qk_norm"})),
     )
 }
 

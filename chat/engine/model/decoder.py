@@ -1,5 +1,6 @@
-"""The engine's own forward pass for Llama-shaped decoders (Llama, SmolLM, Qwen2, Mistral without
-a sliding window): RMSNorm, rotary positions, grouped-query attention, SwiGLU.
+"""The engine's own forward pass for Llama-shaped decoders (Llama, SmolLM, Qwen2, Qwen3, Mistral without
+a sliding window): RMSNorm, rotary positions, grouped-query attention, SwiGLU; q/k biases and per-head
+q/k norms where the architecture has them.
 
 A hundred lines of plain torch instead of transformers' modules: one fused
 q/k/v and one fused gate/up product per layer, keys and values written straight
@@ -49,6 +50,8 @@ class Layer:
     mlp_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+    q_norm: torch.Tensor | None = None  # an RMSNorm over each query head (head dim), before rotary positions
+    k_norm: torch.Tensor | None = None  # the same over each key head
 
 
 class Embedding:
@@ -113,7 +116,8 @@ class Decoder:
 
     @property
     def nbytes(self) -> int:
-        norms = sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.attn_norm, layer.mlp_norm))
+        norms = sum(t.numel() * t.element_size() for layer in self.layers
+                    for t in (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm) if t is not None)
         shared = (self.head.quant is None and self.embed.dense is not None
                   and self.head.dense is not None and self.head.dense.data_ptr() == self.embed.dense.data_ptr())
         return (sum(lin.nbytes for lin in self.linears()) + norms + self.embed.nbytes
@@ -150,6 +154,10 @@ class Decoder:
         mask = _mask(kv, cols)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(h, layer.attn_norm), decode).view(rows, cols, -1, s.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:  # qk_norm: each head normed on its own
+                qkv = torch.cat([self._norm(qkv[:, :, :s.heads], layer.q_norm),
+                                 self._norm(qkv[:, :, s.heads:s.heads + s.kv_heads], layer.k_norm),
+                                 qkv[:, :, s.heads + s.kv_heads:]], dim=2)
             qk = _rotate(qkv[:, :, :s.heads + s.kv_heads], cos, sin).transpose(1, 2)  # queries and keys at once
             q, k = qk[:, :s.heads], qk[:, s.heads:]
             keys, values = kv.write(i, k, qkv[:, :, s.heads + s.kv_heads:].transpose(1, 2))

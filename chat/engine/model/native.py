@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-COVERS = frozenset({"qkv_bias", "o_bias"})
+# What the C++ step computes beyond the Llama core (architecture.FEATURES): a bias on any product, q/k head norms.
+COVERS = frozenset({"qkv_bias", "o_bias", "qk_norm"})
 
 
 class Step:
@@ -48,7 +49,9 @@ class Step:
             raise RuntimeError(f"{decoder.architecture.name} needs {', '.join(sorted(missing))}")
         norms, tensors, layout, biases, crossovers = [], [], [], [], []
         for layer in decoder.layers:
-            norms += [layer.attn_norm, layer.mlp_norm]
+            empty = torch.empty(0)
+            norms += [layer.attn_norm, layer.mlp_norm, layer.q_norm if layer.q_norm is not None else empty,
+                      layer.k_norm if layer.k_norm is not None else empty]
             for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 layout.append(int(linear.dense is not None))
                 tensors += [linear.dense] if linear.dense is not None else []

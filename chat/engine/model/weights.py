@@ -195,7 +195,12 @@ def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, 
         qkv, o, gate_up, down = (_linear(r, names, mode, dense_copies, [r.vector(b) for b in biases], blocks)
                                  for names, biases in zip(arch.products(i), arch.biases(i)))
         attn_norm, mlp_norm = (r.vector(n) for n in arch.norms(i))
-        layers.append(Layer(attn_norm=attn_norm, qkv=qkv, o=o, mlp_norm=mlp_norm, gate_up=gate_up, down=down))
+        heads = arch.head_norms(i)
+        if heads and any(name not in f.tensors for name in heads):
+            raise Unsupported(f"{arch.name} without {' and '.join(n for n in heads if n not in f.tensors)}")
+        q_norm, k_norm = (r.vector(heads[0]), r.vector(heads[1])) if heads else (None, None)
+        layers.append(Layer(attn_norm=attn_norm, qkv=qkv, o=o, mlp_norm=mlp_norm, gate_up=gate_up, down=down,
+                            q_norm=q_norm, k_norm=k_norm))
     table = "token_embd.weight"
     head_name = "output.weight" if "output.weight" in f.tensors else table
     head_quant = _quantized(r, [head_name], blocks) if mode != "off" else None
@@ -338,10 +343,13 @@ def from_hf(model: torch.nn.Module) -> Decoder:
     layers = []
     for block in inner.layers:
         a, m = block.self_attn, block.mlp
+        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)  # qk_norm (Qwen3)
         layers.append(Layer(attn_norm=block.input_layernorm.weight.data,
                             qkv=_fuse([a.q_proj, a.k_proj, a.v_proj]), o=_fuse([a.o_proj]),
                             mlp_norm=block.post_attention_layernorm.weight.data,
-                            gate_up=_fuse([m.gate_proj, m.up_proj]), down=_fuse([m.down_proj])))
+                            gate_up=_fuse([m.gate_proj, m.up_proj]), down=_fuse([m.down_proj]),
+                            q_norm=q_norm.weight.data if q_norm is not None else None,
+                            k_norm=k_norm.weight.data if k_norm is not None else None))
     dtype = inner.embed_tokens.weight.dtype
     head = model.get_output_embeddings().weight.data
     return Decoder(shape, Embedding(dense=inner.embed_tokens.weight.data, dtype=dtype), layers,
