@@ -22,7 +22,12 @@ from tinygguf import tiny_gguf
 
 # arch -> tiny_gguf's arguments, and what transformers must be told that its GGUF reader does not take from
 # the file (Qwen3's head size: its reader keeps the config's default of 128). Llama is here for the engine test.
-TINY = {"qwen3": ({"arch": "qwen3", "head_dim": 32}, {"head_dim": 32}), "llama": ({}, {})}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # small: most frequencies of a tiny head are scaled
+TINY = {"qwen3": ({"arch": "qwen3", "head_dim": 32}, {"head_dim": 32}),
+        "llama3": ({"head_dim": 32, "hidden": 128, "rope_scaling": LLAMA3_ROPE},
+                   {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 10000.0}}),
+        "llama": ({}, {})}
 PROMPT = "hello there, how are you today?"
 
 
@@ -50,8 +55,12 @@ def _greedy(decoder, ids: list[int], steps: int) -> list[int]:
     return out
 
 
-def test_qwen3_prefill_logits_are_transformers():
-    args, overrides = TINY["qwen3"]
+MATCHED = ["qwen3", "llama3"]  # the files compared with transformers' implementation
+
+
+@pytest.mark.parametrize("arch", MATCHED)
+def test_the_prefill_logits_are_transformers(arch):
+    args, overrides = TINY[arch]
     path = tiny_gguf(**args)
 
     def both():
@@ -67,8 +76,9 @@ def test_qwen3_prefill_logits_are_transformers():
     assert float((mine - theirs).abs().max()) < 1e-2 * float(theirs.abs().max())
 
 
-def test_qwen3_greedy_64_tokens_are_transformers_generate():
-    args, overrides = TINY["qwen3"]
+@pytest.mark.parametrize("arch", MATCHED)
+def test_64_greedy_tokens_are_transformers_generate(arch):
+    args, overrides = TINY[arch]
     path = tiny_gguf(**args)
 
     def both():
@@ -79,6 +89,22 @@ def test_qwen3_greedy_64_tokens_are_transformers_generate():
         return mine, out[0, len(ids):].tolist()
     mine, theirs = on_thread(both)
     assert len(mine) == 64 and mine == theirs
+
+
+def test_llama3_scaling_changes_the_answer():
+    """The scaled file's factors are read and used: without them (the same weights) the logits differ."""
+    path = tiny_gguf(**TINY["llama3"][0])
+
+    def both():
+        ids = loader.gguf_tokenizer(path).encode(PROMPT)
+        f = gguf.read(path)
+        scaled = weights.from_gguf(f, "off", dtype=torch.float32)
+        assert scaled.shape.rope_factors is not None and max(scaled.shape.rope_factors) == 8.0
+        del f.tensors["rope_freqs.weight"]
+        plain = weights.from_gguf(f, "off", dtype=torch.float32)
+        return _greedy(scaled, ids, 8), _greedy(plain, ids, 8)
+    scaled, plain = on_thread(both)
+    assert scaled != plain
 
 
 def test_a_qwen3_gguf_loads_onto_the_own_decoder(tmp_path):
@@ -124,7 +150,8 @@ def _native(engine):
 @pytest.mark.parametrize("arch", sorted(TINY))
 def test_the_engine_serves_it_on_the_cxx_step_with_the_prefix_cache_and_kv_from_disk(arch, tmp_path, library):  # noqa: F811
     """Prefill, decode steps in C++, a conversation's second turn from the prefix cache, and the same turn after
-    a restart from the KV on disk: the same greedy answer both ways, and batched answers those of each alone."""
+    a restart from the KV on disk: the same greedy answer both ways, and seeded answers in a batch those of each
+    alone."""
     path = tiny_gguf(**TINY[arch][0])
     params = GenParams(temperature=0, max_new_tokens=24)
     turn1 = ask("Tell me about the sea, the wind and the long grey harbour walls.")
@@ -148,8 +175,9 @@ def test_the_engine_serves_it_on_the_cxx_step_with_the_prefix_cache_and_kv_from_
         expected, events = collect(warm.submit(turn2, params, key="c1"))
         reused = events[-1].reused_tokens
         assert first and expected and reused > 0
-        alone = {q: collect(warm.submit(ask(q), params))[0] for q in QUESTIONS}
-        together = [warm.submit(ask(q), params) for q in QUESTIONS]
+        seeded = GenParams(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=24)  # the same in any batch
+        alone = {q: collect(warm.submit(ask(q), seeded))[0] for q in QUESTIONS}
+        together = [warm.submit(ask(q), seeded) for q in QUESTIONS]
         assert [collect(g)[0] for g in together] == [alone[q] for q in QUESTIONS]
     finally:
         _stopped(warm)

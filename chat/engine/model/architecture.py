@@ -10,6 +10,7 @@ beyond that core. Adding an architecture is one more ``Architecture`` in ``ARCHI
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,9 @@ class Limits:
     """What the own decoder and the C++ step compute of a block's shape; a file or a config outside these runs
     on transformers' forward (``Architecture.gguf_problem``/``hf_problem`` name what is outside)."""
 
-    rope_scaling: tuple[str, ...] = ("none",)  # rotary scaling kinds computed ("none": the base theta alone)
+    # rotary scaling kinds computed ("none": the base theta alone; "llama3": Llama 3's frequency-dependent
+    # factors, which llama.cpp's converter writes as rope_freqs.weight)
+    rope_scaling: tuple[str, ...] = ("none",)
     partial_rotary: bool = False  # rotary positions over part of a head
     activations: tuple[str, ...] = ("silu",)  # the gated MLP's activation (transformers' hidden_act)
     sliding_window: bool = False  # attention over a window of the latest positions
@@ -49,8 +52,9 @@ class Architecture:
         kind = meta("rope.scaling.type", "none")
         if kind == "linear" and meta("rope.scaling.factor", 1.0) == 1.0:
             kind = "none"
-        if kind not in self.limits.rope_scaling or ("rope_freqs.weight" in tensors and kind == "none") \
-                or (kind == "none" and meta("rope.scaling.factor", 1.0) != 1.0):
+        if kind == "none" and "rope_freqs.weight" in tensors:
+            kind = "llama3"  # per-frequency factors in the file (llama.cpp's form of Llama 3's scaling)
+        if kind not in self.limits.rope_scaling or (kind == "none" and meta("rope.scaling.factor", 1.0) != 1.0):
             return "rope scaling"
         if not self.limits.partial_rotary and meta("rope.dimension_count", head_dim) != head_dim:
             return "partial rotary"
@@ -95,7 +99,8 @@ class Architecture:
 
 ARCHITECTURES = {
     a.name: a for a in (
-        Architecture("llama", ("llama", "mistral"), frozenset({"qkv_bias", "o_bias"}), interleaved_qk=True),
+        Architecture("llama", ("llama", "mistral"), frozenset({"qkv_bias", "o_bias"}), interleaved_qk=True,
+                     limits=Limits(rope_scaling=("none", "llama3"))),
         Architecture("qwen2", ("qwen2",), frozenset({"qkv_bias", "o_bias"})),
         Architecture("qwen3", ("qwen3",), frozenset({"qk_norm"})),
     )
@@ -108,3 +113,21 @@ def for_gguf(name: str) -> Architecture | None:
 
 def for_hf(model_type: str) -> Architecture | None:
     return next((a for a in ARCHITECTURES.values() if model_type in a.hf_types), None)
+
+
+def llama3_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
+                   original: int) -> list[float]:
+    """Llama 3's rotary scaling as a divisor per frequency, computed as llama.cpp's converter writes it to a GGUF
+    (rope_freqs.weight): high frequencies kept, low ones divided by ``factor``, the band between smoothed."""
+    low_wavelen, high_wavelen = original / low, original / high
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return factors

@@ -40,6 +40,7 @@ class Shape:
     eps: float
     rope_theta: float
     vocab: int
+    rope_factors: tuple[float, ...] | None = None  # a divisor per rotary frequency (Llama 3's scaling), or None
 
 
 @dataclass
@@ -91,6 +92,8 @@ class Decoder:
         self._cos = self._sin = torch.empty(0)
         self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float)
                                                      / shape.head_dim))
+        if shape.rope_factors is not None:  # Llama 3's scaling, as llama.cpp applies it: each frequency divided
+            self.inv_freq = self.inv_freq / torch.tensor(shape.rope_factors, dtype=torch.float)
 
     def cache(self, rows: int, capacity: int) -> KVBuffer:
         """An empty KV buffer of ``rows`` rows for this decoder (outside the engine: benchmarks, checks)."""

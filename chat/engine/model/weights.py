@@ -28,7 +28,7 @@ import torch
 from ..kernels import gguf, quant
 from ..kernels.blocktypes import TYPES
 from ..kernels.quant import Linear
-from .architecture import Architecture, for_gguf, for_hf
+from .architecture import Architecture, for_gguf, for_hf, llama3_factors
 from .decoder import Decoder, Embedding, Layer, Shape
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,14 @@ def gguf_shape(f: gguf.GGUFFile) -> Shape:
     problem = arch.gguf_problem(f.meta, f.tensors, head_dim)
     if problem:
         raise Unsupported(problem)
+    freqs = f.tensors.get("rope_freqs.weight")  # Llama 3's scaling: a divisor per frequency
+    factors = tuple(gguf.dequantize(freqs).reshape(-1).tolist()) if freqs is not None else None
+    if factors is not None and len(factors) != head_dim // 2:
+        raise Unsupported(f"rope_freqs.weight of {len(factors)} values for heads of {head_dim}")
     return Shape(layers=f.meta("block_count"), hidden=hidden, heads=heads,
                  kv_heads=f.meta("attention.head_count_kv") or heads, head_dim=head_dim,
                  eps=f.meta("attention.layer_norm_rms_epsilon"), rope_theta=f.meta("rope.freq_base", 10000.0),
+                 rope_factors=factors,
                  vocab=f.tensors["token_embd.weight"].shape[0])
 
 
@@ -336,9 +341,13 @@ def from_hf(model: torch.nn.Module) -> Decoder:
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    factors = None
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        factors = tuple(llama3_factors(theta, head_dim, rope["factor"], rope["low_freq_factor"],
+                                       rope["high_freq_factor"], rope["original_max_position_embeddings"]))
     shape = Shape(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=heads,
                   kv_heads=cfg.num_key_value_heads or heads, head_dim=head_dim, eps=cfg.rms_norm_eps,
-                  rope_theta=theta, vocab=cfg.vocab_size)
+                  rope_theta=theta, vocab=cfg.vocab_size, rope_factors=factors)
     inner = model.get_decoder()
     layers = []
     for block in inner.layers:
