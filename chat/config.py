@@ -32,6 +32,11 @@ class Settings:
         "CHAT_MODEL", "", str, section="Model",
         doc="What to serve: a Hugging Face hub id, a local model folder or a `.gguf` file. "
             "Empty: the bundled SmolLM2-135M-Instruct. See [models.md](models.md).")
+    template: str = _setting(
+        "CHAT_TEMPLATE", "auto", str,
+        doc="The chat template: `auto` the model's own, or ChatML for a base model that has none (its answers "
+            "then end at the next ChatML marker; `/readyz` says `base_model`); `chatml` ChatML in place of the "
+            "model's own; or the path of a Jinja file. `/v1/completions` takes raw prompts whatever this says.")
     model_name: str = _setting(
         "CHAT_MODEL_NAME", "", str,
         doc="Display name, shown on the page, in `ready` and as the `/v1` model id. Empty: derived from the "

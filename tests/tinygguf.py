@@ -22,16 +22,17 @@ MIX = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_
 
 def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, qtype: str = "Q4_1",
               seed: int = 0, arch: str = "llama", head: str = "Q8_0", head_dim: int | None = None,
-              rope_scaling: dict | None = None) -> Path:
+              rope_scaling: dict | None = None, template: bool = True) -> Path:
     """A .gguf file, built once and cached: every attention and MLP matrix in ``qtype`` (Q4_0, Q4_1, Q5_0,
     Q5_1, Q8_0, or "mix": ``MIX``), the token table (shared with the output layer) in ``head``. Weights
     are wide (std 0.2), so greedy answers have no near-ties. ``arch`` qwen2 adds q/k/v biases, qwen3 per-head
     q/k norms; ``head_dim`` other than hidden / heads sets the heads' size apart (Qwen3's are wider);
     ``rope_scaling`` (transformers' llama3 rope parameters) writes its factors as llama.cpp's converter does
-    (rope_freqs.weight)."""
+    (rope_freqs.weight); ``template`` False leaves the chat template out (a base model)."""
     sized = f"-d{head_dim}" if head_dim else ""
     if rope_scaling:
         sized += "-rope" + "-".join(str(rope_scaling[k]) for k in sorted(rope_scaling) if k != "rope_type")
+    sized += "" if template else "-base"
     target = CACHE / f"tiny-{arch}-{qtype}-{head}-h{hidden}{sized}-l{layers}-s{seed}.gguf"
     if target.is_file():
         return target
@@ -61,6 +62,8 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     for key in TOKENIZER_KEYS:
+        if key == "tokenizer.chat_template" and not template:
+            continue
         field = source.fields[key]
         value = field.contents()
         kind_of = field.types[0]

@@ -129,8 +129,9 @@ class LocalEngine(Engine):
         if not self.ready:
             return {}
         stats = self.stats()
+        template = self.loaded.template
         facts = {"weights": self.weights, "cpu": self.cpu, "finishing": stats["finishing"], "decode": stats["decode"],
-                 **self.drafter.stats()}
+                 "template": template.name, "base_model": template.base_model, **self.drafter.stats()}
         if self.formats:
             facts["formats"] = self.formats
         return facts
@@ -244,7 +245,7 @@ class LocalEngine(Engine):
             self.cpu = cpu.detect(self.settings.cpu_isa).isa
             self.vocab_size = runner.vocab_size
             self.grammars = grammar.Grammars(self.loaded.tokenizer, self.loaded.eos_ids, runner.vocab_size)
-            self.queue.loaded(runner.dims, self.loaded.tokenizer, runner.wide_prefill)
+            self.queue.loaded(runner.dims, self.loaded.tokenizer, runner.wide_prefill, self.loaded.template.stops)
             self.chores = runner.chores(self.settings)
             settings = self.settings
             if settings.kv_disk_mb > 0 and settings.kv_cache_mb > 0:  # conversations' KV on disk too

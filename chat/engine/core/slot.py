@@ -16,7 +16,8 @@ from .decoding import IncrementalDecoder, StopMatcher
 class Slot:
     """One request being prefilled or decoded."""
 
-    def __init__(self, gen: Generation, ids: list[int], tokenizer: Any, settings: Settings) -> None:
+    def __init__(self, gen: Generation, ids: list[int], tokenizer: Any, settings: Settings,
+                 stops: tuple[str, ...] = ()) -> None:
         self.gen = gen
         self.params = gen.params
         self.prompt_ids = ids
@@ -24,7 +25,8 @@ class Slot:
         self.pos = len(ids)  # position id of the next token fed to the model
         self.last = -1  # last sampled token, fed at the next step (none before the first)
         self.decoder = IncrementalDecoder(tokenizer)
-        self.stopper = StopMatcher(self.params.stop)
+        # a raw prompt has no template, so none of its stop text
+        self.stopper = StopMatcher(self.params.stop + (() if self.params.raw_prompt else stops))
         self.generator = torch.Generator()
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         self.generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ...config import Settings
 from ...errors import ConfigError
 from ..kernels import build, cpu, crossover, gguf, quant
-from . import native, weights
+from . import native, templates, weights
 from .decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class LoadedModel:
     eos_ids: frozenset
     load_s: float
     source: Path | None = None  # the GGUF file the decoder's weights were read from (no longer mapped)
+    template: templates.Template = templates.Template("model", False)  # the chat template spoken (CHAT_TEMPLATE)
 
 
     @property
@@ -182,10 +183,12 @@ def load(settings: Settings) -> LoadedModel:
                                                or _load_transformers(settings, device, dtype))
     if decoder is not None:
         dtype = decoder.dtype
-    if not tokenizer.chat_template:
-        raise ConfigError(f"CHAT_MODEL={settings.model!r}: the tokenizer has no chat template")
+    template = templates.choose(tokenizer, settings.template)
+    if template.base_model:
+        log.warning("%s has no chat template (a base model): chat speaks %s to it (CHAT_TEMPLATE); "
+                    "/v1/completions takes raw prompts", name, template.name)
     loaded = LoadedModel(tokenizer, model, decoder, settings.model_name or name, dtype, device,
-                         eos_ids(tokenizer, model), time.monotonic() - started, source)
+                         eos_ids(tokenizer, model), time.monotonic() - started, source, template)
     if decoder is not None:
         log.info("loaded %s (%s weights, %.0f MiB, %s, own forward) in %.1f s", loaded.name, loaded.weights,
                  decoder.nbytes / 2**20, device, loaded.load_s)
