@@ -22,17 +22,19 @@ MIX = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_
 
 def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, qtype: str = "Q4_1",
               seed: int = 0, arch: str = "llama", head: str = "Q8_0", head_dim: int | None = None,
-              rope_scaling: dict | None = None, template: bool = True) -> Path:
+              rope_scaling: dict | None = None, template: bool = True, window: int = 0) -> Path:
     """A .gguf file, built once and cached: every attention and MLP matrix in ``qtype`` (Q4_0, Q4_1, Q5_0,
     Q5_1, Q8_0, or "mix": ``MIX``), the token table (shared with the output layer) in ``head``. Weights
     are wide (std 0.2), so greedy answers have no near-ties. ``arch`` qwen2 adds q/k/v biases, qwen3 per-head
     q/k norms; ``head_dim`` other than hidden / heads sets the heads' size apart (Qwen3's are wider);
     ``rope_scaling`` (transformers' llama3 rope parameters) writes its factors as llama.cpp's converter does
-    (rope_freqs.weight); ``template`` False leaves the chat template out (a base model)."""
+    (rope_freqs.weight); ``template`` False leaves the chat template out (a base model). ``arch`` gemma3 has
+    q/k norms, norms after the attention and the MLP, a GELU MLP and ``window``-wide attention on five layers of
+    six (its norms stored as 1 + w, as llama.cpp's converter writes them)."""
     sized = f"-d{head_dim}" if head_dim else ""
     if rope_scaling:
         sized += "-rope" + "-".join(str(rope_scaling[k]) for k in sorted(rope_scaling) if k != "rope_type")
-    sized += "" if template else "-base"
+    sized += ("" if template else "-base") + (f"-w{window}" if window else "")
     target = CACHE / f"tiny-{arch}-{qtype}-{head}-h{hidden}{sized}-l{layers}-s{seed}.gguf"
     if target.is_file():
         return target
@@ -55,7 +57,9 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
     w.add_feed_forward_length(hidden * 2)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
+    if window:
+        w.add_sliding_window(window)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
     if head_dim != hidden // heads:
@@ -123,9 +127,12 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
             bias(p + "attn_q.bias", heads * head_dim)
             bias(p + "attn_k.bias", kv_heads * head_dim)
             bias(p + "attn_v.bias", kv_heads * head_dim)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             norm(p + "attn_q_norm.weight", head_dim)
             norm(p + "attn_k_norm.weight", head_dim)
+        if arch == "gemma3":
+            norm(p + "post_attention_norm.weight")
+            norm(p + "post_ffw_norm.weight")
         matrix(p + "attn_output.weight", hidden, heads * head_dim)
         matrix(p + "ffn_gate.weight", hidden * 2, hidden)
         matrix(p + "ffn_up.weight", hidden * 2, hidden)

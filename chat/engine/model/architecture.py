@@ -20,7 +20,13 @@ FEATURES = {
     "qkv_bias": "the q, k and v products may have biases (attn_q/attn_k/attn_v.bias: Qwen2's have)",
     "o_bias": "the attention output product may have a bias (attn_output.bias)",
     "qk_norm": "an RMSNorm over each query and key head before rotary positions (attn_q_norm/attn_k_norm.weight: "
-               "Qwen3's)",
+               "Qwen3's, Gemma 3's)",
+    "embed_scale": "the embeddings multiplied by sqrt(hidden) (Gemma's)",
+    "gemma_norms": "each norm's weight applied in float32 before rounding, and a norm after the attention and after "
+                   "the MLP too (post_attention_norm, post_ffw_norm: Gemma 2 and 3's)",
+    "gelu": "a GELU (tanh) gated MLP instead of SwiGLU (Gemma's)",
+    "sliding_window": "attention over a window of the latest positions on all but every n-th layer, those layers' "
+                      "rotary positions of their own base (Gemma 3's)",
 }
 
 
@@ -45,6 +51,8 @@ class Architecture:
     features: frozenset[str] = frozenset()
     interleaved_qk: bool = False  # llama.cpp's converter interleaved each q/k head's rotary halves
     limits: Limits = Limits()
+    global_every: int = 0  # sliding_window: every n-th layer attends over everything (Gemma 3: 6)
+    local_rope_theta: float = 10000.0  # sliding_window: the windowed layers' rotary base
 
     def gguf_problem(self, meta: Callable[[str, Any], Any], tensors: Container[str], head_dim: int) -> str | None:
         """What of a GGUF file's block (``meta(key, default)``: its ``<arch>.`` metadata) is outside ``limits``,
@@ -90,6 +98,16 @@ class Architecture:
     def norms(layer: int) -> tuple[str, str]:
         return f"blk.{layer}.attn_norm.weight", f"blk.{layer}.ffn_norm.weight"
 
+    def post_norms(self, layer: int) -> tuple[str, str] | None:
+        """The norms after the attention and after the MLP, where the architecture has them (``gemma_norms``)."""
+        if "gemma_norms" not in self.features:
+            return None
+        return f"blk.{layer}.post_attention_norm.weight", f"blk.{layer}.post_ffw_norm.weight"
+
+    def sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends over a window (``sliding_window``) rather than everything."""
+        return "sliding_window" in self.features and (layer + 1) % self.global_every != 0
+
     def head_norms(self, layer: int) -> tuple[str, str] | None:
         """The per-head query and key norms' names, where the architecture has them (``qk_norm``)."""
         if "qk_norm" not in self.features:
@@ -103,6 +121,10 @@ ARCHITECTURES = {
                      limits=Limits(rope_scaling=("none", "llama3"))),
         Architecture("qwen2", ("qwen2",), frozenset({"qkv_bias", "o_bias"})),
         Architecture("qwen3", ("qwen3",), frozenset({"qk_norm"})),
+        # GGUF only (llama.cpp's converter stores its norms as 1 + w); attention scaled by 1/sqrt(head size), as
+        # llama.cpp does for the sizes up to 12B (query_pre_attn_scalar is the head size there)
+        Architecture("gemma3", (), frozenset({"qk_norm", "embed_scale", "gemma_norms", "gelu", "sliding_window"}),
+                     limits=Limits(activations=("gelu_pytorch_tanh",), sliding_window=True), global_every=6),
     )
 }
 

@@ -41,6 +41,7 @@ class Shape:
     rope_theta: float
     vocab: int
     rope_factors: tuple[float, ...] | None = None  # a divisor per rotary frequency (Llama 3's scaling), or None
+    window: int = 0  # the sliding-window layers' span in positions (0: none)
 
 
 @dataclass
@@ -53,6 +54,8 @@ class Layer:
     down: Linear
     q_norm: torch.Tensor | None = None  # an RMSNorm over each query head (head dim), before rotary positions
     k_norm: torch.Tensor | None = None  # the same over each key head
+    post_attn_norm: torch.Tensor | None = None  # gemma_norms: after the attention, before the residual add
+    post_mlp_norm: torch.Tensor | None = None  # gemma_norms: after the MLP, before the residual add
 
 
 class Embedding:
@@ -89,11 +92,18 @@ class Decoder:
         self.weights = weights  # what the decode path multiplies by: "int4", "bfloat16", ...
         self.native: Callable[..., torch.Tensor] | None = None  # the C++ step (native.Step), once built and checked
         self.dtype = dtype  # of activations and dense weights
-        self._cos = self._sin = torch.empty(0)
+        features = self.architecture.features
+        self.embed_scale = "embed_scale" in features
+        self.gemma_norms = "gemma_norms" in features
+        self.gelu = "gelu" in features
         self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float)
                                                      / shape.head_dim))
         if shape.rope_factors is not None:  # Llama 3's scaling, as llama.cpp applies it: each frequency divided
             self.inv_freq = self.inv_freq / torch.tensor(shape.rope_factors, dtype=torch.float)
+        # the windowed layers' own rotary base (sliding_window)
+        self.local_inv_freq = 1.0 / (self.architecture.local_rope_theta ** (
+            torch.arange(0, shape.head_dim, 2, dtype=torch.float) / shape.head_dim))
+        self._angles: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # local or not -> (cos, sin) by position
 
     def cache(self, rows: int, capacity: int) -> KVBuffer:
         """An empty KV buffer of ``rows`` rows for this decoder (outside the engine: benchmarks, checks)."""
@@ -120,24 +130,28 @@ class Decoder:
     @property
     def nbytes(self) -> int:
         norms = sum(t.numel() * t.element_size() for layer in self.layers
-                    for t in (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm) if t is not None)
+                    for t in (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm, layer.post_attn_norm,
+                              layer.post_mlp_norm) if t is not None)
         shared = (self.head.quant is None and self.embed.dense is not None
                   and self.head.dense is not None and self.head.dense.data_ptr() == self.embed.dense.data_ptr())
         return (sum(lin.nbytes for lin in self.linears()) + norms + self.embed.nbytes
                 + (0 if shared else self.head.nbytes))
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at ``positions`` (rows, columns) -> (rows, columns, 1, head dim), as transformers
-        computes them (float32, then the activations' type)."""
+        computes them (float32, then the activations' type); ``local``: the windowed layers' base."""
         need = int(positions.max()) + 1
-        if need > self._cos.shape[0]:
-            size = max(need, 2 * self._cos.shape[0], 256)
-            freqs = torch.outer(torch.arange(size, dtype=torch.float), self.inv_freq)
+        cos, sin = self._angles.get(local, (torch.empty(0), torch.empty(0)))
+        if need > cos.shape[0]:
+            size = max(need, 2 * cos.shape[0], 256)
+            freqs = torch.outer(torch.arange(size, dtype=torch.float), self.local_inv_freq if local else self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        return self._cos[positions][:, :, None], self._sin[positions][:, :, None]
+            cos, sin = self._angles[local] = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return cos[positions][:, :, None], sin[positions][:, :, None]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.gemma_norms:  # the weight applied in float32, then rounded (Gemma's)
+            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.eps) * weight.float()).to(self.dtype)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.eps).to(self.dtype)
 
     def forward(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans: list | None = None,
@@ -149,25 +163,34 @@ class Decoder:
         s = self.shape
         rows, cols = input_ids.shape
         cos, sin = self._rope(position_ids)
-        h = self.embed(input_ids.reshape(-1))
+        h = self._embed(input_ids.reshape(-1))
         decode = cols == 1
         step = self.native if native is None else native
         if decode and step:
             return self._logits(step(h, kv, cos, sin))
         mask = _mask(kv, cols)
+        windowed = mask
+        if s.window and int(position_ids.max()) >= s.window:  # some key is out of the windowed layers' reach
+            windowed = _window_mask(kv, cols, position_ids, s.window, decode)
+        local = self._rope(position_ids, local=True) if s.window else (cos, sin)
         for i, layer in enumerate(self.layers):
+            sliding = bool(s.window) and self.architecture.sliding(i)
+            layer_mask = windowed if sliding else mask
+            layer_cos, layer_sin = local if sliding else (cos, sin)
             qkv = layer.qkv(self._norm(h, layer.attn_norm), decode).view(rows, cols, -1, s.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:  # qk_norm: each head normed on its own
                 qkv = torch.cat([self._norm(qkv[:, :, :s.heads], layer.q_norm),
                                  self._norm(qkv[:, :, s.heads:s.heads + s.kv_heads], layer.k_norm),
                                  qkv[:, :, s.heads + s.kv_heads:]], dim=2)
-            qk = _rotate(qkv[:, :, :s.heads + s.kv_heads], cos, sin).transpose(1, 2)  # queries and keys at once
+            qk = _rotate(qkv[:, :, :s.heads + s.kv_heads], layer_cos, layer_sin).transpose(1, 2)  # q and k at once
             q, k = qk[:, :s.heads], qk[:, s.heads:]
             keys, values = kv.write(i, k, qkv[:, :, s.heads + s.kv_heads:].transpose(1, 2))
-            a = _attend(q, keys, values, mask, spans)
-            h = h + layer.o(a.transpose(1, 2).reshape(rows * cols, -1), decode)
+            a = _attend(q, keys, values, layer_mask, spans)
+            out = layer.o(a.transpose(1, 2).reshape(rows * cols, -1), decode)
+            h = h + (self._norm(out, layer.post_attn_norm) if layer.post_attn_norm is not None else out)
             gate, up = layer.gate_up(self._norm(h, layer.mlp_norm), decode).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up, decode)
+            out = layer.down((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up, decode)
+            h = h + (self._norm(out, layer.post_mlp_norm) if layer.post_mlp_norm is not None else out)
         if every:
             return self._logits(h).view(rows, cols, -1)
         return self._logits(h.view(rows, cols, -1)[:, -1])
@@ -179,7 +202,7 @@ class Decoder:
         products that take the same path for that many rows as for one (``same_path``)."""
         assert self.native, "the C++ step verifies drafts"
         cos, sin = self._rope(position_ids)
-        return self._logits(self.native(self.embed(input_ids.reshape(-1)), kv, cos, sin))
+        return self._logits(self.native(self._embed(input_ids.reshape(-1)), kv, cos, sin))
 
     def same_path(self, rows: int) -> bool:
         """Whether every product, the output's too, multiplies ``rows`` rows on the kernel it takes for one
@@ -187,6 +210,12 @@ class Decoder:
         with the rows)."""
         return all(lin.quant is not None and (lin.dense is None or lin.crossover >= rows)
                    for lin in [*self.linears(), self.head])
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        if self.embed_scale:  # sqrt(hidden) in the activations' type, as Gemma scales them
+            h = h * torch.tensor(self.shape.hidden ** 0.5, dtype=h.dtype)
+        return h
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         return self.head(self._norm(last, self.norm)).float()
@@ -227,6 +256,21 @@ def _mask(kv: KVBuffer, cols: int) -> torch.Tensor | None:
     query = torch.arange(keys - cols, keys)[:, None]
     key = torch.arange(keys)[None, :]
     return (real & (key <= query)) | (key == query)
+
+
+def _window_mask(kv: KVBuffer, cols: int, positions: torch.Tensor, window: int, decode: bool) -> torch.Tensor:
+    """``_mask`` for a windowed layer: each new column sees the real keys up to itself whose positions are within
+    ``window`` of its own (a key's position: the real columns of its row before it). Bool (rows, 1, cols, keys);
+    in a decode step the additive form."""
+    real = kv.attention_mask(cols).bool()
+    keys = real.shape[-1]
+    near = (real.long().cumsum(-1) - 1)[:, None, :] > positions[:, :, None] - window  # (rows, cols, keys)
+    query = torch.arange(keys - cols, keys)[:, None]
+    key = torch.arange(keys)[None, :]
+    allowed = ((real[:, None, :] & near & (key <= query)) | (key == query))[:, None]
+    if decode:
+        return torch.zeros(allowed.shape, dtype=kv.dtype).masked_fill_(~allowed, float("-inf"))
+    return allowed
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,

@@ -64,7 +64,7 @@ def gguf_shape(f: gguf.GGUFFile) -> Shape:
     return Shape(layers=f.meta("block_count"), hidden=hidden, heads=heads,
                  kv_heads=f.meta("attention.head_count_kv") or heads, head_dim=head_dim,
                  eps=f.meta("attention.layer_norm_rms_epsilon"), rope_theta=f.meta("rope.freq_base", 10000.0),
-                 rope_factors=factors,
+                 rope_factors=factors, window=f.meta("attention.sliding_window", 0) if arch.sliding(0) else 0,
                  vocab=f.tensors["token_embd.weight"].shape[0])
 
 
@@ -204,8 +204,12 @@ def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, 
         if heads and any(name not in f.tensors for name in heads):
             raise Unsupported(f"{arch.name} without {' and '.join(n for n in heads if n not in f.tensors)}")
         q_norm, k_norm = (r.vector(heads[0]), r.vector(heads[1])) if heads else (None, None)
+        post = arch.post_norms(i)
+        if post and any(name not in f.tensors for name in post):
+            raise Unsupported(f"{arch.name} without {' and '.join(n for n in post if n not in f.tensors)}")
+        post_attn, post_mlp = (r.vector(post[0]), r.vector(post[1])) if post else (None, None)
         layers.append(Layer(attn_norm=attn_norm, qkv=qkv, o=o, mlp_norm=mlp_norm, gate_up=gate_up, down=down,
-                            q_norm=q_norm, k_norm=k_norm))
+                            q_norm=q_norm, k_norm=k_norm, post_attn_norm=post_attn, post_mlp_norm=post_mlp))
     table = "token_embd.weight"
     head_name = "output.weight" if "output.weight" in f.tensors else table
     head_quant = _quantized(r, [head_name], blocks) if mode != "off" else None
