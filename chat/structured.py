@@ -21,6 +21,8 @@ from .errors import RequestError
 MAX_SCHEMA_BYTES = 32 * 1024  # one schema (or all tools' schemas together), as JSON
 MAX_DEPTH = 16  # nesting of a schema's objects and arrays
 MAX_TOOLS = 32
+MAX_DESCRIPTION_CHARS = 4096  # one tool's description
+MAX_TOOLS_CHARS = 64 * 1024  # all tools' names, descriptions and parameters together, as JSON
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
@@ -91,6 +93,10 @@ def tools(value: Any, name: str = "tools") -> list[dict]:
         raise _bad(name, "must be a list")
     if len(value) > MAX_TOOLS:
         raise _bad(name, f"holds more than {MAX_TOOLS} tools", "too_many_tools")
+    # Counted before anything is checked or rendered: the tools become part of the prompt.
+    if len(json.dumps(value)) > MAX_TOOLS_CHARS:
+        raise _bad(name, f"hold more than {MAX_TOOLS_CHARS} characters as JSON (names, descriptions and "
+                         "parameters together)", "tools_too_large")
     out, seen, size = [], set(), 0
     for i, tool in enumerate(value):
         where = f"{name}[{i}]"
@@ -106,6 +112,9 @@ def tools(value: Any, name: str = "tools") -> list[dict]:
         desc = fn.get("description")
         if desc is not None and not isinstance(desc, str):
             raise _bad(f"{where}.function.description", "must be a string")
+        if desc is not None and len(desc) > MAX_DESCRIPTION_CHARS:
+            raise _bad(f"{where}.function.description", f"is longer than {MAX_DESCRIPTION_CHARS} characters",
+                       "tools_too_large")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         check_schema(params, f"{where}.function.parameters")
         size += len(json.dumps(params))

@@ -76,7 +76,9 @@ class DiskKV:
         self.folder, self.budget = Path(folder), budget
         self.layers, self.heads, self.dim = shape
         self.dtype = dtype
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, exist_ok=True)  # as private as the database: keys and values tell the text
+        self.leftovers = self._sweep()
         # real locks, not queue's: under gevent the writer is an OS thread that a patched queue would never wake
         self.pending: collections.deque = collections.deque()
         self.wake = Wakeup()
@@ -183,7 +185,7 @@ class DiskKV:
         # barriers, which halved the engine's decode speed (torch.save of a torch.cat here, measured).
         header = json.dumps({"key": key, "ids": ids, "dtype": str(self.dtype),
                              "shape": [self.layers, self.heads, len(ids), self.dim]}).encode()
-        with open(partial, "wb") as f:
+        with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(MAGIC + len(header).to_bytes(8, "little") + header)
             for t in [*keys, *values]:
                 f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
@@ -193,16 +195,29 @@ class DiskKV:
             return
         self.writes += 1
 
-    def _trim(self) -> None:
-        stale = time.time() - 3600
-        for f in self.folder.glob("*.tmp"):  # a write a crash cut short
+    def _sweep(self) -> int:
+        """Delete the partial files of writers that are gone (a crash, a SIGKILL); how many. A live
+        worker's write in progress (its pid in the name) stays, unless it is an hour old."""
+        gone, stale = 0, time.time() - 3600
+        for f in self.folder.glob("*.tmp"):
             try:
-                if f.stat().st_mtime < stale:
+                pid = int(f.name.split(".")[-3])
+            except (ValueError, IndexError):
+                pid = 0
+            try:
+                if not _alive(pid) or f.stat().st_mtime < stale:
                     f.unlink(missing_ok=True)
+                    gone += 1
             except OSError:
                 continue
+        if gone:
+            log.info("deleted %d partial KV files a stopped process left under %s", gone, self.folder)
+        return gone
+
+    def _trim(self) -> None:
+        self._sweep()
         files = []
-        for f in self.folder.glob("*.kv"):
+        for f in [*self.folder.glob("*.kv"), *self.folder.glob("*.tmp")]:  # writes in progress count too
             try:
                 stat = f.stat()
             except OSError:  # another worker trimmed it
@@ -212,5 +227,19 @@ class DiskKV:
         for _, size, f in sorted(files):
             if total <= self.budget:
                 break
-            f.unlink(missing_ok=True)
-            total -= size
+            if f.suffix == ".kv":
+                f.unlink(missing_ok=True)
+                total -= size
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
