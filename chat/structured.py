@@ -207,7 +207,8 @@ def history(messages: list, name: str = "messages") -> list:
         if m.get("role") == "tool":
             content = m.get("content")
             if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+                content = "".join(texts) if all(isinstance(t, str) for t in texts) else None
             if not isinstance(content, str):
                 raise _bad(f"{name}[{i}].content", "must be a string")
             out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
@@ -219,7 +220,7 @@ def history(messages: list, name: str = "messages") -> list:
                     raise _bad(f"{name}[{i}].tool_calls[{j}]", "must have a function with a name")
                 try:
                     args = json.loads(fn.get("arguments") or "{}")
-                except (TypeError, ValueError):
+                except (TypeError, ValueError, RecursionError):
                     raise _bad(f"{name}[{i}].tool_calls[{j}].function.arguments", "must be a JSON string") from None
                 blocks.append(f"{OPEN}\n{json.dumps({'name': fn['name'], 'arguments': args}, ensure_ascii=False)}"
                               f"\n{CLOSE}")
