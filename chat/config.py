@@ -148,6 +148,13 @@ class Settings:
         "CHAT_KV_DISK_MB", 2048, int, low=0, high=10_000_000,
         doc="Disk for conversations' KV under `<CHAT_CACHE_DIR>/kv/` (oldest out first), so a turn after a restart "
             "does not prefill the history again. `0`: memory only.")
+    shared_prefix: str = _setting(
+        "CHAT_SHARED_PREFIX", "system", read.choice("system", "all"),
+        doc="What KV one client's prompt may reuse from another's. `system`: only the preamble of the "
+            "server's own system prompt (`CHAT_SYSTEM_PROMPT`); a conversation's KV, and the preamble of a "
+            "system prompt a client chose, serve that client alone (`/v1` callers count as one client). "
+            "`all`: any prefix held, whoever's (faster first answers for shared documents; a client could "
+            "confirm by timing that someone sent the same text). See [security.md](security.md).")
     max_active_per_connection: int = _setting(
         "CHAT_MAX_ACTIVE_PER_CONNECTION", 4, int, low=1, high=1000,
         doc="Answers one client (one identity cookie; a connection without one is its own client) may run at "

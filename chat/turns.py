@@ -5,9 +5,11 @@ serialize what comes back; every rule about a turn is written here once.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol, cast
 
 from . import attachments as files
@@ -49,6 +51,14 @@ class TurnRequest(Protocol):
     def attachments(self) -> list: ...
     @property
     def model(self) -> str | None: ...
+
+
+def cache_salt(client: str | None) -> str:
+    """Whose KV a turn may reuse (GenParams.cache_salt): its client's own, by a hash of its identity;
+    every ``/v1`` caller (no identity) shares one namespace, apart from every WebSocket client's."""
+    if client is None:
+        return "v1"
+    return hashlib.sha256(client.encode()).hexdigest()[:32]
 
 
 class TurnService:
@@ -232,6 +242,7 @@ class TurnService:
         The answer counts against ``client`` and ``address`` until the engine ends it.
         """
         ticket = self.limits.admit(address, client, rid)
+        params = replace(params, cache_salt=cache_salt(client))
         try:
             gen = self.engine.submit(messages, params, key=key, owner=address)
         except BaseException:

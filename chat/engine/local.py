@@ -52,7 +52,7 @@ class LocalEngine(Engine):
         self.error: str | None = None
         self.rows: list[Slot] = []  # decoding; row i is row i of self.kv
         self.kv: KVBuffer | None = None
-        self.prefix = PrefixCache(settings.kv_cache_mb * 1024 * 1024)
+        self.prefix = PrefixCache(settings.kv_cache_mb * 1024 * 1024, share_all=settings.shared_prefix == "all")
         self.queue = Scheduler(settings, self.prefix, self)
         self.accepting = True
         self.stopping: str | None = None  # reason, once shutdown was asked
@@ -181,7 +181,7 @@ class LocalEngine(Engine):
             if self.prefix.disk is not None:
                 self.prefix.disk.idle.set()  # its writes wait for a moment like this
             if self.prefix.wanted and not queue.queued():
-                self._warm(list(self.prefix.wanted.popitem()[0]))
+                self._warm(*self.prefix.wanted.popitem()[0])
                 return
             if self.chores is not None and not queue.waiting:
                 if next(self.chores, _DONE) is _DONE:
@@ -233,21 +233,26 @@ class LocalEngine(Engine):
         ids = prompt.request_ids(self.loaded.tokenizer, gen.messages, params, settings.context_tokens,
                                  settings.max_new_tokens)
         if not params.tools and not params.raw_prompt:
-            self.prefix.want(prompt.preamble(self.loaded.tokenizer, gen.messages))
+            # the operator's system prompt is public; a client's own is kept for its identity alone
+            first = gen.messages[0] if gen.messages else {}
+            public = first.get("role") != "system" or first.get("content") == settings.system_prompt
+            salt = None if public else params.cache_salt
+            self.prefix.want(prompt.preamble(self.loaded.tokenizer, gen.messages), salt)
         return ids
 
-    def _warm(self, ids: list[int]) -> None:
-        """Prefill a preamble alone (as every prompt that reuses it would see it) and share its KV."""
-        if self.prefix.has_preamble(ids):
+    def _warm(self, ids: tuple | list[int], salt: str | None = None) -> None:
+        """Prefill a preamble alone (as every prompt that reuses it would see it) and share its KV with the
+        prompts of ``salt`` (None: everyone's)."""
+        if self.prefix.has_preamble(ids, salt):
             return
-        job = PrefillJob([ids], self.dims)
+        job = PrefillJob([list(ids)], self.dims)
         self.runner.prefill(job, len(ids))
-        self.prefix.share(ids, *job.kv.row(0, copy=True))
+        self.prefix.share(ids, *job.kv.row(0, copy=True), salt=salt)
 
     def prepare(self, gen: Generation) -> tuple[list[int], object]:
         """(prompt ids, the grammar's matcher or None): on the submitting request's thread."""
         ids = self.fit(gen)
-        self.prefix.fetch(gen.key)  # a conversation's KV from disk, when memory holds none (after a restart)
+        self.prefix.fetch(gen.key, gen.params.cache_salt)  # its KV from disk, when memory holds none (a restart)
         params = gen.params
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self.grammars.tokenizer  # noqa: B018 (built on first use, here rather than on the engine thread)
@@ -325,17 +330,19 @@ class LocalEngine(Engine):
         tokens = sample_rows(logits, [s.params for s in slots], [s.generator for s in slots],
                              native=self.runner.sampler())
         for j, (slot, token) in enumerate(zip(slots, tokens)):
+            if slot in failed:  # its token was drawn unconstrained: never emitted
+                self._take(slot, grammar.failure_message(slot.matcher))
+                continue
             if scores is not None and j in scores and not isinstance(token, str) and token not in self.loaded.eos_ids:
                 slot.pending.append(grammar.entry(self.grammars, scores[j], token, slot.params.logprobs or 0))
             self._take(slot, token)
-        for slot in failed:
-            if slot in self.rows:
-                log.warning("grammar failed: %s", slot.matcher.get_error())
-                self._finish(slot, "stop")
 
     def _accept(self, slot: Slot, token: int) -> None:
         """Take a row's next token and emit its text; finish the row if it ended."""
         text, reason = slot.take(token, self.loaded.eos_ids)
+        if reason == "error":
+            self._finish(slot, reason, slot.failure)
+            return
         if token not in self.loaded.eos_ids:
             self.tokens_generated += 1
         self._delta(slot, text)
@@ -344,7 +351,9 @@ class LocalEngine(Engine):
 
     def _finish(self, slot: Slot, reason: str, message: str | None = None) -> None:
         """End a row: flush its text, keep its KV for the next turn, emit ``done``."""
-        if reason != "error":
+        if reason == "error":
+            log.warning("an answer ended with error after %d tokens: %s", len(slot.out_ids), message)
+        else:
             self._delta(slot, slot.flush(), last=True)
         if slot in self.rows:
             assert self.kv is not None
@@ -352,7 +361,7 @@ class LocalEngine(Engine):
             if slot.gen.key and reason != "error":
                 keys, values = self.kv.row(r)
                 fed = slot.prompt_ids + slot.out_ids
-                self.prefix.put(slot.gen.key, fed[:keys[0].shape[2]], keys, values)
+                self.prefix.put(slot.gen.key, fed[:keys[0].shape[2]], keys, values, slot.params.cache_salt)
             self._remove_row(r)
         self.done(slot.gen, reason, slot, message)
 
