@@ -20,6 +20,7 @@ from .errors import ProtocolError
 from .limits import Limits
 from .runs import Run, RunHandle, RunRegistry, Subscriber
 from .store import new_id
+from .unsaved import Unsaved
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -69,6 +70,8 @@ class TurnService:
         self.settings, self.engine, self._store = settings, engine, store
         self.metrics, self.limits = metrics, limits
         self.runs = runs
+        # finished answers a full store refused, written when space returns (chat/unsaved.py)
+        self.unsaved = Unsaved(lambda *args: self.store.finish_assistant(*args))
 
     @property
     def store(self) -> Store:
@@ -216,6 +219,8 @@ class TurnService:
 
     def _history(self, conv_id: str, upto: str | None = None) -> list:
         """The stored path the model sees, at most CHAT_MAX_MESSAGES of its newest turns."""
+        if self.unsaved:  # an answer the full store refused belongs in the history: written first if it can be
+            self.unsaved.flush()
         return self.store.history(conv_id, upto=upto, limit=self.settings.max_messages or None)
 
     def _target(self, client: str, req: TurnRequest, lookup: Callable[..., Any], *args) -> Any:
@@ -337,3 +342,5 @@ class TurnService:
         deadline = time.monotonic() + 5
         while self.runs.all_active() and time.monotonic() < deadline:
             time.sleep(0.05)
+        if self._store is not None:
+            self.unsaved.close()
