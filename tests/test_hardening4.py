@@ -144,3 +144,37 @@ def test_structured_limits_are_documented():
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "security.md")).read()
     assert f"| one tool's `description` | {structured.MAX_DESCRIPTION_CHARS} characters |" in doc
     assert f"`parameters`), as JSON | {structured.MAX_TOOLS_CHARS // 1024} KiB |" in doc
+
+
+@pytest.mark.parametrize("tokens,path", [(200, "columns"), (1600, "prefill")])
+def test_a_long_scored_prompt_goes_through_the_batched_prefill(tokens, path):
+    """A scored prompt's columns on the C++ step each cost a decode step (64 s for 1600 tokens): only a
+    short one is fed that way, a long one through the batched prefill like any prompt."""
+    from chat.engine import runner
+
+    took = []
+
+    class Job:
+        score, rows = 0, 1
+
+        def __init__(self):
+            self.tokens = torch.zeros((1, tokens), dtype=torch.long)
+
+        def step(self, forward, columns):
+            took.append(forward)
+
+    class Runner(runner.DecoderRunner):
+        def __init__(self):
+            pass
+
+        native = True
+
+        def forward(self, *args, **kwargs):
+            return None
+
+        def _columns(self, *args, **kwargs):
+            return None
+
+    r = Runner()
+    r.prefill(Job(), 128)
+    assert took[0].__name__ == ("_columns" if path == "columns" else "forward")
