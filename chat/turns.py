@@ -97,7 +97,7 @@ class TurnService:
                          seed=given.get("seed"), stop=tuple(given.get("stop", ())), model=model,
                          grammar=given.get("grammar"), logprobs=given.get("logprobs"),
                          prompt_logprobs=given.get("prompt_logprobs"), raw_prompt=given.get("raw_prompt", False),
-                         tools=tuple(given.get("tools", ())))
+                         tools=tuple(given.get("tools", ())), cache_salt=given.get("cache_salt"))
 
     def model(self, wanted: str | None, rid: str | None = None) -> str | None:
         """``wanted`` when the engine serves it (None: its default); bad_message when it does not."""
@@ -247,7 +247,7 @@ class TurnService:
         The answer counts against ``client`` and ``address`` until the engine ends it.
         """
         ticket = self.limits.admit(address, client, rid)
-        params = replace(params, cache_salt=cache_salt(client))
+        params = replace(params, cache_salt=params.cache_salt or cache_salt(client))
         try:
             gen = self.engine.submit(messages, params, key=key, owner=address)
         except BaseException:

@@ -88,3 +88,27 @@ def test_over_the_app_a_v1_caller_reuses_nothing_of_a_websocket_clients_message(
         assert lines and lines[-1]["reused_tokens"] <= preamble
     finally:
         server.close()
+
+
+def test_a_web_tier_passes_each_clients_salt_to_an_engine_that_keeps_kv_by_it(app_factory):
+    """Scale-out: web hosts in front of this server's engine (or vLLM) send each client's salt as
+    ``cache_salt``, so the engine shares KV by identity as one process does; a /v1 caller's own salt
+    never names one of the engine's namespaces."""
+    from chat.config import Settings
+    from chat.engine.remote import RemoteEngine
+    from fakes import FakeEngine
+    from helpers import wait_for
+
+    upstream_engine = FakeEngine()
+    upstream = app_factory(upstream_engine, max_new_tokens=16)
+    remote = RemoteEngine(Settings(backend="openai", backend_url=f"{upstream.url}/v1"))
+    try:
+        assert wait_for(lambda: remote.ready, timeout=10) and remote.salted
+        collect(remote.submit(_msgs("hi"), GenParams(max_new_tokens=2, cache_salt="a" * 32)))
+        assert upstream_engine.history[-1].params.cache_salt == "salt:" + "a" * 32
+        client = upstream.app.test_client()
+        assert client.post("/v1/chat/completions", json={"messages": _msgs("hi"), "max_tokens": 2}).status_code == 200
+        assert upstream_engine.history[-1].params.cache_salt == "v1"
+        assert client.post("/v1/chat/completions", json={"messages": _msgs("hi"), "cache_salt": ""}).status_code == 400
+    finally:
+        remote.shutdown()

@@ -155,6 +155,13 @@ def _messages(value: Any, name: str, settings: Settings) -> Any:
     return out
 
 
+def _salt(value: Any, name: str, settings: Settings) -> Any:
+    """vLLM's ``cache_salt``: whose KV the prompt may reuse (a web tier in front names its client's)."""
+    if not isinstance(value, str) or not 0 < len(value) <= 64:
+        raise _bad(name, "must be a string of 1-64 characters")
+    return "salt:" + value  # never one of this server's own namespaces
+
+
 def _unsupported(message: str):
     def parse(value: Any, name: str, settings: Settings) -> Any:
         if value not in (False, [], {"type": "text"}):
@@ -178,6 +185,7 @@ FIELDS = {
     "stream": _boolean,
     "stream_options": _stream_options,
     "functions": _unsupported("use 'tools'"),
+    "cache_salt": _salt,
 }
 # checked together, by openai_tools.plan: tools, tool_choice, parallel_tool_calls, response_format,
 # logprobs, top_logprobs
@@ -203,7 +211,8 @@ def parse_request(body: Any, settings: Settings, vocab: int | None = None) -> di
 
 def gen_params(values: dict) -> dict:
     """The request's sampling values under the engine's names (the service fills in defaults)."""
-    out = {k: values[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop") if k in values}
+    out = {k: values[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "cache_salt")
+           if k in values}
     wanted = values.get("max_completion_tokens", values.get("max_tokens"))
     if wanted is not None:
         out["max_new_tokens"] = wanted
