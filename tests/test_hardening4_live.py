@@ -149,3 +149,42 @@ def test_the_database_and_kv_files_are_private(live):
     data = live.workdir / "data"
     assert stat.S_IMODE(data.stat().st_mode) == 0o700
     assert stat.S_IMODE((data / "chat.db").stat().st_mode) == 0o600
+
+
+@pytest.fixture(scope="module")
+def small_disk(server_factory):
+    return server_factory("hard45disk", CHAT_DB_MAX_MB=2, CHAT_MAX_NEW_TOKENS=4096, CHAT_CONTEXT_TOKENS=8192)
+
+
+def test_an_answer_that_streams_while_the_disk_fills_is_saved_when_space_returns(small_disk):
+    import sqlite3
+    cookie = _cookie(small_disk)
+    client = WS(small_disk.ws_url, cookie=cookie)
+    client.send({"type": "chat", "id": "long", "content": "tell me everything",
+                 "params": {"temperature": 0, "max_new_tokens": 1500}})
+    frames = client.until(lambda f: f["type"] == "delta")
+    with sqlite3.connect(small_disk.workdir / "data" / "chat.db", timeout=10) as db:  # the disk fills meanwhile
+        db.execute("INSERT INTO conversations (id, client_id, title, title_set, system, created_at, updated_at)"
+                   " VALUES ('f' || hex(randomblob(15)), 'filler', 't', 1, NULL, 0, 0)")
+        filler = db.execute("SELECT id FROM conversations WHERE client_id = 'filler'").fetchone()[0]
+        while db.execute("PRAGMA page_count").fetchone()[0] * 4096 < 3 * 2**20:
+            db.execute("INSERT INTO messages (id, conversation_id, role, content, status, created_at)"
+                       " VALUES (hex(randomblob(16)), ?, 'user', ?, 'complete', 0)", (filler, "z" * 200_000))
+    frames += client.until(lambda f: f.get("id") == "long" and f["type"] in ("done", "error"))
+    done = frames[-1]
+    text = "".join(f["text"] for f in frames if f["type"] == "delta")
+    assert done["type"] == "done" and done.get("stored") is False, done
+    conv = next(f["conversation_id"] for f in frames if f["type"] == "start")
+
+    def stored():
+        status, _, body = http_get(f"{small_disk.url}/api/conversations/{conv}", headers={"Cookie": cookie})
+        return [(m["role"], m["status"], m["content"]) for m in json.loads(body)["messages"]] if status == 200 else []
+    assert stored()[-1][:2] == ("assistant", "streaming")
+    with sqlite3.connect(small_disk.workdir / "data" / "chat.db", timeout=10) as db:  # space returns
+        db.execute("DELETE FROM messages WHERE conversation_id = ?", (filler,))
+        db.execute("DELETE FROM conversations WHERE id = ?", (filler,))
+    deadline = time.monotonic() + 30
+    while stored()[-1] != ("assistant", "complete", text):
+        assert time.monotonic() < deadline, stored()[-1][:2]
+        time.sleep(0.5)
+    client.close()
