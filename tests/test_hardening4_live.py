@@ -188,3 +188,38 @@ def test_an_answer_that_streams_while_the_disk_fills_is_saved_when_space_returns
         assert time.monotonic() < deadline, stored()[-1][:2]
         time.sleep(0.5)
     client.close()
+
+
+@pytest.fixture(scope="module")
+def defaults(server_factory):
+    return server_factory("hard45defaults")  # the README's CHAT_BIND=0.0.0.0 case: no proxy, default limits
+
+
+def test_a_thousand_idle_sockets_from_one_address_do_not_take_the_worker_offline(defaults):
+    """The finding: 1001 idle TCP connections from one address held gevent's 1000 worker connections
+    for 47 s and more (no deadline before the first request line, no per-address cap)."""
+    idle = []
+    try:
+        for _ in range(1001):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sock.settimeout(5)
+            try:
+                sock.connect(("127.0.0.1", defaults.port))
+            except OSError:
+                sock.close()
+                continue
+            idle.append(sock)
+        t0 = time.monotonic()
+        other = _connect(defaults, "127.0.0.2")
+        other.settimeout(10)
+        other.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        assert _answer(other)[0].startswith(b"HTTP/1.1 200")
+        other.close()
+        bystander = WS(defaults.ws_url, timeout=30, socket=_connect(defaults, "127.0.0.2"))
+        frames = bystander.chat("hello", params=SHORT)
+        bystander.close()
+        assert frames[-1]["type"] == "done" and time.monotonic() - t0 < 30
+    finally:
+        for sock in idle:
+            sock.close()
