@@ -121,8 +121,8 @@ class Settings:
             "413 (`/v1`).")
     max_request_chars: int = _setting(
         "CHAT_MAX_REQUEST_CHARS", 262_144, int, low=1, high=100_000_000,
-        doc="Most characters of all messages of one `/v1` request together. More gets 413 before any "
-            "tokenizing.")
+        doc="Most characters of all messages of one `/v1` request together, its tools (as JSON) included. "
+            "More gets 413 before any tokenizing.")
 
     max_batch: int = _setting(
         "CHAT_MAX_BATCH", 16, int, low=1, high=256, section="Capacity",

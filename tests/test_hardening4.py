@@ -41,19 +41,20 @@ def _v1(client, body: dict):
     return client.post("/v1/chat/completions", json=body)
 
 
-@pytest.mark.parametrize("tools,param", [
-    (_tools(32, "x" * 400_000), "tools"),  # 12.8 MB of descriptions: refused before it is rendered
-    (_tools(1, "x" * 5000), "tools[0].function.description"),
-    (_tools(20, "y" * 4000), "tools"),  # each within its own cap, together past the whole's
+@pytest.mark.parametrize("tools,param,status,code", [
+    # 12.8 MB of descriptions: past CHAT_MAX_REQUEST_CHARS with the messages, refused before it is rendered
+    (_tools(32, "x" * 400_000), "tools", 413, "too_large"),
+    (_tools(1, "x" * 5000), "tools[0].function.description", 400, "tools_too_large"),
+    (_tools(20, "y" * 4000), "tools", 400, "tools_too_large"),  # each within its own cap, together past the whole's
 ])
-def test_tools_are_counted_and_capped_before_any_rendering(srv, monkeypatch, tools, param):
+def test_tools_are_counted_and_capped_before_any_rendering(srv, monkeypatch, tools, param, status, code):
     rendered = []
     monkeypatch.setattr(structured, "tools_prompt", lambda listed: rendered.append(1) or "")
     t0 = time.monotonic()
     resp = _v1(_client(srv), {"messages": [{"role": "user", "content": "hi"}], "tools": tools})
-    assert resp.status_code == 400, resp.get_json()
+    assert resp.status_code == status, resp.get_json()
     error = resp.get_json()["error"]
-    assert error["code"] == "tools_too_large" and error["param"] == param
+    assert error["code"] == code and error["param"] == param
     assert not rendered and time.monotonic() - t0 < 30
 
 
@@ -178,3 +179,12 @@ def test_a_long_scored_prompt_goes_through_the_batched_prefill(tokens, path):
     r = Runner()
     r.prefill(Job(), 128)
     assert took[0].__name__ == ("_columns" if path == "columns" else "forward")
+
+
+def test_tools_count_against_the_request_size(app_factory):
+    srv = app_factory(max_request_chars=20_000)
+    body = {"messages": [{"role": "user", "content": "q" * 15_000}], "tools": _tools(2, "d" * 3000)}
+    resp = _v1(_client(srv), body)
+    assert resp.status_code == 413 and resp.get_json()["error"]["param"] == "tools"
+    body["messages"][0]["content"] = "q"
+    assert _v1(_client(srv), {**body, "tool_choice": "none", "max_tokens": 2}).status_code == 200

@@ -258,6 +258,7 @@ def chat_completions() -> Response:
     state = app_state()
     body = _read_json()
     values = parse_request(body, state.settings, state.engine.vocab_size)
+    _count_tools(body, values, state.settings)
     extra = openai_tools.plan(body)
     tool_mode = extra.pop("tool_mode", None)
     engine = _engine_ready()
@@ -271,6 +272,17 @@ def chat_completions() -> Response:
         return Response(_stream(gen, meta, include_usage, state.turns, tool_mode), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return _complete(gen, meta, state.turns, tool_mode, "logprobs" in extra)
+
+
+def _count_tools(body: dict, values: dict, settings: Settings) -> None:
+    """Tools become part of the prompt: with the messages, within CHAT_MAX_REQUEST_CHARS (413), counted
+    before anything is checked or rendered."""
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools:
+        return
+    chars = sum(len(m["content"]) for m in values["messages"]) + len(json.dumps(tools, ensure_ascii=False))
+    if chars > settings.max_request_chars:
+        raise _too_large("tools", f"and 'messages' hold more than {settings.max_request_chars} characters in all")
 
 
 def _usage(done: Done) -> dict:
