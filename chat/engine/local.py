@@ -233,10 +233,7 @@ class LocalEngine(Engine):
         ids = prompt.request_ids(self.loaded.tokenizer, gen.messages, params, settings.context_tokens,
                                  settings.max_new_tokens)
         if not params.tools and not params.raw_prompt:
-            # the operator's system prompt is public; a client's own is kept for its identity alone
-            first = gen.messages[0] if gen.messages else {}
-            public = first.get("role") != "system" or first.get("content") == settings.system_prompt
-            salt = None if public else params.cache_salt
+            salt = prompt.preamble_salt(gen.messages, settings.system_prompt, params.cache_salt)
             self.prefix.want(prompt.preamble(self.loaded.tokenizer, gen.messages), salt)
         return ids
 
@@ -340,14 +337,11 @@ class LocalEngine(Engine):
     def _accept(self, slot: Slot, token: int) -> None:
         """Take a row's next token and emit its text; finish the row if it ended."""
         text, reason = slot.take(token, self.loaded.eos_ids)
-        if reason == "error":
-            self._finish(slot, reason, slot.failure)
-            return
-        if token not in self.loaded.eos_ids:
+        if token not in self.loaded.eos_ids and reason != "error":
             self.tokens_generated += 1
         self._delta(slot, text)
         if reason:
-            self._finish(slot, reason)
+            self._finish(slot, reason, slot.failure)  # a failure: why the grammar ended it (``error``)
 
     def _finish(self, slot: Slot, reason: str, message: str | None = None) -> None:
         """End a row: flush its text, keep its KV for the next turn, emit ``done``."""
