@@ -32,9 +32,11 @@ except ConfigError as exc:
     sys.exit(f"configuration error: {exc}")
 
 bind = _settings.bind
-worker_class = "gevent"
+# gunicorn's gevent worker, with a deadline for request headers and a per-address connection cap
+# (chat/web/gunicorn_worker.py).
+worker_class = "chat.web.gunicorn_worker.Worker"
 workers = _settings.workers  # with the local backend each loads its own model copy (see on_starting)
-worker_connections = 1000
+worker_connections = _settings.worker_connections
 # The model never runs on the event loop, so the heartbeat stays fresh during long answers;
 # this only catches a truly wedged worker.
 timeout = 120
@@ -91,6 +93,12 @@ def on_starting(server):
 
     for line in warnings(_settings):
         server.log.warning(line)
+    import resource
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if files != resource.RLIM_INFINITY and files < worker_connections + 64:
+        server.log.warning("the open-files limit (%d) is below CHAT_WORKER_CONNECTIONS (%d) plus the files a "
+                           "worker keeps: raise it (ulimit -n, LimitNOFILE=) or lower the setting",
+                           files, worker_connections)
 
 
 def post_worker_init(worker):

@@ -110,7 +110,7 @@ def mask_cost(engine, reps: int) -> dict:
             "constrained_tok_s": [round(r, 1) for r in rates["constrained"]],
             "ratio_p50": round(statistics.median(ratios), 3),
             "mask_ms_per_step_8_rows": round(1000 * statistics.median(spent), 3) if spent else None,
-            "step_ms": round(engine.step_s * 1000, 1)}
+            "step_ms": round(engine.batch.step_s * 1000, 1)}
 
 
 def compile_times(engine) -> dict:

@@ -264,12 +264,26 @@ class Lane:
             from gevent.threadpool import ThreadPool
             self._pool = ThreadPool(self.threads)
         if timeout is None:
-            return self._pool.apply(fn, args)
-        import gevent
-        try:
-            return self._pool.spawn(fn, *args).get(timeout=max(timeout, 0.0))
-        except gevent.Timeout:
-            raise LaneTimeout() from None
+            ok, value = self._pool.apply(_caught, (fn, *args))
+        else:
+            import gevent
+            try:
+                ok, value = self._pool.spawn(_caught, fn, *args).get(timeout=max(timeout, 0.0))
+            except gevent.Timeout:
+                raise LaneTimeout() from None
+        if not ok:
+            raise value
+        return value
+
+
+def _caught(fn: Callable[..., T], *args) -> tuple[bool, Any]:
+    """(True, ``fn(*args)``) or (False, what it raised): an exception that leaves a pool thread is
+    printed by gevent's hub as a traceback, even a planned refusal (a bad schema's 400); handed back
+    as a value, it is raised in the calling greenlet, where the edge turns it into one response."""
+    try:
+        return True, fn(*args)
+    except Exception as exc:  # raised again by the caller
+        return False, exc
 
 
 class LaneTimeout(Exception):

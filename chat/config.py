@@ -127,8 +127,8 @@ class Settings:
             "413 (`/v1`).")
     max_request_chars: int = _setting(
         "CHAT_MAX_REQUEST_CHARS", 262_144, int, low=1, high=100_000_000,
-        doc="Most characters of all messages of one `/v1` request together. More gets 413 before any "
-            "tokenizing.")
+        doc="Most characters of all messages of one `/v1` request together, its tools (as JSON) included. "
+            "More gets 413 before any tokenizing.")
 
     max_batch: int = _setting(
         "CHAT_MAX_BATCH", 16, int, low=1, high=256, section="Capacity",
@@ -154,6 +154,13 @@ class Settings:
         "CHAT_KV_DISK_MB", 2048, int, low=0, high=10_000_000,
         doc="Disk for conversations' KV under `<CHAT_CACHE_DIR>/kv/` (oldest out first), so a turn after a restart "
             "does not prefill the history again. `0`: memory only.")
+    shared_prefix: str = _setting(
+        "CHAT_SHARED_PREFIX", "system", read.choice("system", "all"),
+        doc="What KV one client's prompt may reuse from another's. `system`: only the preamble of the "
+            "server's own system prompt (`CHAT_SYSTEM_PROMPT`); a conversation's KV, and the preamble of a "
+            "system prompt a client chose, serve that client alone (`/v1` callers count as one client). "
+            "`all`: any prefix held, whoever's (faster first answers for shared documents; a client could "
+            "confirm by timing that someone sent the same text). See [security.md](security.md).")
     max_active_per_connection: int = _setting(
         "CHAT_MAX_ACTIVE_PER_CONNECTION", 4, int, low=1, high=1000,
         doc="Answers one client (one identity cookie; a connection without one is its own client) may run at "
@@ -231,6 +238,17 @@ class Settings:
         doc="A request body (an import, a `/v1` request) must keep arriving: after this many seconds of "
             "silence, or when it averages under 16 KiB/s once this much time has passed, the request gets 408 "
             "and its connection is closed. `0`: wait forever (nginx in front already reads whole bodies).")
+    header_timeout_s: float = _setting(
+        "CHAT_HEADER_TIMEOUT_S", 10.0, float, low=0.5, high=3600,
+        doc="A new connection must send its request line and headers within this many seconds, or it is "
+            "closed (an idle or trickling socket cannot hold a worker's connection). Between the requests "
+            "of a kept-alive connection the wait is 75 s.")
+    worker_connections: int = _setting(
+        "CHAT_WORKER_CONNECTIONS", 1000, int, low=16, high=100_000,
+        doc="Connections one worker holds at once, WebSockets included; more wait in the listen queue. "
+            "The process's open-files limit (`ulimit -n`) must exceed it (a warning at start says when "
+            "not). Without a proxy in front, one address holds at most `CHAT_MAX_CONNECTIONS_PER_IP` of "
+            "them.")
     max_message_bytes: int = _setting(
         "CHAT_MAX_MESSAGE_BYTES", 256 * 1024, int, low=1024, high=64 * 1024 * 1024,
         doc="Largest WebSocket message the server accepts (256 KiB). A larger one closes the connection with "
@@ -275,7 +293,10 @@ class Settings:
             "address. `0`: unlimited.")
     max_connections_per_ip: int = _setting(
         "CHAT_MAX_CONNECTIONS_PER_IP", 32, int, low=0, high=100_000,
-        doc="Open WebSocket connections per client IP. More are refused with 429. `0`: unlimited.")
+        doc="Open connections per client address (IPv6: per /64). WebSockets are counted per address "
+            "whatever the proxy (429 at the handshake). Without a proxy (`CHAT_TRUSTED_PROXIES=0`) every TCP "
+            "connection to a worker counts too, plain HTTP and WebSocket together: one more gets 429 and is "
+            "closed before its request is read. `0`: unlimited.")
     log_content: bool = _setting(
         "CHAT_LOG_CONTENT", False, read.boolean,
         doc="When on, each answer's log line also contains the text: the user's message and the answer.")

@@ -20,6 +20,7 @@ from .concurrency import cooperate, spawn
 from .engine import Generation
 from .engine.events import Delta, Done, Event, Queued, Refused, Started
 from .errors import StorageFull
+from .unsaved import NOT_STORED, Unsaved
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,9 @@ class RunOwner(Protocol):
     @property
     def resume_grace_s(self) -> float: ...
 
+    @property
+    def unsaved(self) -> Unsaved: ...
+
     def record(self, end: Done | Refused, transport: str, id: str, conversation: str | None = None,
                prompt: str | None = None, text: str | None = None) -> None:
         """Count the outcome in the metrics and write the generation's log line."""
@@ -246,9 +250,18 @@ class Run:
         except StorageFull:
             pass
 
+    def save(self, text: str, reason: str, usage: dict, timings: dict) -> bool:
+        """The answer's final write; whether it is stored (a full store: kept in memory, saved later)."""
+        try:
+            self.store.finish_assistant(self.message_id, text, reason, usage, timings)
+        except StorageFull:
+            self.owner.unsaved.keep(self.message_id, text, reason, usage, timings)
+            return False
+        return True
+
     def on_refused(self, event: Refused) -> None:
         """The engine refused the answer: stored as an error, sent as an error frame."""
-        self.write(self.store.finish_assistant, self.message_id, self.prefix, "error", {}, {})
+        self.save(self.prefix, "error", {}, {})
         self.owner.record(event, "ws", self.id, self.conversation_id)
         self.forward({"type": "error", "id": self.id, "code": event.code, "message": event.message})
 
@@ -259,13 +272,16 @@ class Run:
         usage, timings = event.usage, event.timings
         if self.before is not None:  # the stored answer's figures cover all of it; done, the new part
             usage, timings = whole_answer(self.before, usage, timings)
-        self.write(self.store.finish_assistant, self.message_id, text, event.reason, usage, timings)
+        stored = self.save(text, event.reason, usage, timings)
         self.owner.record(event, "ws", self.id, self.conversation_id,
                             prompt=self.gen.messages[-1]["content"], text=text)
-        frame = {"type": "done", "id": self.id, "reason": event.reason, "usage": event.usage,
+        frame: dict = {"type": "done", "id": self.id, "reason": event.reason, "usage": event.usage,
                  "timings": event.timings}
         if event.notice:
             frame["message"] = event.notice
+        if not stored:  # the client has all of it; the store will once it has space
+            frame["stored"] = False
+            frame.setdefault("message", NOT_STORED)
         if self.gen.params.tools:  # the answer's <tool_call> blocks, read back (the text keeps them)
             calls = structured.parse_calls(text)[1]
             if calls:

@@ -21,6 +21,8 @@ from .errors import RequestError
 MAX_SCHEMA_BYTES = 32 * 1024  # one schema (or all tools' schemas together), as JSON
 MAX_DEPTH = 16  # nesting of a schema's objects and arrays
 MAX_TOOLS = 32
+MAX_DESCRIPTION_CHARS = 4096  # one tool's description
+MAX_TOOLS_CHARS = 64 * 1024  # all tools' names, descriptions and parameters together, as JSON
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
@@ -91,6 +93,10 @@ def tools(value: Any, name: str = "tools") -> list[dict]:
         raise _bad(name, "must be a list")
     if len(value) > MAX_TOOLS:
         raise _bad(name, f"holds more than {MAX_TOOLS} tools", "too_many_tools")
+    # Counted before anything is checked or rendered: the tools become part of the prompt.
+    if len(json.dumps(value)) > MAX_TOOLS_CHARS:
+        raise _bad(name, f"hold more than {MAX_TOOLS_CHARS} characters as JSON (names, descriptions and "
+                         "parameters together)", "tools_too_large")
     out, seen, size = [], set(), 0
     for i, tool in enumerate(value):
         where = f"{name}[{i}]"
@@ -106,6 +112,9 @@ def tools(value: Any, name: str = "tools") -> list[dict]:
         desc = fn.get("description")
         if desc is not None and not isinstance(desc, str):
             raise _bad(f"{where}.function.description", "must be a string")
+        if desc is not None and len(desc) > MAX_DESCRIPTION_CHARS:
+            raise _bad(f"{where}.function.description", f"is longer than {MAX_DESCRIPTION_CHARS} characters",
+                       "tools_too_large")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         check_schema(params, f"{where}.function.parameters")
         size += len(json.dumps(params))
@@ -198,7 +207,8 @@ def history(messages: list, name: str = "messages") -> list:
         if m.get("role") == "tool":
             content = m.get("content")
             if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+                content = "".join(texts) if all(isinstance(t, str) for t in texts) else None
             if not isinstance(content, str):
                 raise _bad(f"{name}[{i}].content", "must be a string")
             out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
@@ -210,7 +220,7 @@ def history(messages: list, name: str = "messages") -> list:
                     raise _bad(f"{name}[{i}].tool_calls[{j}]", "must have a function with a name")
                 try:
                     args = json.loads(fn.get("arguments") or "{}")
-                except (TypeError, ValueError):
+                except (TypeError, ValueError, RecursionError):
                     raise _bad(f"{name}[{i}].tool_calls[{j}].function.arguments", "must be a JSON string") from None
                 blocks.append(f"{OPEN}\n{json.dumps({'name': fn['name'], 'arguments': args}, ensure_ascii=False)}"
                               f"\n{CLOSE}")

@@ -5,9 +5,11 @@ serialize what comes back; every rule about a turn is written here once.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol, cast
 
 from . import attachments as files
@@ -18,6 +20,7 @@ from .errors import ProtocolError
 from .limits import Limits
 from .runs import Run, RunHandle, RunRegistry, Subscriber
 from .store import new_id
+from .unsaved import Unsaved
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -51,6 +54,14 @@ class TurnRequest(Protocol):
     def model(self) -> str | None: ...
 
 
+def cache_salt(client: str | None) -> str:
+    """Whose KV a turn may reuse (GenParams.cache_salt): its client's own, by a hash of its identity;
+    every ``/v1`` caller (no identity) shares one namespace, apart from every WebSocket client's."""
+    if client is None:
+        return "v1"
+    return hashlib.sha256(client.encode()).hexdigest()[:32]
+
+
 class TurnService:
     """Turns for every client of one process: checks, the engine, the store, the runs."""
 
@@ -59,6 +70,8 @@ class TurnService:
         self.settings, self.engine, self._store = settings, engine, store
         self.metrics, self.limits = metrics, limits
         self.runs = runs
+        # finished answers a full store refused, written when space returns (chat/unsaved.py)
+        self.unsaved = Unsaved(lambda *args: self.store.finish_assistant(*args))
 
     @property
     def store(self) -> Store:
@@ -84,7 +97,7 @@ class TurnService:
                          seed=given.get("seed"), stop=tuple(given.get("stop", ())), model=model,
                          grammar=given.get("grammar"), logprobs=given.get("logprobs"),
                          prompt_logprobs=given.get("prompt_logprobs"), raw_prompt=given.get("raw_prompt", False),
-                         tools=tuple(given.get("tools", ())))
+                         tools=tuple(given.get("tools", ())), cache_salt=given.get("cache_salt"))
 
     def model(self, wanted: str | None, rid: str | None = None) -> str | None:
         """``wanted`` when the engine serves it (None: its default); bad_message when it does not."""
@@ -206,6 +219,8 @@ class TurnService:
 
     def _history(self, conv_id: str, upto: str | None = None) -> list:
         """The stored path the model sees, at most CHAT_MAX_MESSAGES of its newest turns."""
+        if self.unsaved:  # an answer the full store refused belongs in the history: written first if it can be
+            self.unsaved.flush()
         return self.store.history(conv_id, upto=upto, limit=self.settings.max_messages or None)
 
     def _target(self, client: str, req: TurnRequest, lookup: Callable[..., Any], *args) -> Any:
@@ -232,6 +247,7 @@ class TurnService:
         The answer counts against ``client`` and ``address`` until the engine ends it.
         """
         ticket = self.limits.admit(address, client, rid)
+        params = replace(params, cache_salt=params.cache_salt or cache_salt(client))
         try:
             gen = self.engine.submit(messages, params, key=key, owner=address)
         except BaseException:
@@ -326,3 +342,5 @@ class TurnService:
         deadline = time.monotonic() + 5
         while self.runs.all_active() and time.monotonic() < deadline:
             time.sleep(0.05)
+        if self._store is not None:
+            self.unsaved.close()

@@ -54,7 +54,7 @@ def test_decode_steps_run_between_chunks_of_a_long_prompt(chunked):
     real = chunked.runner.forward
 
     def spy(input_ids, kv, positions, spans=None):
-        calls.append((kv is chunked.kv, input_ids.numel()))
+        calls.append((kv is chunked.batch.kv, input_ids.numel()))
         return real(input_ids, kv, positions, spans)
 
     running = busy(chunked)
@@ -126,7 +126,7 @@ def test_chunks_shrink_when_they_cost_more_than_a_couple_of_decode_steps(tiny_mo
     forward, prefills = eng.runner.forward, []
 
     def costly(input_ids, kv, positions, spans=None):  # decode steps 20 ms, prompt tokens 4 ms each
-        decode = kv is eng.kv
+        decode = kv is eng.batch.kv
         if not decode:
             prefills.append(input_ids.shape[1])
         time.sleep(0.02 if decode else 0.004 * input_ids.numel())

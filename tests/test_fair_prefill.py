@@ -29,7 +29,7 @@ def forwards(engine, monkeypatch):
 
     def spy(input_ids, kv, position_ids, spans=None):
         held = sum(job.rows * job.tokens.shape[1] for job in engine.queue.jobs)
-        seen.append((input_ids.shape[0], input_ids.shape[1], held, kv is engine.kv))
+        seen.append((input_ids.shape[0], input_ids.shape[1], held, kv is engine.batch.kv))
         return forward(input_ids, kv, position_ids, spans)
     monkeypatch.setattr(engine.runner, "forward", spy)
     return seen

@@ -147,7 +147,7 @@ def test_sampling_that_fails_mid_batch_ends_only_that_row(engine, monkeypatch):
     broken = threading.Event()
 
     def breaker():  # the engine thread's own slot list: swap the victim's generator there
-        for slot in engine.rows:
+        for slot in engine.batch.rows:
             if slot.gen is victim:
                 slot.generator = Broken()
                 broken.set()

@@ -254,7 +254,7 @@ def test_a_long_prompt_joining_running_rows_changes_no_answer(native_engine, mon
     short, long_text = ask("hi"), ask(" ".join(f"word{i}" for i in range(300)))
     # Every prompt prefilled whole, from its first token: a prompt continued from a shared preamble's KV
     # rounds a little apart in bf16, and whether one is held depends on the engine's idle time.
-    monkeypatch.setattr(engine.prefix, "want", lambda ids: None)
+    monkeypatch.setattr(engine.prefix, "want", lambda ids, salt=None: None)
     engine.prefix.wanted.clear()
     engine.prefix.preambles.clear()
     running, late = GenParams(temperature=0, max_new_tokens=400), GenParams(temperature=0, max_new_tokens=24)
@@ -263,7 +263,7 @@ def test_a_long_prompt_joining_running_rows_changes_no_answer(native_engine, mon
     head = next(e.text for e in first if isinstance(e, Delta))
     second = engine.submit(long_text, late)
     late_head = next(e.text for e in second if isinstance(e, Delta))
-    kv = engine.kv  # both rows are in it now
+    kv = engine.batch.kv  # both rows are in it now
     assert kv is not None and not kv.reads_padding
     # The running row's answer is its solo answer (its padding was never read). The late row's prompt is
     # prefilled in chunks sized by time beside the running row, and a prompt's last column in a chunk of

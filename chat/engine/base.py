@@ -31,6 +31,9 @@ class GenParams:
     prompt_logprobs: int | None = None  # likewise for every prompt token (/v1/completions with echo)
     raw_prompt: bool = False  # the one message's content is the prompt as is, no chat template
     tools: tuple = ()  # OpenAI function tools the prompt lists (the template's own way, else a generic one)
+    # Whose KV the prompt may reuse besides public preambles: conversations of the same salt (the client's
+    # identity, hashed), as vLLM's per-tenant cache salt; None: the engine's public namespace.
+    cache_salt: str | None = None
 
 
 _ids = itertools.count(1)

@@ -34,7 +34,7 @@ def new_id() -> str:
 
 def _title_from(content: str) -> str:
     """A short title from the first user message: whitespace collapsed, cut at a word."""
-    text = " ".join(content.split())
+    text = transfer.clean_title(content)
     if len(text) <= TITLE_CHARS:
         return text or PLACEHOLDER_TITLE
     cut = text[:TITLE_CHARS - 1]

@@ -7,11 +7,12 @@ from typing import Any
 
 from .backend import Host, Row
 from .disk_full import guarded
+from .transfer import clean_title
 from .tree import owned
 
 # What ``update`` may change, and how each is stored. None clears system, params and model.
 _COLUMNS: dict[str, Callable[[Any], object]] = {
-    "title": lambda v: v,
+    "title": lambda v: clean_title(v) or "…",
     "pinned": lambda v: int(bool(v)),
     "system": lambda v: v or None,
     "params": lambda v: json.dumps(v) if v else None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -31,7 +32,9 @@ class SQLite:
     def __init__(self, path: str, max_mb: int = 0) -> None:
         self.path = path
         if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the newest folder: only ours
+            if not path.startswith("file:"):
+                os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # a new database readable by us alone
         # A real lock, even after monkey-patching: no statement yields to the hub while it is
         # held, and real engine threads must be able to wait on it without a hub of their own.
         self._lock = real_lock()

@@ -113,8 +113,19 @@ def _message(msg: Any, i: int, max_content_chars: int, where: str | None = None)
     }
 
 
+# Control characters (NUL, CR/LF, ...) and the bidirectional overrides and isolates, which could make
+# a title read backwards in the sidebar, a tab or a download name: never kept in a title.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\u061c]")
+
+
+def clean_title(title: str) -> str:
+    """A title as stored: control and bidirectional-override characters out, whitespace collapsed."""
+    return " ".join(_UNSAFE.sub(" ", title).split())
+
+
 def imported_title(title: str) -> str:
     """The title of an imported copy: marked as one (once), within MAX_TITLE_CHARS."""
+    title = clean_title(title)
     base = title[:-len(IMPORTED)] if title.endswith(IMPORTED) else title
     return base[:MAX_TITLE_CHARS - len(IMPORTED)].rstrip() + IMPORTED
 

@@ -25,5 +25,6 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
         app.register_blueprint(presets_api.bp)
         ws.init_app(app)
     error_responses.init_app(app)
+    settings = app.extensions["chat"].settings
     app.wsgi_app = request_body.BoundedBody(  # type: ignore[method-assign]
-        app.wsgi_app, app.extensions["chat"].settings.body_timeout_s)
+        app.wsgi_app, settings.body_timeout_s, settings.max_content_chars)

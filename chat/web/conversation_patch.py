@@ -7,6 +7,7 @@ from .. import params as sampling
 from ..config import Settings
 from ..engine import Engine
 from ..errors import ProtocolError
+from ..store.transfer import clean_title
 
 MAX_TITLE_CHARS = 200
 MAX_MODEL_CHARS = 200
@@ -17,11 +18,11 @@ def _bad(message: str):
 
 
 def _title(value: Any, settings: Settings, engine: Engine) -> str:
-    if not isinstance(value, str) or not value.strip():
-        _bad("'title' must be a non-empty string")
-    if len(value.strip()) > MAX_TITLE_CHARS:
+    if not isinstance(value, str) or not clean_title(value):
+        _bad("'title' must be a non-empty string (control characters do not count)")
+    if len(value) > 4 * MAX_TITLE_CHARS or len(clean_title(value)) > MAX_TITLE_CHARS:
         _bad(f"'title' is longer than {MAX_TITLE_CHARS} characters")
-    return value.strip()
+    return clean_title(value)
 
 
 def _pinned(value: Any, settings: Settings, engine: Engine) -> bool:

@@ -18,6 +18,7 @@ bp = Blueprint("conversations", __name__, url_prefix="/api")
 EXPORT_FORMATS = ("md", "json")
 MAX_IMPORT_BYTES = 2 * 2**20  # the same cap as nginx's client_max_body_size
 MAX_QUERY_CHARS = 500
+MAX_ID_CHARS = 64  # a message id (32 hex digits here)
 
 T = TypeVar("T")
 
@@ -96,8 +97,9 @@ def activate(conv_id: str) -> Response:
     """Switch versions: make the path through a message active; the conversation as GET returns it."""
     body = request.get_json(silent=True)
     message_id = body.get("message_id") if isinstance(body, dict) else None
-    if not isinstance(message_id, str):
-        raise ProtocolError("bad_message", "body must be a JSON object with a string 'message_id'")
+    if not isinstance(message_id, str) or len(message_id) > MAX_ID_CHARS:
+        raise ProtocolError("bad_message", f"body must be a JSON object with a 'message_id' of at most "
+                                           f"{MAX_ID_CHARS} characters")
     client = current_client()
     return jsonify(_with_answering(client, _found(_store().set_active(client, conv_id, message_id))))
 

@@ -122,8 +122,9 @@ class ProxyWarning:
             return
         self.warned = True
         log.warning("a request arrived with X-Forwarded-For while CHAT_TRUSTED_PROXIES=0: every user "
-                    "behind the proxy looks like %s and shares one set of per-address limits; set "
-                    "CHAT_TRUSTED_PROXIES to the number of proxies in front", request.remote_addr)
+                    "behind the proxy looks like %s and shares one set of per-address limits (its open "
+                    "connections too: CHAT_MAX_CONNECTIONS_PER_IP per worker); set CHAT_TRUSTED_PROXIES to "
+                    "the number of proxies in front", request.remote_addr)
 
 
 def set_cookie(response: Response, value: str, secure: bool) -> None:

@@ -155,6 +155,13 @@ def _messages(value: Any, name: str, settings: Settings) -> Any:
     return out
 
 
+def _salt(value: Any, name: str, settings: Settings) -> Any:
+    """vLLM's ``cache_salt``: whose KV the prompt may reuse (a web tier in front names its client's)."""
+    if not isinstance(value, str) or not 0 < len(value) <= 64:
+        raise _bad(name, "must be a string of 1-64 characters")
+    return "salt:" + value  # never one of this server's own namespaces
+
+
 def _unsupported(message: str):
     def parse(value: Any, name: str, settings: Settings) -> Any:
         if value not in (False, [], {"type": "text"}):
@@ -178,6 +185,7 @@ FIELDS = {
     "stream": _boolean,
     "stream_options": _stream_options,
     "functions": _unsupported("use 'tools'"),
+    "cache_salt": _salt,
 }
 # checked together, by openai_tools.plan: tools, tool_choice, parallel_tool_calls, response_format,
 # logprobs, top_logprobs
@@ -203,7 +211,8 @@ def parse_request(body: Any, settings: Settings, vocab: int | None = None) -> di
 
 def gen_params(values: dict) -> dict:
     """The request's sampling values under the engine's names (the service fills in defaults)."""
-    out = {k: values[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop") if k in values}
+    out = {k: values[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "cache_salt")
+           if k in values}
     wanted = values.get("max_completion_tokens", values.get("max_tokens"))
     if wanted is not None:
         out["max_new_tokens"] = wanted
@@ -249,6 +258,7 @@ def chat_completions() -> Response:
     state = app_state()
     body = _read_json()
     values = parse_request(body, state.settings, state.engine.vocab_size)
+    _count_tools(body, values, state.settings)
     extra = openai_tools.plan(body)
     tool_mode = extra.pop("tool_mode", None)
     engine = _engine_ready()
@@ -262,6 +272,17 @@ def chat_completions() -> Response:
         return Response(_stream(gen, meta, include_usage, state.turns, tool_mode), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return _complete(gen, meta, state.turns, tool_mode, "logprobs" in extra)
+
+
+def _count_tools(body: dict, values: dict, settings: Settings) -> None:
+    """Tools become part of the prompt: with the messages, within CHAT_MAX_REQUEST_CHARS (413), counted
+    before anything is checked or rendered."""
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools:
+        return
+    chars = sum(len(m["content"]) for m in values["messages"]) + len(json.dumps(tools, ensure_ascii=False))
+    if chars > settings.max_request_chars:
+        raise _too_large("tools", f"and 'messages' hold more than {settings.max_request_chars} characters in all")
 
 
 def _usage(done: Done) -> dict:

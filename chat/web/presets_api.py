@@ -10,6 +10,7 @@ from flask.typing import ResponseReturnValue
 from .. import params as sampling
 from ..app_state import app_state
 from ..errors import ProtocolError
+from ..store.transfer import clean_title
 from . import guard
 from .identity import current_client
 
@@ -33,7 +34,7 @@ def _parsed(body: Any) -> tuple[str, str | None, dict]:
     if not isinstance(body, dict):
         raise ProtocolError("bad_message", "the body must be a JSON object")
     name = body.get("name")
-    if not isinstance(name, str) or not 0 < len(name.strip()) <= MAX_NAME_CHARS:
+    if not isinstance(name, str) or len(name) > 4 * MAX_NAME_CHARS or not 0 < len(clean_title(name)) <= MAX_NAME_CHARS:
         raise ProtocolError("bad_message", f"'name' must be 1-{MAX_NAME_CHARS} characters")
     system = body.get("system")
     if system is not None and not isinstance(system, str):
@@ -44,7 +45,7 @@ def _parsed(body: Any) -> tuple[str, str | None, dict]:
     problem = sampling.problem(params, settings.max_new_tokens)
     if problem:
         raise ProtocolError("bad_message", problem)
-    return name.strip(), system or None, sampling.clean(params)
+    return clean_title(name), system or None, sampling.clean(params)
 
 
 @bp.get("")

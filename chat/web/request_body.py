@@ -5,8 +5,11 @@ gunicorn's gevent worker waits for a body as long as the client likes: a client 
 use up ``worker_connections``. Here a body must keep arriving (no silence longer than
 CHAT_BODY_TIMEOUT_S) and arrive whole within CHAT_BODY_TIMEOUT_S plus one second per MIN_RATE
 bytes; otherwise the request is answered 408 and the connection closed. Behind nginx (which reads
-the whole body before passing it on) the bound never bites. Bodies larger than any route takes are
-left to the routes, which refuse them by their declared length without reading them.
+the whole body before passing it on) the bound never bites.
+
+Every path has a largest body (``limit``): a declared length over it is answered 413 at once, before
+a byte of the body is read, and a chunked body is read only up to it. So no route ever parses more
+than its own bound, whatever the method.
 """
 from __future__ import annotations
 
@@ -19,6 +22,9 @@ from typing import Any, Callable, Iterable, Iterator
 from ..concurrency import gevent_active
 
 MAX_BODY_BYTES = 16 * 2**20  # the largest body a route takes (/v1)
+MAX_IMPORT_BYTES = 2 * 2**20  # an import (the same cap as nginx's client_max_body_size)
+API_SLACK = 64 * 1024  # room for an /api body's other fields, past its longest text
+ESCAPED = 6  # bytes one character may take in JSON (``\u0000``)
 MIN_RATE = 16 * 1024  # bytes a second a long body must average, past the first timeout
 CHUNK = 64 * 1024
 
@@ -30,8 +36,18 @@ class BodyTimeout(Exception):
 class BoundedBody:
     """WSGI middleware: see the module doc."""
 
-    def __init__(self, app: Callable, timeout_s: float) -> None:
+    def __init__(self, app: Callable, timeout_s: float, max_content_chars: int = 16000) -> None:
         self.app, self.timeout_s = app, timeout_s
+        # The longest /api text field (a system prompt) escaped as JSON, plus the other fields.
+        self.api_bytes = ESCAPED * max_content_chars + API_SLACK
+
+    def limit(self, path: str) -> int:
+        """The largest body ``path`` takes: /v1's requests, an import, or any other route's fields."""
+        if path.startswith("/v1/"):
+            return MAX_BODY_BYTES
+        if path == "/api/conversations/import":
+            return MAX_IMPORT_BYTES
+        return min(self.api_bytes, MAX_BODY_BYTES)
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
@@ -39,33 +55,38 @@ class BoundedBody:
             declared = int(environ.get("CONTENT_LENGTH") or 0)
         except ValueError:
             declared = 0
-        if not self.timeout_s or not (chunked or 0 < declared <= MAX_BODY_BYTES):
+        limit = self.limit(environ.get("PATH_INFO", ""))
+        if declared > limit and not chunked:
+            return self._refuse(environ, start_response, 413, "too_large",
+                                f"the request body is too large (at most {limit} bytes here)")
+        if not (chunked or declared > 0):
             return self.app(environ, start_response)
         try:
-            body = self._read(environ["wsgi.input"], declared if not chunked else None)
+            body = self._read(environ["wsgi.input"], declared if not chunked else None, limit)
         except BodyTimeout:
             return self._refuse(environ, start_response, 408, "request_timeout",
                                 f"the request body did not arrive in time (at most {self.timeout_s:g} s of silence)")
         if body is None:
-            return self._refuse(environ, start_response, 413, "too_large", "the request body is too large")
+            return self._refuse(environ, start_response, 413, "too_large",
+                                f"the request body is too large (at most {limit} bytes here)")
         environ["wsgi.input"] = io.BytesIO(body)
         environ["CONTENT_LENGTH"] = str(len(body))
         environ.pop("HTTP_TRANSFER_ENCODING", None)
         environ["wsgi.input_terminated"] = False
         return self.app(environ, start_response)
 
-    def _read(self, stream: Any, length: int | None) -> bytes | None:
+    def _read(self, stream: Any, length: int | None, most: int) -> bytes | None:
         """The body (``length`` bytes, or up to its end when chunked); None when a chunked body
-        passes MAX_BODY_BYTES."""
-        limit = MAX_BODY_BYTES if length is None else length
+        passes ``most``. Without a timeout (CHAT_BODY_TIMEOUT_S=0) it waits as long as it takes."""
+        limit = most if length is None else length
         deadline = time.monotonic() + self.timeout_s + limit / MIN_RATE
         wanted = limit + 1 if length is None else limit  # a chunked body: one byte more tells it is too long
         parts, got = [], 0
         while got < wanted:
             wait = min(self.timeout_s, deadline - time.monotonic())
-            if wait <= 0:
+            if self.timeout_s and wait <= 0:
                 raise BodyTimeout()
-            with _within(wait):
+            with _within(wait if self.timeout_s else None):
                 data = stream.read(min(CHUNK, wanted - got))
             if not data:
                 break
@@ -109,9 +130,9 @@ class _ThenClose:
 class _within:
     """Raise BodyTimeout in the block after ``seconds`` (under gevent; without it, no bound)."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float | None) -> None:
         self.timer: Any = None
-        if gevent_active():
+        if seconds is not None and gevent_active():
             import gevent
             self.timer = gevent.Timeout(seconds, BodyTimeout)
 

@@ -247,7 +247,7 @@ export class AssistantMessage {
   }
 
   /** Mark the answer finished: reason, stats and the Copy/Regenerate/Continue actions. */
-  finish({ reason, timings, usage, status } = {}) {
+  finish({ reason, timings, usage, status, stored } = {}) {
     this.settle('done');
     this.el.dataset.reason = reason || '';
     this.done = { reason, timings, usage, status };
@@ -256,6 +256,8 @@ export class AssistantMessage {
       const bad = BAD_REASONS.includes(reason) ? ' bad' : '';
       this.meta.append(span(`msg-reason${bad}`, REASONS[reason], 'done-reason'));
     }
+    // The store was full: the server keeps the answer in memory and saves it when space returns.
+    if (stored === false) this.meta.append(span('msg-reason bad', 'not saved yet: storage is full', 'not-stored'));
     const line = stats(timings, usage);
     if (line) this.meta.append(span('msg-stats', line, 'stats'));
     const actions = document.createElement('span');

@@ -59,6 +59,7 @@ class Grammars:
             template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
             if template.is_error():
                 raise GrammarError(f"the schema cannot be used: {template.get_error()}")
+            self._first_token(template)
             self.compiled += 1
             with self._lock:
                 self._cache[key] = template
@@ -66,10 +67,36 @@ class Grammars:
                     self._cache.popitem(last=False)
         return template.deep_copy()
 
+    def _first_token(self, template: llguidance.LLMatcher) -> None:
+        """GrammarError (400) unless the grammar allows a first token that it then accepts: a cyclic
+        ``$ref`` allows none, a required infinite recursion fails on its first; either would otherwise
+        end as an answer that looks finished and is not valid."""
+        probe = template.deep_copy()
+        words = (self.vocab + 31) // 32
+        bits = np.zeros(words, dtype=np.int32)
+        probe.unsafe_compute_mask_ptr(bits.ctypes.data, words * 4)
+        allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.vocab])
+        if probe.is_error() or not len(allowed):
+            raise GrammarError(f"the schema allows no answer: {reason(probe) or 'no first token fits it'}")
+        eos = set(self.eos_ids)
+        first = next((int(t) for t in allowed if int(t) not in eos), None)
+        if first is not None and not probe.consume_token(first) and probe.is_error():
+            raise GrammarError(f"the schema allows no answer: {reason(probe)}")
+
     def token(self, tid: int) -> tuple[str, list[int]]:
         """(text, UTF-8 bytes) of one token, as OpenAI's log probability entries show it."""
         raw = self.tokenizer.decode_bytes([tid])
         return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def reason(matcher: llguidance.LLMatcher) -> str:
+    """A failed matcher's error, its first line (the rest is a dump of the parser's state)."""
+    return matcher.get_error().partition("\n")[0][:200]
+
+
+def failure_message(matcher: llguidance.LLMatcher) -> str:
+    """What an answer whose grammar failed mid-way ends with (``done`` reason ``error``)."""
+    return f"the answer's format could not be kept: {reason(matcher)}"
 
 
 def apply_masks(logits: torch.Tensor, slots: list) -> list:

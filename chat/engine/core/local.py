@@ -1,13 +1,11 @@
-"""The inference engine: the only place that runs the model.
+"""The local engine: the interface the web calls (``submit``, ``stats``, ``describe``...), the model's load, and
+its one OS thread's loop.
 
-One real OS thread loads the model, warms it up and then runs a continuous
-batching loop: each iteration the scheduler (``scheduler.py``) plans who starts,
-who prefills how much and who is cut; the model runner (``runner.py``) runs
-those prefill chunks and then one decode step for every row. Rows join and
-leave the shared KV buffer in place; each row keeps its own sampling parameters
-and random generator, so a seeded answer does not depend on who else is in the
-batch. Finished conversations leave their KV in a bounded LRU so the next turn
-only prefills what is new.
+Each iteration the scheduler (``scheduler.py``) plans who starts, who prefills how much and who is cut; the
+model runner (``model/runner.py``) runs those prefill chunks, and the batch (``batch.py``) runs one decode step
+for every row, samples and ends rows. A prompt is prepared (template, ids, grammar) before the scheduler sees it:
+in ``submit``, on the submitting request's thread, or, while the model loads, once it is in. Idle, the loop
+warms shared preambles and runs the runner's chores a step at a time.
 """
 from __future__ import annotations
 
@@ -23,19 +21,17 @@ from ...concurrency import real_lock, run_in_thread, start_real_thread
 from ...config import Settings
 from ...errors import EngineError, EngineUnavailable, Overloaded
 from ..base import Engine, Generation, GenParams
-from ..events import Delta, Done, Refused, announce
+from ..events import Refused, announce
 from ..kernels import cpu
 from ..kv import disk as kvdisk
-from ..kv.buffer import KVBuffer, joined
 from ..kv.prefix import PrefixCache
 from ..model import loader as model_loader
 from ..model.decoder import Decoder
 from ..model.prefill import PrefillJob
 from ..model.runner import ModelRunner, release_memory, runner_for
-from ..model.sampling import sample_rows
 from . import drafts, grammar, prompt
+from .batch import Batch, done
 from .scheduler import Request, Scheduler
-from .slot import Slot
 
 log = logging.getLogger(__name__)
 _DONE = object()  # the end of the idle chores
@@ -57,9 +53,7 @@ class LocalEngine(Engine):
         self.model_name = settings.model_name or "loading"
         self.ready = False
         self.error: str | None = None
-        self.rows: list[Slot] = []  # decoding; row i is row i of self.kv
-        self.kv: KVBuffer | None = None
-        self.prefix = PrefixCache(settings.kv_cache_mb * 1024 * 1024)
+        self.prefix = PrefixCache(settings.kv_cache_mb * 1024 * 1024, share_all=settings.shared_prefix == "all")
         self.queue = Scheduler(settings, self.prefix)
         # Generations submitted while the model loads: prepared on the engine thread once it is in.
         self.early: list[Generation] = []
@@ -69,9 +63,7 @@ class LocalEngine(Engine):
         self.closed = False  # the engine thread has ended
         self.trimmed = True
         self.chores: Iterator[None] | None = None  # idle work after start-up (runner.chores): a step per idle turn
-        self.tokens_generated = 0
-        self.step_s = 0.05  # measured: a decode step's forward (moving average)
-        self.drafter = drafts.Drafter(settings.draft != "off")
+        self.batch = Batch(self.prefix, drafts.Drafter(settings.draft != "off"))  # the decoding rows
         start_real_thread(self._run, name="engine")
 
     # ---- called from the web layer (any greenlet or thread) ----
@@ -85,7 +77,7 @@ class LocalEngine(Engine):
             raise EngineUnavailable("the model failed to load")
         queue = self.queue
         # Only len() of the engine's structures: atomic, unlike iterating them.
-        full = len(self.rows) + queue.prefilling >= self.settings.max_batch
+        full = len(self.batch.rows) + queue.prefilling >= self.settings.max_batch
         if full and self.queued() >= self.settings.max_queue:
             raise Overloaded("the server is at capacity; try again shortly")
         gen = Generation(messages=messages, params=params, key=key, owner=owner, notify=self._notify)
@@ -115,10 +107,11 @@ class LocalEngine(Engine):
         self.queue.wake.set()
 
     def stats(self) -> dict:
-        return {"active": len(self.rows) + self.queue.prefilling, "queued": self.queued(),
+        batch = self.batch
+        return {"active": len(batch.rows) + self.queue.prefilling, "queued": self.queued(),
                 "prefix_cache_bytes": self.prefix.used, "prefix_hits": self.prefix.hits,
                 "prefix_misses": self.prefix.misses, "prefix_shared_hits": self.prefix.shared_hits,
-                "tokens_generated": self.tokens_generated, **self.drafter.stats(),
+                "tokens_generated": batch.tokens_generated, **batch.drafter.stats(),
                 "finishing": self.chores is not None,
                 "decode": "native" if self.ready and self.runner.native else "torch"}
 
@@ -131,7 +124,7 @@ class LocalEngine(Engine):
         stats = self.stats()
         template = self.loaded.template
         facts = {"weights": self.weights, "cpu": self.cpu, "finishing": stats["finishing"], "decode": stats["decode"],
-                 "template": template.name, "base_model": template.base_model, **self.drafter.stats()}
+                 "template": template.name, "base_model": template.base_model, **self.batch.drafter.stats()}
         if self.formats:
             facts["formats"] = self.formats
         return facts
@@ -193,7 +186,7 @@ class LocalEngine(Engine):
         self._end_running(self.stopping)
         self.prefix.flush()  # the KV of answers the shutdown ended, on disk for the next start
         for request in self.queue.waiting:
-            self.done(request.gen, self.stopping)
+            done(request.gen, self.stopping)
         self.queue.waiting.clear()
         self.closed = True
         self._fail_inbox(self.stopping)
@@ -202,25 +195,26 @@ class LocalEngine(Engine):
         """Carry out the scheduler's plan: its admissions, its prefill chunks, one decode step (or wait for work)."""
         queue = self.queue
         self.prefix.tidy()  # deleted conversations' entries out
-        plan = queue.plan(self.rows, self.step_s, lambda: self.stopping)
-        announce(plan, self.done)
+        batch = self.batch
+        plan = queue.plan(batch.rows, batch.step_s, lambda: self.stopping)
+        announce(plan, done)
         while (chunk := queue.chunk(plan)) is not None:
             started = time.monotonic()
             logits = self.runner.prefill(chunk.job, chunk.columns)
             queue.ran(plan, chunk, time.monotonic() - started, logits)
-        announce(plan, self.done)  # prefills whose every prompt was cancelled
-        if self.rows:
-            self._step()
+        announce(plan, done)  # prefills whose every prompt was cancelled
+        if batch.rows:
+            batch.step(queue.cut(batch.rows))
             self.trimmed = False
         # Prompts that finished prefilling join after the step: a long one's row makes every row's
         # attention longer, and the step of the running rows already waited for its last chunk.
         for job, logits in queue.take_joining():
-            self._join(job, logits)
-        if not queue.busy(self.rows):
+            batch.join(job, logits)
+        if not queue.busy(batch.rows):
             if self.prefix.disk is not None:
                 self.prefix.disk.idle.set()  # its writes wait for a moment like this
             if self.prefix.wanted and not queue.queued():
-                self._warm(list(self.prefix.wanted.popitem()[0]))
+                self._warm(*self.prefix.wanted.popitem()[0])
                 return
             if self.chores is not None and not queue.waiting:
                 if next(self.chores, _DONE) is _DONE:
@@ -246,13 +240,14 @@ class LocalEngine(Engine):
             self.vocab_size = runner.vocab_size
             self.grammars = grammar.Grammars(self.loaded.tokenizer, self.loaded.eos_ids, runner.vocab_size)
             self.queue.loaded(runner.dims, self.loaded.tokenizer, runner.wide_prefill, self.loaded.template.stops)
+            self.batch.loaded(runner, self.grammars, self.loaded.eos_ids)
             self.chores = runner.chores(self.settings)
             settings = self.settings
             if settings.kv_disk_mb > 0 and settings.kv_cache_mb > 0:  # conversations' KV on disk too
                 self.prefix.disk = kvdisk.for_model(
                     Path(settings.model_cache_dir) / "kv", settings.kv_disk_mb * 1024 * 1024, self.loaded.name,
                     self.loaded.source or settings.model, runner.dims, settings.quant, self.cpu,
-                    busy=lambda: bool(self.rows or self.queue.jobs))
+                    busy=lambda: bool(self.batch.rows or self.queue.jobs))
             # the default system prompt's preamble first, so the first user after a start reuses it too
             system = [{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else []
             self.prefix.want(prompt.preamble(self.loaded.tokenizer, system))
@@ -272,160 +267,40 @@ class LocalEngine(Engine):
         ids = prompt.request_ids(self.loaded.tokenizer, gen.messages, params, settings.context_tokens,
                                  settings.max_new_tokens)
         if not params.tools and not params.raw_prompt:
-            self.prefix.want(prompt.preamble(self.loaded.tokenizer, gen.messages))
+            salt = prompt.preamble_salt(gen.messages, settings.system_prompt, params.cache_salt)
+            self.prefix.want(prompt.preamble(self.loaded.tokenizer, gen.messages), salt)
         return ids
 
-    def _warm(self, ids: list[int]) -> None:
-        """Prefill a preamble alone (as every prompt that reuses it would see it) and share its KV."""
-        if self.prefix.has_preamble(ids):
+    def _warm(self, ids: tuple | list[int], salt: str | None = None) -> None:
+        """Prefill a preamble alone (as every prompt that reuses it would see it) and share its KV with the
+        prompts of ``salt`` (None: everyone's)."""
+        if self.prefix.has_preamble(ids, salt):
             return
-        job = PrefillJob([ids], self.runner.dims)
+        job = PrefillJob([list(ids)], self.runner.dims)
         self.runner.prefill(job, len(ids))
-        self.prefix.share(ids, *job.kv.row(0, copy=True))
+        self.prefix.share(ids, *job.kv.row(0, copy=True), salt=salt)
 
     def prepare(self, gen: Generation) -> tuple[list[int], object]:
         """(prompt ids, the grammar's matcher or None): on the submitting request's thread."""
         ids = self.fit(gen)
-        self.prefix.fetch(gen.key)  # a conversation's KV from disk, when memory holds none (after a restart)
+        self.prefix.fetch(gen.key, gen.params.cache_salt)  # its KV from disk, when memory holds none (a restart)
         params = gen.params
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self.grammars.tokenizer  # noqa: B018 (built on first use, here rather than on the engine thread)
         return ids, self.grammars.matcher(params.grammar) if params.grammar else None
 
-    # ---- joining and decoding ----
-
-    def _join(self, job: PrefillJob, logits: torch.Tensor) -> None:
-        """Move a prefilled job's rows into the batch (in place) and sample their first tokens."""
-        kept = []
-        for r, slot in enumerate(job.slots):
-            if slot.gen.cancel_reason:
-                self.done(slot.gen, slot.gen.cancel_reason, slot)
-            else:
-                kept.append(r)
-        if not kept:
-            return
-        self.kv = joined(self.kv, job.kv, kept, reads_padding=not self.runner.native)  # the C++ step reads none
-        slots = [job.slots[r] for r in kept]
-        self.rows += slots
-        if job.scores is not None:
-            for r in kept:  # every prompt token's log probability, before the answer
-                job.slots[r].gen.emit(Delta("", prompt_logprobs=grammar.prompt_entries(self.grammars, job.scores[r])))
-        rows = logits[kept] if len(kept) < job.rows else logits
-        self._accept_all(slots, rows)
-
-    def _step(self) -> None:
-        """One decode step for every row in the batch, once the rows the scheduler cuts have ended."""
-        for slot, reason in self.queue.cut(self.rows):
-            self._finish(slot, reason)
-        if not self.rows:
-            return
-        assert self.kv is not None
-        if len(self.rows) == 1 and self.drafter.step(self.rows[0], self.kv, self.runner, self._take):
-            return
-        started = time.monotonic()
-        logits = self.runner.decode(self.kv, [s.last for s in self.rows], [s.pos for s in self.rows])
-        spent = time.monotonic() - started
-        self.step_s += (spent - self.step_s) / 8  # a moving average
-        if len(self.rows) == 1:
-            self.drafter.costs.measured(1, spent)
-        for slot in self.rows:
-            slot.pos += 1
-        self._accept_all(list(self.rows), logits)
-
-    def _take(self, slot: Slot, token: int | str) -> bool:
-        """``slot``'s next token, or why sampling failed (the row ends with ``error``); whether the row goes on."""
-        if isinstance(token, str):
-            self._finish(slot, "error", token)
-            return False
-        self._accept(slot, token)
-        return slot in self.rows
-
-    def _accept_all(self, slots: list[Slot], logits: torch.Tensor) -> None:
-        """Sample every row's next token in one pass, then emit each row's text; a row whose sampling fails
-        ends alone with ``error`` (``sample_rows``). Log probabilities come from the raw logits; a grammar's
-        mask (-inf) goes on before either sampler sees them. Rows asked for no tokens (a scored prompt) end
-        here, unsampled."""
-        if any(s.max_new == 0 for s in slots):
-            keep = [j for j, s in enumerate(slots) if s.max_new > 0]
-            for s in slots:
-                if s.max_new == 0:
-                    self._finish(s, "length")
-            slots, logits = [slots[j] for j in keep], logits[keep]
-            if not slots:
-                return
-        scores = grammar.log_probs(logits, slots)
-        failed = grammar.apply_masks(logits, slots)
-        tokens = sample_rows(logits, [s.params for s in slots], [s.generator for s in slots],
-                             native=self.runner.sampler())
-        for j, (slot, token) in enumerate(zip(slots, tokens)):
-            if scores is not None and j in scores and not isinstance(token, str) and token not in self.loaded.eos_ids:
-                slot.pending.append(grammar.entry(self.grammars, scores[j], token, slot.params.logprobs or 0))
-            self._take(slot, token)
-        for slot in failed:
-            if slot in self.rows:
-                log.warning("grammar failed: %s", slot.matcher.get_error())
-                self._finish(slot, "stop")
-
-    def _accept(self, slot: Slot, token: int) -> None:
-        """Take a row's next token and emit its text; finish the row if it ended."""
-        text, reason = slot.take(token, self.loaded.eos_ids)
-        if token not in self.loaded.eos_ids:
-            self.tokens_generated += 1
-        self._delta(slot, text)
-        if reason:
-            self._finish(slot, reason)
-
-    def _finish(self, slot: Slot, reason: str, message: str | None = None) -> None:
-        """End a row: flush its text, keep its KV for the next turn, emit ``done``."""
-        if reason != "error":
-            self._delta(slot, slot.flush(), last=True)
-        if slot in self.rows:
-            assert self.kv is not None
-            r = self.rows.index(slot)
-            if slot.gen.key and reason != "error":
-                keys, values = self.kv.row(r)
-                fed = slot.prompt_ids + slot.out_ids
-                self.prefix.put(slot.gen.key, fed[:keys[0].shape[2]], keys, values)
-            self._remove_row(r)
-        self.done(slot.gen, reason, slot, message)
-
-    def _remove_row(self, r: int) -> None:
-        """The last row takes row ``r``'s place, in the list as in the buffer."""
-        assert self.kv is not None
-        self.kv.remove_row(r)
-        self.rows[r] = self.rows[-1]
-        self.rows.pop()
-        if not self.rows:
-            self.kv = None
-
     def _end_running(self, reason: str) -> None:
         """End every decoding and prefilling row with ``reason`` (after a failure, touching no KV)."""
         jobs = self.queue.take_all()
-        if reason == "error":
-            rows, self.rows, self.kv = self.rows, [], None
-            for slot in rows:
-                self.done(slot.gen, reason, slot)
-        while self.rows:
-            self._finish(self.rows[-1], reason)
+        self.batch.end(reason)
         for job in jobs:
             for slot in job.slots:
-                self.done(slot.gen, reason, slot)
+                done(slot.gen, reason, slot)
 
     def _fail_inbox(self, reason: str) -> None:
         with self.early_lock:
             early, self.early = self.early, []
         for gen in early:
-            self.done(gen, reason)
+            done(gen, reason)
         for request in self.queue.drain_inbox():
-            self.done(request.gen, reason)
-
-    # ---- events: every emit goes through these ----
-
-    def _delta(self, slot: Slot, text: str, last: bool = False) -> None:
-        event = slot.delta(text, last)
-        if event is not None:
-            slot.gen.emit(event)
-
-    def done(self, gen: Generation, reason: str, slot: Slot | None = None, message: str | None = None) -> None:
-        gen.emit(slot.done(reason, message) if slot else Done.build(reason, 0, 0, gen.submitted_at, None, 0, message,
-                                                                   message))
+            done(request.gen, reason)

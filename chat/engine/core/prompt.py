@@ -133,6 +133,13 @@ def request_ids(tokenizer: Any, messages: list, params: Any, context: int, most_
     return fit(tokenizer, messages, budget, params.tools)[0]
 
 
+def preamble_salt(messages: list, server_system: str, salt: str | None) -> str | None:
+    """Whose the preamble of ``messages`` is (PrefixCache): public (None) for the server's own system prompt
+    or none at all, else the identity's (``salt``) that chose its system prompt."""
+    first = messages[0] if messages else {}
+    return None if first.get("role") != "system" or first.get("content") == server_system else salt
+
+
 def preamble(tokenizer: Any, messages: list) -> list[int]:
     """The ids every prompt of ``messages``' system prompt starts with, whatever the conversation: the system
     turn and the template up to the first user message's text (the common start of two probes' ids)."""

@@ -251,7 +251,8 @@ class Scheduler:
         for slot in started:
             gen, seeded = slot.gen, _seeded(slot)
             scored = gen.params.prompt_logprobs is not None
-            reused = None if scored else self.prefix.take(gen.key, slot.prompt_ids, shared=not seeded and not burst)
+            reused = None if scored else self.prefix.take(gen.key, slot.prompt_ids, shared=not seeded and not burst,
+                                                            salt=gen.params.cache_salt)
             if reused is None and not _alone(slot):
                 fresh.append(slot)
                 continue

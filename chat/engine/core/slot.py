@@ -11,6 +11,7 @@ from ...config import Settings
 from ..base import Generation
 from ..events import Delta, Done
 from .decoding import IncrementalDecoder, StopMatcher
+from .grammar import failure_message
 
 
 class Slot:
@@ -37,13 +38,16 @@ class Slot:
         self.reused = 0
         self.hit_stop = False
         self.matcher: Any = None  # the grammar's llguidance matcher, when the answer has one
+        self.failure: str | None = None  # why the answer ended with ``error``
         self.pending: list = []  # log probability entries of tokens whose text is not out yet
         self.drafts: Any = None  # drafts.Row, once the row runs alone with drafts on
 
     def take(self, token: int, eos_ids: frozenset) -> tuple[str, str | None]:
         """(text this token completes, reason the answer ends or None)."""
-        if self.matcher is not None:
-            self.matcher.consume_token(token)
+        if self.matcher is not None and not self.matcher.consume_token(token) and self.matcher.is_error():
+            # never a clean stop on text the grammar did not accept: the answer ends with ``error``
+            self.failure = failure_message(self.matcher)
+            return "", "error"
         if token in eos_ids:
             return "", "stop"
         self.out_ids.append(token)

@@ -69,6 +69,9 @@ def for_model(folder: Path, budget: int, model: str, source: Path | str | None, 
     return disk
 
 
+Entry = tuple[list[int], list[torch.Tensor], list[torch.Tensor]]  # (ids, keys, values)
+
+
 class DiskKV:
     """One model's conversation entries under ``folder``, at most ``budget`` bytes (the oldest out first)."""
 
@@ -76,7 +79,9 @@ class DiskKV:
         self.folder, self.budget = Path(folder), budget
         self.layers, self.heads, self.dim = shape
         self.dtype = dtype
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, exist_ok=True)  # as private as the database: keys and values tell the text
+        self.leftovers = self._sweep()
         # real locks, not queue's: under gevent the writer is an OS thread that a patched queue would never wake
         self.pending: collections.deque = collections.deque()
         self.wake = Wakeup()
@@ -89,10 +94,12 @@ class DiskKV:
     def path(self, key: str) -> Path:
         return self.folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.kv"
 
-    def save(self, key: str, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Write an entry in the background (its tensors are never written in place afterwards)."""
+    def save(self, key: str, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
+             salt: str | None = None) -> None:
+        """Write an entry in the background (its tensors are never written in place afterwards); ``salt``:
+        whose it is (PrefixCache), written with it and asked for again to read it."""
         self.dropped.discard(key)
-        self.pending.append((key, list(ids), keys, values))
+        self.pending.append((key, list(ids), keys, values, salt))
         self.wake.set()
 
     def flush(self, timeout: float = 10.0) -> None:
@@ -103,13 +110,17 @@ class DiskKV:
         if not done.wait(timeout):
             log.warning("KV entries still being written after %.0f s", timeout)
 
-    def load(self, key: str) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]] | None:
-        """A conversation's entry from disk, or None (none, or one that cannot be read: deleted)."""
+    def load(self, key: str, salt: str | None = None) -> Entry | None:
+        """A conversation's entry from disk, or None (none, one written for another salt, or one that cannot
+        be read: deleted)."""
         path = self.path(key)
         if not path.exists():
             return None
         try:
-            ids, keys, values = self._read(path, key)
+            found = self._read(path, key, salt)
+            if found is None:
+                return None
+            ids, keys, values = found
         except Exception as exc:  # a torn, foreign or old file: prefill instead, and write it anew later
             log.warning("KV file %s unreadable (%s): deleted", path.name, exc)
             self.drop(key)
@@ -121,7 +132,7 @@ class DiskKV:
             pass
         return ids, keys, values
 
-    def _read(self, path: Path, key: str) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    def _read(self, path: Path, key: str, salt: str | None) -> Entry | None:
         """The file's entry as views of its bytes (no torch operator: see ``_write``)."""
         with open(path, "rb") as f:  # read straight into a buffer the tensors can view: one copy of the file
             data = bytearray(os.fstat(f.fileno()).st_size)
@@ -132,6 +143,8 @@ class DiskKV:
         size = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
         start = len(MAGIC) + 8
         header = json.loads(data[start:start + size])
+        if header.get("salt") != salt:
+            return None  # another identity's: kept for it, never read for this one
         ids = header["ids"]
         shape = (self.heads, len(ids), self.dim)
         if header.get("key") != key or header.get("dtype") != str(self.dtype) or header.get("shape") != [
@@ -173,7 +186,8 @@ class DiskKV:
                 except Exception:  # a full disk, a folder removed: the entry stays in memory only
                     log.exception("could not write a KV entry under %s", self.folder)
 
-    def _write(self, key: str, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def _write(self, key: str, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
+               salt: str | None = None) -> None:
         if key in self.dropped:
             return
         path = self.path(key)
@@ -181,9 +195,9 @@ class DiskKV:
         # Raw bytes behind a JSON header, and no torch operator on this thread: one that goes parallel starts an
         # OpenMP team of its own, and with more OpenMP threads than cores libgomp stops spinning at its
         # barriers, which halved the engine's decode speed (torch.save of a torch.cat here, measured).
-        header = json.dumps({"key": key, "ids": ids, "dtype": str(self.dtype),
+        header = json.dumps({"key": key, "salt": salt, "ids": ids, "dtype": str(self.dtype),
                              "shape": [self.layers, self.heads, len(ids), self.dim]}).encode()
-        with open(partial, "wb") as f:
+        with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(MAGIC + len(header).to_bytes(8, "little") + header)
             for t in [*keys, *values]:
                 f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
@@ -193,16 +207,29 @@ class DiskKV:
             return
         self.writes += 1
 
-    def _trim(self) -> None:
-        stale = time.time() - 3600
-        for f in self.folder.glob("*.tmp"):  # a write a crash cut short
+    def _sweep(self) -> int:
+        """Delete the partial files of writers that are gone (a crash, a SIGKILL); how many. A live
+        worker's write in progress (its pid in the name) stays, unless it is an hour old."""
+        gone, stale = 0, time.time() - 3600
+        for f in self.folder.glob("*.tmp"):
             try:
-                if f.stat().st_mtime < stale:
+                pid = int(f.name.split(".")[-3])
+            except (ValueError, IndexError):
+                pid = 0
+            try:
+                if not _alive(pid) or f.stat().st_mtime < stale:
                     f.unlink(missing_ok=True)
+                    gone += 1
             except OSError:
                 continue
+        if gone:
+            log.info("deleted %d partial KV files a stopped process left under %s", gone, self.folder)
+        return gone
+
+    def _trim(self) -> None:
+        self._sweep()
         files = []
-        for f in self.folder.glob("*.kv"):
+        for f in [*self.folder.glob("*.kv"), *self.folder.glob("*.tmp")]:  # writes in progress count too
             try:
                 stat = f.stat()
             except OSError:  # another worker trimmed it
@@ -212,5 +239,19 @@ class DiskKV:
         for _, size, f in sorted(files):
             if total <= self.budget:
                 break
-            f.unlink(missing_ok=True)
-            total -= size
+            if f.suffix == ".kv":
+                f.unlink(missing_ok=True)
+                total -= size
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -21,15 +21,21 @@ class PrefixCache:
 
     A shared entry serves only a prompt whose ids start with exactly its ids (a preamble) or the ids it
     has in common, and only its keys and values are shared: they are copied into the new row, never
-    written in place (docs/security.md)."""
+    written in place (docs/security.md).
+
+    Sharing goes by identity (``salt``, GenParams.cache_salt, as vLLM's per-tenant cache salt): a
+    conversation's entry serves only prompts of the same salt, and a preamble is public (salt None:
+    the operator's system prompt) or its salt's alone. ``share_all`` (CHAT_SHARED_PREFIX=all) lets
+    every prompt reuse every entry, as before identities were kept apart."""
 
     PREAMBLES = 8  # shared preambles kept (a few KB to a MB each)
     FETCHED = 8  # entries read from disk for prompts not yet started, at most
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, share_all: bool = False) -> None:
         self.budget = budget_bytes
+        self.share_all = share_all
         self.entries: collections.OrderedDict = collections.OrderedDict()
-        self.preambles: collections.OrderedDict = collections.OrderedDict()  # ids tuple -> (keys, values)
+        self.preambles: collections.OrderedDict = collections.OrderedDict()  # (ids tuple, salt) -> (keys, values)
         self.used = 0
         self.hits = self.misses = self.shared_hits = 0
         self.disk: DiskKV | None = None  # conversations' entries on disk too (CHAT_KV_DISK_MB)
@@ -39,17 +45,18 @@ class PrefixCache:
         self.forgotten: collections.deque = collections.deque()  # deleted conversations (any thread appends)
         self.fetched: dict[str, tuple] = {}  # entries read from disk (off the engine thread) for prompts on the way
 
-    def put(self, key: str | None, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def put(self, key: str | None, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
+            salt: str | None = None) -> None:
         size = sum(t.numel() * t.element_size() for t in keys + values)
         self.pop(key)
         if key and self.disk is not None:
-            self.disk.save(key, ids, keys, values)
+            self.disk.save(key, ids, keys, values, salt)
         if not key or size > self.budget:
             return
-        self.entries[key] = (list(ids), keys, values, size)
+        self.entries[key] = (list(ids), keys, values, size, salt)
         self.used += size
         while self.used > self.budget:
-            _, (_, _, _, s) = self.entries.popitem(last=False)
+            _, (_, _, _, s, _) = self.entries.popitem(last=False)
             self.used -= s
 
     def pop(self, key: str | None) -> tuple | None:
@@ -58,11 +65,11 @@ class PrefixCache:
             self.used -= entry[3]
         return entry
 
-    def fetch(self, key: str | None) -> None:
+    def fetch(self, key: str | None, salt: str | None = None) -> None:
         """Read a conversation's entry from disk when none is held (any thread: a prompt being fitted), for
-        ``take`` to find."""
+        ``take`` to find; only one written for the same salt."""
         if key and self.disk is not None and key not in self.entries and key not in self.fetched:
-            found = self.disk.load(key)
+            found = self.disk.load(key, salt)
             if found is not None:
                 while len(self.fetched) >= self.FETCHED:  # prompts that never started (cancelled while waiting)
                     try:
@@ -85,53 +92,63 @@ class PrefixCache:
             self.pop(key)
             self.fetched.pop(key, None)
 
-    def want(self, ids: list[int]) -> None:
-        """Note a system prompt's preamble for prefilling while idle, unless it is held (any thread)."""
-        found = tuple(ids)
-        if len(found) >= 4 and len(self.wanted) < 16 and found not in self.preambles:
+    def want(self, ids: list[int], salt: str | None = None) -> None:
+        """Note a system prompt's preamble for prefilling while idle, unless it is held (any thread);
+        ``salt``: whose it is (None: public, the operator's system prompt)."""
+        found = (tuple(ids), None if self.share_all else salt)
+        if len(found[0]) >= 4 and len(self.wanted) < 16 and found not in self.preambles:
             self.wanted[found] = None
 
     def flush(self) -> None:
         if self.disk is not None:
             self.disk.flush()
 
-    def share(self, ids: list[int] | tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Keep a preamble's KV (computed for ``ids`` alone) for every conversation that starts with it."""
-        self.preambles[tuple(ids)] = (keys, values)
-        self.preambles.move_to_end(tuple(ids))
+    def share(self, ids: list[int] | tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor],
+              salt: str | None = None) -> None:
+        """Keep a preamble's KV (computed for ``ids`` alone) for every conversation that starts with it
+        (of ``salt``; None: anyone's)."""
+        found = (tuple(ids), None if self.share_all else salt)
+        self.preambles[found] = (keys, values)
+        self.preambles.move_to_end(found)
         while len(self.preambles) > self.PREAMBLES:
             self.preambles.popitem(last=False)
 
-    def has_preamble(self, ids: list[int] | tuple[int, ...]) -> bool:
-        return tuple(ids) in self.preambles
+    def has_preamble(self, ids: list[int] | tuple[int, ...], salt: str | None = None) -> bool:
+        return (tuple(ids), None if self.share_all else salt) in self.preambles
 
-    def take(self, key: str | None, ids: list[int], shared: bool = True) -> tuple | None:
+    def _same(self, salt: str | None, other: str | None) -> bool:
+        """Whether a prompt of ``salt`` may reuse an entry kept for ``other``."""
+        return self.share_all or salt == other
+
+    def take(self, key: str | None, ids: list[int], shared: bool = True, salt: str | None = None) -> tuple | None:
         """(keys, values, reused length) for the longest prefix of ``ids`` held: the conversation's own
-        entry (taken out: the conversation goes on from it) or, with ``shared``, a shared preamble (views:
-        copied by the caller); None when neither holds one."""
+        entry (taken out: the conversation goes on from it) or, with ``shared``, a preamble it may use or
+        another conversation's entry of the same salt (views: copied by the caller); None when none holds one."""
         entry = self.pop(key) if key else None
         if entry is None and key in self.fetched:  # read from disk while the prompt was fitted
             cached, keys, values = self.fetched.pop(key)
-            entry = (cached, keys, values, 0)
+            entry = (cached, keys, values, 0, salt)  # loaded only when written for this salt
+        if entry is not None and not self._same(salt, entry[4]):
+            entry = None
         limit = len(ids) - 1  # leave at least one token to prefill
         n = 0
         if entry is not None:
-            cached, keys, values, _ = entry
+            cached, keys, values, _, _ = entry
             limit_own = min(len(cached), limit)
             while n < limit_own and cached[n] == ids[n]:
                 n += 1
-        preamble = self._preamble(ids, limit) if shared else None
-        other = self._common(ids, limit) if shared else None
-        if other is not None and other[0] > max(n, len(preamble[0]) if preamble else 0):
+        preamble = self._preamble(ids, limit, salt) if shared else None
+        other = self._common(ids, limit, salt) if shared else None
+        if other is not None and other[0] > max(n, len(preamble[0][0]) if preamble else 0):
             self.shared_hits += 1
             n, found = other
-            _, keys, values, _ = self.entries[found]
+            _, keys, values, _, _ = self.entries[found]
             self.entries.move_to_end(found)
-        elif preamble is not None and len(preamble[0]) > n:
+        elif preamble is not None and len(preamble[0][0]) > n:
             self.shared_hits += 1
             found, (keys, values) = preamble
             self.preambles.move_to_end(found)
-            n = len(found)
+            n = len(found[0])
         elif n == 0:
             self.misses += 1
             return None
@@ -139,12 +156,12 @@ class PrefixCache:
             self.hits += 1
         return [k[:, :, :n] for k in keys], [v[:, :, :n] for v in values], n
 
-    def _common(self, ids: list[int], limit: int) -> tuple[int, str] | None:
+    def _common(self, ids: list[int], limit: int, salt: str | None) -> tuple[int, str] | None:
         """(length, key) of the longest common prefix of ``ids`` (up to ``limit``) with another
-        conversation's held ids, or None."""
+        conversation's held ids of the same salt, or None."""
         best: tuple[int, str] | None = None
-        for key, (cached, _, _, _) in self.entries.items():
-            if not cached or cached[0] != ids[0]:
+        for key, (cached, _, _, _, other) in self.entries.items():
+            if not cached or cached[0] != ids[0] or not self._same(salt, other):
                 continue
             n, top = 0, min(len(cached), limit)
             while n < top and cached[n] == ids[n]:
@@ -153,10 +170,14 @@ class PrefixCache:
                 best = (n, key)
         return best if best and best[0] > 0 else None
 
-    def _preamble(self, ids: list[int], limit: int) -> tuple | None:
-        """The longest shared preamble that ``ids`` starts with (and goes past), or None."""
+    def _preamble(self, ids: list[int], limit: int, salt: str | None) -> tuple | None:
+        """((ids, salt), kv) of the longest preamble that ``ids`` starts with (and goes past) and that a
+        prompt of ``salt`` may use (a public one or its own), or None."""
         best = None
         for found, kv in self.preambles.items():
-            if len(found) <= limit and (best is None or len(found) > len(best[0])) and tuple(ids[:len(found)]) == found:
+            pre, owner = found
+            if owner is not None and owner != salt:
+                continue
+            if len(pre) <= limit and (best is None or len(pre) > len(best[0][0])) and tuple(ids[:len(pre)]) == pre:
                 best = (found, kv)
         return best

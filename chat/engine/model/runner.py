@@ -92,6 +92,9 @@ class ModelRunner(Protocol):
         ...
 
 
+EXACT_SCORE = 256  # scored prompt tokens fed as decode steps (bit for bit theirs); past it, batched prefill
+
+
 class _Runner:
     """What both runners share: prefill chunks, decode steps and the warm-up, on top of ``forward``."""
 
@@ -194,11 +197,13 @@ class DecoderRunner(_Runner):
         return self.decoder.formats()
 
     def prefill(self, job: PrefillJob, columns: int) -> torch.Tensor | None:
-        """A scored prompt (every position's log probability, always a job of its own) goes through the C++
-        step once it is in, its columns together: each position's log probabilities are then the ones decode
-        steps feeding the text token by token give (bit for bit where ``verifies``), not a prefill's other
-        rounding."""
-        if job.score is not None and job.rows == 1 and self.native:
+        """A scored prompt (every position's log probability, always a job of its own) of up to EXACT_SCORE
+        tokens goes through the C++ step once it is in, its columns together: each position's log
+        probabilities are then the ones decode steps feeding the text token by token give (bit for bit where
+        ``verifies``), not a prefill's other rounding. Those columns cost a decode step each (the products'
+        one-row kernels), so a longer prompt is scored by the batched prefill like any other: a 1600-token
+        prompt took 64 s of them."""
+        if job.score is not None and job.rows == 1 and self.native and job.tokens.shape[1] <= EXACT_SCORE:
             return job.step(self._columns, columns)
         return job.step(self.forward, columns)
 

@@ -31,6 +31,8 @@ MIN_ANSWER_BYTES = 64 * 1024
 MODELS_FRESH_S = 60.0  # how long the backend's model list is used before it is asked again
 
 
+SALTED = ("chat", "vllm")  # `owned_by` of backends whose prefix cache is kept per `cache_salt`
+
 class _Call:
     """One upstream call (the engine's own state for a generation): its connection, and since
     when its stream read has waited (for the watchdog)."""
@@ -68,6 +70,7 @@ class RemoteEngine(Engine):
         self.model_name = settings.model_name or settings.backend_model or "remote"
         self._patterns = [p.strip() for p in settings.backend_models.split(",") if p.strip()]
         self._listed: list[str] = []  # the backend's other models users may pick, from /models
+        self.salted = False  # whether the backend takes `cache_salt` (_fetch_models)
         self._listed_at = 0.0
         self._listing = False
         self.ready = False
@@ -124,10 +127,13 @@ class RemoteEngine(Engine):
             body = response.read()
             if response.status != 200:
                 raise BackendError(_error_text(response.status, body))
-            models = [m["id"] for m in json.loads(body).get("data", [])
-                      if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]]
+            cards = [m for m in json.loads(body).get("data", []) if isinstance(m, dict)]
+            models = [m["id"] for m in cards if isinstance(m.get("id"), str) and m["id"]]
         finally:
             conn.close()
+        # Backends known to keep their prefix cache per `cache_salt` (this server's engine, vLLM): each
+        # client's salt goes with its requests, so the backend shares KV by identity as this server does.
+        self.salted = bool(cards) and all(m.get("owned_by") in SALTED for m in cards)
         if not self.backend_model:
             if not models:
                 raise BackendError("backend lists no models; set CHAT_BACKEND_MODEL")
@@ -248,6 +254,8 @@ class RemoteEngine(Engine):
             body["min_p"] = p.min_p
         if p.stop:
             body["stop"] = list(p.stop)
+        if p.cache_salt and self.salted:
+            body["cache_salt"] = p.cache_salt
         if gen.messages and gen.messages[-1].get("prefix"):
             # continue: backends that know these (vLLM, SGLang) extend the last answer in place.
             body.update(continue_final_message=True, add_generation_prompt=False)
