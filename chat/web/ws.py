@@ -142,6 +142,8 @@ class Session:
                   "context_tokens": s.context_tokens, "max_active_per_connection": s.max_active_per_connection}
         self.send({"type": "ready", "protocol": PROTOCOL, "model": engine.model_name, "models": engine.models(),
                    "limits": limits})
+        if self.state.stopping:  # accepted just as the server began to stop
+            self.draining()
         try:
             while self.open:
                 raw = self.ws.receive()
@@ -216,6 +218,10 @@ class Session:
         """The run ended: nothing more comes to this connection."""
         if self.runs.get(run.id) is run:
             del self.runs[run.id]
+
+    def draining(self) -> None:
+        """The server stops: running answers may finish, new turns are refused, then 1001 closes the socket."""
+        self.send({"type": "draining"})
 
     def close(self, code: int, reason: str, timeout: float | None = None) -> None:
         self.open = False

@@ -40,21 +40,20 @@ export function send() {
   const content = composer.content();
   if (!content.trim()) return;
   if (unloaded && unloaded === sidebar.currentId()) {
-    // Never add to a history the person cannot see.
-    composer.showError('This conversation has not loaded yet. Your message is kept; it can be sent once it shows.');
+    // Never add to a history the person cannot see: it goes once the conversation shows.
+    hold('load', 'Your message will be sent once this conversation has loaded.');
     return;
   }
   if (inView().length) {
-    composer.setQueued(true);
-    announce('Your message will be sent when this answer finishes.');
-    refreshControls();
+    hold('answer', 'Your message will be sent when this answer finishes.');
+    return;
+  }
+  if (!socket.isReady()) {
+    if (socket.isRestarting()) hold('restart', 'The server is restarting. Your message will be sent once it is back.');
+    else hold('connection', 'Your message will be sent when the connection is back.');
     return;
   }
   composer.setQueued(false);
-  if (!socket.isReady()) {
-    composer.showError('Not connected to the server yet. Your message is kept; send it once the connection is back.');
-    return;
-  }
   const files = attachments.current();
   if (composer.tooLong(content + files.map((f) => f.text).join(''))) {
     composer.showError(composer.errorText('too_large'));
@@ -75,7 +74,17 @@ export function send() {
   submit(message, { conversationId, content, files, userEl: thread.appendUser(content, files) });
 }
 
-/** After an answer ends: a message typed while it was written goes out now. */
+/** Keep the box's text, to be sent when ``why`` ('answer', 'connection', 'restart', 'load') is over. */
+function hold(why, said) {
+  const again = composer.isQueued();
+  composer.setQueued(true, why);
+  if (why !== 'answer') composer.clearError();
+  if (!again) announce(said);
+  refreshControls();
+}
+
+/** After an answer ends, the connection is back or the conversation loaded: a message kept for it
+ * goes out now. */
 export function sendQueued() {
   if (!composer.isQueued() || inView().length) return;
   if (!composer.content().trim()) {
@@ -95,7 +104,8 @@ export function cancelQueued() {
 function canStart() {
   if (!sidebar.currentId() || inView().length) return false;
   if (!socket.isReady()) {
-    composer.showError('Not connected to the server yet. Try again once the connection is back.');
+    composer.showError(socket.isRestarting() ? 'The server is restarting. Try again once it is back.'
+      : 'Not connected to the server yet. Try again once the connection is back.', { connection: true });
     return false;
   }
   composer.clearError();
@@ -340,6 +350,7 @@ export async function openConversation(id, { keepError = false, reveal = null, a
   if (reveal) requestAnimationFrame(() => thread.reveal(reveal));
   showRecord(conversation);
   refreshControls();
+  if (retrying) sendQueued(); // a message kept while it could not load
 }
 
 export function forgetConversation(id) {

@@ -46,6 +46,7 @@ export const els = {
   error: $('composer-error'),
   queued: $('composer-queued'),
   queuedCancel: $('queued-cancel'),
+  queuedText: $('queued-text'),
   prompt: $('prompt'),
   send: $('send'),
   stop: $('stop'),

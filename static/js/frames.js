@@ -59,6 +59,7 @@ export function showServer(waiting) {
 
 function onReady() {
   showServer();
+  composer.clearConnectionError();
   chat.retryLoad();
   for (const req of requests.all()) {
     if (req.sent) {
@@ -66,11 +67,18 @@ function onReady() {
       socket.send({ type: 'resume', id: req.id, from: req.nextIndex });
       if (req.cancelRequested) socket.send({ type: 'cancel', id: req.id });
     } else if (!req.started) {
-      rollback(req);
+      rollback(req); // never reached the server: its text is back in the box, and goes now
+      if (!req.reload && !req.oldView && composer.content().trim()) composer.setQueued(true, 'connection');
     }
   }
   chat.refreshControls();
+  chat.sendQueued();
   sidebar.refresh();
+}
+
+/** The server is restarting: Send keeps messages until it is back; answers running now may finish. */
+function onDraining() {
+  chat.refreshControls();
 }
 
 function onQueued(msg) {
@@ -158,7 +166,13 @@ function onError(msg) {
     }
   } else if (!req.started) {
     rollback(req);
-    composer.showError(text);
+    if (msg.code === 'overloaded' && socket.isRestarting() && !req.reload && !req.oldView) {
+      // Sent as the server began to drain: kept, and sent once it is back.
+      composer.setQueued(true, 'restart');
+      announce('The server is restarting. Your message will be sent once it is back.');
+    } else {
+      composer.showError(text);
+    }
     if (msg.code === 'not_found' && req.conversationId === sidebar.currentId()) chat.forgetConversation(req.conversationId);
     // Answering in another tab: show that answer here, live.
     if (msg.code === 'busy' && req.conversationId === sidebar.currentId()) chat.syncIds();
@@ -170,7 +184,7 @@ function onError(msg) {
   if (req && req.conversationId === sidebar.currentId()) chat.sendQueued();
 }
 
-const HANDLERS = { ready: onReady, queued: onQueued, start: onStart, delta: onDelta, done: onDone, error: onError };
+const HANDLERS = { ready: onReady, draining: onDraining, queued: onQueued, start: onStart, delta: onDelta, done: onDone, error: onError };
 
 /** Route one server frame to its handler; unknown types are ignored. */
 export function onFrame(msg) {
