@@ -182,6 +182,7 @@ class Run:
         self.lock = threading.RLock()
         self.finished_event = threading.Event()
         self.last_checkpoint = time.monotonic()
+        self.after: Callable[[Run], None] | None = None  # once it ended and its conversation is free
 
     @property
     def store(self) -> RunStore:
@@ -284,6 +285,8 @@ class Run:
         for subscriber in subscribers:
             subscriber.forget(self)
         spawn(self._expire)
+        if self.after is not None:
+            spawn(self.after, self)
 
     def _expire(self) -> None:
         time.sleep(self.owner.resume_grace_s)

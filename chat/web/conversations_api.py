@@ -1,5 +1,5 @@
-"""HTTP API over the caller's own conversations: list, read, change (title, pin, settings), delete,
-versions, export, import, search."""
+"""HTTP API over the caller's own conversations: list, read, change (title, pin, archive, settings),
+delete (to the trash) and restore, versions, export, import, search."""
 from __future__ import annotations
 
 from typing import TypeVar
@@ -10,7 +10,9 @@ from ..app_state import app_state
 from ..errors import ProtocolError
 from ..limits import cost_of
 from ..store import Store
+from ..store.trash import VIEWS
 from . import conversation_patch, guard, json_input
+from .conversation_bulk import change, empty_trash
 from .identity import current_client
 
 bp = Blueprint("conversations", __name__, url_prefix="/api")
@@ -18,6 +20,7 @@ bp = Blueprint("conversations", __name__, url_prefix="/api")
 EXPORT_FORMATS = ("md", "json")
 MAX_IMPORT_BYTES = 2 * 2**20  # the same cap as nginx's client_max_body_size
 MAX_QUERY_CHARS = 500
+MAX_IMPORT_CONVERSATIONS = 100  # in one import of several (an export of a selection)
 
 T = TypeVar("T")
 
@@ -41,9 +44,14 @@ guard.private_api(bp)
 
 @bp.get("/conversations")
 def index() -> Response:
-    """This client's conversations, newest first, each saying whether it is answering now."""
+    """This client's conversations, newest first, each saying whether it is answering now; ``view``:
+    main (default), archived or trash."""
+    view = request.args.get("view", "main")
+    if view not in VIEWS:
+        raise ProtocolError("bad_message", f"view must be one of {', '.join(VIEWS)}")
     client = current_client()
-    conversations = _store().list_conversations(client)
+    empty_trash()
+    conversations = _store().list_conversations(client, view)
     busy = app_state().turns.runs.answering_in(client, [c["id"] for c in conversations])
     for c in conversations:
         c["answering"] = c["id"] in busy
@@ -74,10 +82,19 @@ def update(conv_id: str) -> Response:
 
 @bp.delete("/conversations/<conv_id>")
 def delete(conv_id: str) -> Response:
-    """Delete a conversation and its messages."""
-    _found(_store().delete(current_client(), conv_id))
-    app_state().engine.forget(conv_id)  # its KV too, in memory and on disk
-    return jsonify(id=conv_id, deleted=True)
+    """Move a conversation to the trash (CHAT_TRASH_DAYS), or with ``?forever=1`` (or no trash) delete
+    it and its messages for good, from the trash too."""
+    forever = request.args.get("forever") in ("1", "true") or not app_state().settings.trash_days
+    change(current_client(), "delete" if forever else "trash", [conv_id], one=True)
+    return jsonify(id=conv_id, deleted=True, trash=not forever)
+
+
+@bp.post("/conversations/<conv_id>/restore")
+def restore(conv_id: str) -> Response:
+    """Bring a conversation back from the trash, where it was in the list; the conversation without messages."""
+    client = current_client()
+    change(client, "restore", [conv_id], one=True)
+    return jsonify(_found(_store().update(client, conv_id, {})))
 
 
 @bp.get("/conversations/<conv_id>/export")
@@ -122,8 +139,14 @@ def import_() -> tuple[Response, int]:
     state = app_state()
     address = guard.address(state.settings)
     state.limits.spend(address, client, cost_of(len(raw)))  # a big import costs as much as many chats
-    conv_id = _store().import_conversation(client, body, state.settings.max_content_chars, address)
-    return jsonify(id=conv_id), 201
+    store, chars = _store(), state.settings.max_content_chars
+    if isinstance(body, dict) and isinstance(body.get("conversations"), list):  # several (Export of a selection)
+        bundle = body["conversations"]
+        if not bundle or len(bundle) > MAX_IMPORT_CONVERSATIONS:
+            raise ProtocolError("bad_message", f"'conversations' must hold 1-{MAX_IMPORT_CONVERSATIONS} conversations")
+        ids = [store.import_conversation(client, one, chars, address) for one in bundle]
+        return jsonify(id=ids[0], ids=ids), 201
+    return jsonify(id=store.import_conversation(client, body, chars, address)), 201
 
 
 @bp.get("/search")

@@ -184,7 +184,14 @@ function onError(msg) {
   if (req && req.conversationId === sidebar.currentId()) chat.sendQueued();
 }
 
-const HANDLERS = { ready: onReady, draining: onDraining, queued: onQueued, start: onStart, delta: onDelta, done: onDone, error: onError };
+/** The model titled a new conversation after its first answer. */
+function onTitle(msg) {
+  if (typeof msg.conversation_id === 'string' && typeof msg.title === 'string' && msg.title.trim()) {
+    sidebar.retitle(msg.conversation_id, msg.title);
+  }
+}
+
+const HANDLERS = { ready: onReady, draining: onDraining, title: onTitle, queued: onQueued, start: onStart, delta: onDelta, done: onDone, error: onError };
 
 /** Route one server frame to its handler; unknown types are ignored. */
 export function onFrame(msg) {

@@ -59,6 +59,16 @@ export function setEntry(record) {
   updateHeader();
 }
 
+/** The model wrote conversation ``id``'s title (a `title` frame): the list and the top bar show it. */
+export function retitle(id, title) {
+  const entry = conversations.find((c) => c.id === id);
+  if (entry) entry.title = title;
+  titles[id] = title;
+  storage.set(KEY_TITLES, titles);
+  render();
+  updateHeader();
+}
+
 /** Drop a deleted (or vanished) conversation from the list. */
 export function forget(id) {
   conversations = conversations.filter((c) => c.id !== id);
@@ -203,6 +213,7 @@ export const entry = (id) => conversations.find((c) => c.id === id);
 export function updateHeader() {
   const title = current ? titleOf(current) : 'New chat';
   els.title.textContent = title;
+  els.title.title = title; // the whole title on hover where it is cut short
   document.title = current ? `${title} · Chat` : 'Chat';
   els.exportMenu.hidden = !current;
   if (current) {
