@@ -73,13 +73,15 @@ def _ids(body: Any) -> list[str]:
 
 @bp.post("/conversations/bulk")
 def bulk() -> Response:
-    """{"action": one of ACTIONS, "ids": [...]}: the ids it changed (others are not this client's, or
-    were already so)."""
+    """{"action": one of ACTIONS, "ids": [...]}: the action taken ("delete" for "trash" without a trash)
+    and the ids it changed (others are not this client's, or were already so)."""
     body = request.get_json(silent=True)
     action = body.get("action") if isinstance(body, dict) else None
     if action not in ACTIONS:
         raise ProtocolError("bad_message", f"'action' must be one of {', '.join(ACTIONS)}")
     ids, client = _ids(body), current_client()
+    if action == "trash" and not app_state().settings.trash_days:  # no trash: deleted at once
+        action = "delete"
     return jsonify(action=action, ids=change(client, action, ids))
 
 

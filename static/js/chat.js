@@ -10,7 +10,6 @@ import * as router from './router.js';
 import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
-import * as tabs from './tabs.js';
 import * as thread from './thread.js';
 import { AssistantMessage, editInPlace, setUserText } from './message.js';
 import { announce, newId } from './util.js';
@@ -357,23 +356,6 @@ export function forgetConversation(id) {
   const wasOpen = sidebar.currentId() === id;
   sidebar.forget(id);
   if (wasOpen) openConversation(null, { address: 'replace' });
-}
-
-/** Delete a conversation after asking, cancelling its answers first. */
-export async function deleteConversation(id) {
-  if (!confirm(`Delete “${sidebar.titleOf(id)}”? This cannot be undone.`)) return;
-  for (const req of requests.activeIn(id)) socket.send({ type: 'cancel', id: req.id });
-  try {
-    await api.deleteConversation(id);
-  } catch (err) {
-    if (err.status !== 404) {
-      composer.showError(`Could not delete: ${err.message}`);
-      return;
-    }
-  }
-  forgetConversation(id);
-  tabs.tell('deleted', id);
-  announce('Conversation deleted.');
 }
 
 /** Load the open conversation again when its last load failed (the socket is back). */
