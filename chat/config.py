@@ -282,6 +282,12 @@ class Settings:
             "conversation's one title whatever version of the first message is shown; a title the user "
             "sets always wins. Off: the first message's first words are the title, and editing the first "
             "message renames the conversation (unless its user named it).")
+    max_document_mb: int = _setting(
+        "CHAT_MAX_DOCUMENT_MB", 10, int, low=1, high=15,
+        doc="Largest document (PDF, DOCX, HTML, CSV) the page may attach, in MB. Each is read to text by a "
+            "process of its own (at most 1 GiB of memory, 20 s, the first 300 pages of a PDF; two at once "
+            "per worker), and its text counts against `CHAT_MAX_CONTENT_CHARS` like any attachment. nginx's "
+            "`client_max_body_size` for `/api/documents` must allow it (deploy/nginx.conf: 11m).")
     trash_days: float = _setting(
         "CHAT_TRASH_DAYS", 30.0, float, low=0.0, high=3650,
         doc="How long a deleted conversation waits in the trash, restorable (the page's **Undo** and its "

@@ -188,6 +188,10 @@ class Engine:
         """Active and queued counts for health and metrics."""
         return {"active": 0, "queued": 0}
 
+    def count_tokens(self, text: str) -> int | None:
+        """How many tokens ``text`` is for the default model (None when the engine cannot say)."""
+        return None
+
     def forget(self, key: str) -> None:
         """A conversation was deleted: drop whatever the engine keeps for ``key`` (its KV, in memory and on disk)."""
 

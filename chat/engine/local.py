@@ -223,6 +223,11 @@ class LocalEngine(Engine):
         log.info("engine ready: %s, max batch %d, prefill chunk %d", self.model_name,
                  self.settings.max_batch, self.settings.prefill_chunk)
 
+    def count_tokens(self, text: str) -> int | None:
+        if not self.ready:
+            return None
+        return len(self.loaded.tokenizer.encode(text, add_special_tokens=False))
+
     def forget(self, key: str) -> None:
         self.prefix.forget(key)
         self.queue.wake.set()

@@ -9,7 +9,7 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
 
     ``engine_only``: only ``/v1`` and health, for web workers that use this process as their backend.
     """
-    from . import (conversation_bulk, conversations_api, error_responses, health, hosts, openai_api,
+    from . import (conversation_bulk, conversations_api, documents_api, error_responses, health, hosts, openai_api,
                    openai_completions, pages, presets_api, request_body, sharing, ws)
     hosts.init_app(app, app.extensions["chat"].settings)
     app.register_blueprint(health.bp)
@@ -22,6 +22,7 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
         app.register_blueprint(pages.bp)
         app.register_blueprint(conversations_api.bp)
         app.register_blueprint(conversation_bulk.bp)
+        app.register_blueprint(documents_api.bp)
         app.register_blueprint(sharing.bp)
         app.register_blueprint(presets_api.bp)
         ws.init_app(app)

@@ -54,3 +54,20 @@ export const setActive = (id, messageId) => call(`${url(id)}/active`, { method: 
 export const importConversation = (body) => call('/api/conversations/import', { method: 'POST', json: body });
 /** Full-text search over this client's messages: {results: [{conversation_id, title, message_id, snippet, highlights}]}. */
 export const search = (q) => call(`/api/search?q=${encodeURIComponent(q)}`);
+
+/** A document (PDF, DOCX, HTML, CSV) read to text by the server: {name, text, pages, chars, tokens, truncated}. */
+export async function readDocument(file, name) {
+  const res = await fetch(`/api/documents?name=${encodeURIComponent(name)}`, {
+    method: 'POST', credentials: 'same-origin', headers: { 'Content-Type': 'application/octet-stream' }, body: file,
+  });
+  let body = null;
+  try { body = await res.json(); } catch { /* a proxy's page */ }
+  if (!res.ok) {
+    if (res.status === 413 && !body) throw new Error(`“${name}” is too large to attach.`);
+    throw new Error(body?.error?.message || `Could not read “${name}” (${res.status}).`);
+  }
+  return body;
+}
+
+/** How many tokens ``text`` is for the model: {tokens} (null when the server cannot say). */
+export const countTokens = (text) => call('/api/tokens', { method: 'POST', json: { text } });

@@ -53,6 +53,11 @@ export function send() {
     return;
   }
   composer.setQueued(false);
+  const busy = attachments.reading();
+  if (busy) {
+    composer.showError(`“${busy}” is still being read. Send once its chip shows its tokens.`);
+    return;
+  }
   const files = attachments.current();
   if (composer.tooLong(content + files.map((f) => f.text).join(''))) {
     composer.showError(composer.errorText('too_large'));
@@ -61,6 +66,7 @@ export function send() {
   composer.clearError();
   composer.clear();
   attachments.clear();
+  attachments.countDraft();
   const conversationId = sidebar.currentId();
   const message = { type: 'chat', id: newId(), content };
   if (files.length) message.attachments = files;

@@ -18,6 +18,7 @@ export const els = {
   connText: $('conn-text'),
   connRetry: $('conn-retry'),
   rowMenu: $('row-menu'),
+  tokenCount: $('token-count'),
   selectMode: $('select-mode'),
   selectModeText: $('select-mode-text'),
   bulkBar: $('bulk-bar'),

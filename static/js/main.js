@@ -56,6 +56,7 @@ els.prompt.addEventListener('compositionend', () => composer.setComposing(false)
 els.prompt.addEventListener('input', () => {
   composer.autosize();
   chat.refreshControls();
+  attachments.countDraft();
 });
 els.prompt.addEventListener('keydown', (e) => {
   if (!composer.isSendKey(e)) return;
