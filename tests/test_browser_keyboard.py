@@ -111,14 +111,24 @@ def test_focus_after_regenerate_versions_and_edit(chat):
     c.page.keyboard.press("Enter")
     c.wait_until("() => document.querySelector('[data-testid=versions] .versions-label')?.textContent === '2/2'", 30)
     c.wait_done()
-    assert c.js(FOCUSED) == "prompt", "Regenerate left the keyboard nowhere"
+    # The keyboard stays where it worked: on the new version's Regenerate (Enter again: a third).
+    c.wait_until("() => document.activeElement?.dataset.action === 'regenerate' && document.activeElement"
+                 ".closest('.msg') === document.querySelector('[data-testid=message-assistant]')")
+    c.page.keyboard.press("Enter")
+    c.wait_until("() => document.querySelector('[data-testid=versions] .versions-label')?.textContent === '3/3'", 30)
+    c.wait_done()
+    c.wait_until("() => document.activeElement?.dataset.action === 'regenerate'")
     c.page.focus("[data-action=version-prev]")
     c.page.keyboard.press("Enter")
-    c.wait_until("() => document.querySelector('[data-testid=versions] .versions-label')?.textContent === '1/2'")
-    c.wait_until("() => document.activeElement?.dataset.action === 'version-next'")  # prev is disabled at 1/2
+    c.wait_until("() => document.querySelector('[data-testid=versions] .versions-label')?.textContent === '2/3'")
     c.page.keyboard.press("Enter")
-    c.wait_until("() => document.querySelector('[data-testid=versions] .versions-label')?.textContent === '2/2'")
-    c.wait_until("() => document.activeElement?.dataset.action === 'version-prev'")
+    c.wait_until("() => document.querySelector('[data-testid=versions] .versions-label')?.textContent === '1/3'")
+    c.wait_until("() => document.activeElement?.dataset.action === 'version-next'")  # prev is disabled at 1/3
+    c.page.keyboard.press("Enter")
+    c.wait_until("() => document.querySelector('[data-testid=versions] .versions-label')?.textContent === '2/3'")
+    c.page.keyboard.press("Enter")
+    c.wait_until("() => document.querySelector('[data-testid=versions] .versions-label')?.textContent === '3/3'")
+    c.wait_until("() => document.activeElement?.dataset.action === 'version-prev'")  # next is disabled at 3/3
 
     c.page.focus("[data-testid=message-user] [data-action=edit]")
     c.page.keyboard.press("Enter")

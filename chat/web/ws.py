@@ -77,6 +77,7 @@ def websocket(ws: BoundedServer) -> None:
 
 
 _DELTA_KEYS = {"type", "id", "index", "text"}
+_COUNTED_KEYS = {"type", "id", "index", "text", "tokens"}
 RESUME_BURST = 16  # resumes a connection may send at once (a reconnect resumes each open answer)
 RESUMES_PER_S = 0.5  # and after that
 
@@ -86,9 +87,14 @@ def encode(frame: dict) -> str:
 
     Deltas are nearly every frame, so theirs is written directly (a fifth of dumps' cost).
     """
-    if frame.keys() == _DELTA_KEYS and frame["type"] == "delta" and type(frame["index"]) is int:
-        return (f'{{"type": "delta", "id": {encode_basestring(frame["id"])}, "index": {frame["index"]:d}, '
-                f'"text": {encode_basestring(frame["text"])}}}')
+    keys = frame.keys()
+    if (keys == _DELTA_KEYS or keys == _COUNTED_KEYS) and frame["type"] == "delta" and type(frame["index"]) is int:
+        head = (f'{{"type": "delta", "id": {encode_basestring(frame["id"])}, "index": {frame["index"]:d}, '
+                f'"text": {encode_basestring(frame["text"])}')
+        if keys == _DELTA_KEYS:
+            return head + "}"
+        if keys == _COUNTED_KEYS and type(frame["tokens"]) is int:
+            return head + f', "tokens": {frame["tokens"]:d}}}'
     return json.dumps(frame, ensure_ascii=False)
 
 

@@ -265,9 +265,15 @@ export function regenerate() {
   view.showPendingVersion(count - 1, count);
   view.setThinking();
   last.view.setRegenerating(`Writing version ${count} of ${count}…`);
-  // The old answer (and its button) gives way to the new one: the keyboard goes on from the composer.
-  if (last.contains(document.activeElement)) els.prompt.focus({ preventScroll: true });
-  submit({ type: 'regenerate', id: newId(), conversation_id: conversationId }, { conversationId, oldView: last, view });
+  // The keyboard stays with the answer: on it while the new version is written (its buttons hide),
+  // then on the new version's Regenerate (frames.js).
+  const keepFocus = last.contains(document.activeElement);
+  if (keepFocus) {
+    last.tabIndex = -1;
+    last.focus({ preventScroll: true });
+  }
+  submit({ type: 'regenerate', id: newId(), conversation_id: conversationId },
+    { conversationId, oldView: last, view, keepFocus });
 }
 
 /** The `params` a turn sends: none for a conversation with settings of its own (the server keeps

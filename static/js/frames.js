@@ -35,8 +35,21 @@ function rollback(req) {
 /** A regenerated answer takes the old one's place once it has something to show. */
 function swapIn(req) {
   if (!req.oldView || req.view.el.isConnected || !req.oldView.isConnected) return;
+  const hadFocus = req.oldView.contains(document.activeElement);
   req.oldView.replaceWith(req.view.el);
   req.oldView.view.setRegenerating(null);
+  if (hadFocus) {
+    req.view.el.tabIndex = -1;
+    req.view.el.focus({ preventScroll: true });
+  }
+}
+
+/** A regenerated answer that ended: the keyboard, kept on the answer meanwhile, goes to its Regenerate. */
+function refocus(req) {
+  const active = document.activeElement;
+  if (!req.keepFocus || !(active === document.body || req.view.el.contains(active))) return;
+  const button = req.view.el.querySelector('[data-action="regenerate"]:not([hidden])');
+  if (button) button.focus({ preventScroll: true });
 }
 
 /** End a started request with the text that has arrived, drawn final. */
@@ -115,18 +128,29 @@ const LIVE_EVERY_MS = 250;
 function onDelta(msg) {
   const req = requests.get(msg.id);
   if (!req || !requests.addDelta(req, msg.index, msg.text)) return;
+  if (Number.isInteger(msg.tokens)) req.tokens = msg.tokens; // the engine's count, where it gives one
   swapIn(req);
   thread.scheduleRender(req.view, req.prefix + req.text);
-  // Live figures from the first delta this page saw (a resumed answer: counted from there).
+  // Live figures from the first delta this page saw (a resumed answer: counted from there), drawn at
+  // most every LIVE_EVERY_MS, and once more after the last delta so the figure ends on the latest count.
   const now = performance.now();
-  if (req.liveFrom === undefined) req.liveFrom = { at: now, index: msg.index };
-  if (!(now - (req.liveAt || 0) < LIVE_EVERY_MS)) {
-    req.liveAt = now;
-    const seconds = (now - req.liveFrom.at) / 1000;
-    const gaps = req.nextIndex - 1 - req.liveFrom.index; // deltas after the first one timed
-    const earlier = (req.prefix && req.view.done?.usage?.completion_tokens) || 0; // a continue: the whole answer
-    req.view.showLive(earlier + req.nextIndex, seconds > 0.2 && gaps > 0 ? gaps / seconds : 0);
-  }
+  if (req.liveFrom === undefined) req.liveFrom = { at: now, count: req.tokens || req.nextIndex };
+  clearTimeout(req.liveTimer);
+  if (!(now - (req.liveAt || 0) < LIVE_EVERY_MS)) drawLive(req);
+  else req.liveTimer = setTimeout(() => drawLive(req), LIVE_EVERY_MS);
+}
+
+/** The live line: the answer's tokens so far (the engine's own count when it gives one, so the figure
+ * ends where `done` says; else one a delta) and tokens per second. */
+function drawLive(req) {
+  if (req.view.el.dataset.state === 'done') return;
+  const now = performance.now();
+  req.liveAt = now;
+  const count = req.tokens || req.nextIndex;
+  const seconds = (now - req.liveFrom.at) / 1000;
+  const gained = count - req.liveFrom.count;
+  const earlier = (req.prefix && req.view.done?.usage?.completion_tokens) || 0; // a continue: the whole answer
+  req.view.showLive(earlier + count, seconds > 0.2 && gained > 0 ? gained / seconds : 0);
 }
 
 function onDone(msg) {
@@ -139,6 +163,7 @@ function onDone(msg) {
   if (!req.prefix && !req.text && msg.reason === 'stop') req.view.body.textContent = '(empty answer)';
   thread.followStream();
   chat.refreshControls();
+  refocus(req);
   if (req.conversationId === sidebar.currentId()) {
     const reason = REASONS[msg.reason] ? ` (${REASONS[msg.reason]})` : '';
     announce(`Answer${reason}: ${req.text.slice(0, 2000)}`);
