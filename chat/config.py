@@ -282,6 +282,12 @@ class Settings:
             "conversation's one title whatever version of the first message is shown; a title the user "
             "sets always wins. Off: the first message's first words are the title, and editing the first "
             "message renames the conversation (unless its user named it).")
+    starters: str = _setting(
+        "CHAT_STARTERS", "Explain how rainbows form, in three short sentences.|Write a short poem about the sea."
+        "|Give me three ideas for a quick weeknight dinner.|Translate “Good morning, how are you?” into French.",
+        str, doc="The starter prompts a new chat offers on its empty screen, separated by `|` (at most 8, each "
+                 "at most 200 characters; a click sends it). Empty: none. The defaults are short tasks a small "
+                 "model does well.")
     max_document_mb: int = _setting(
         "CHAT_MAX_DOCUMENT_MB", 10, int, low=1, high=15,
         doc="Largest document (PDF, DOCX, HTML, CSV) the page may attach, in MB. Each is read to text by a "

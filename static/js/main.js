@@ -203,6 +203,22 @@ document.addEventListener('pointerdown', (e) => {
   }
 });
 els.list.closest('.conversations').addEventListener('scroll', () => listnav.closeMenu(false), { passive: true });
+// A starter prompt on the empty screen goes as the new chat's first message.
+document.getElementById('starters')?.addEventListener('click', (e) => {
+  const starter = e.target.closest('.starter');
+  if (!starter) return;
+  els.prompt.value = starter.textContent;
+  composer.autosize();
+  chat.refreshControls();
+  chat.send();
+  els.prompt.focus({ preventScroll: true });
+});
+// Appearance: applied at once and kept in this browser (js/theme.js).
+for (const [id, key] of [['set-theme', 'theme'], ['set-text', 'text']]) {
+  const select = document.getElementById(id);
+  select.value = window.chatAppearance?.get()[key] || select.value;
+  select.addEventListener('change', () => window.chatAppearance?.set({ [key]: select.value }));
+}
 els.selectMode.addEventListener('click', library.toggleSelect);
 els.bulkBar.addEventListener('click', (e) => {
   const action = e.target.closest('[data-bulk]')?.dataset.bulk;

@@ -62,10 +62,37 @@ export function userMessage(content, files = []) {
 }
 
 /** Record a message element's stored id and versions, and show "< 2/3 >" when there are several. */
-export function setIdentity(el, { id, versions }) {
+export function setIdentity(el, { id, versions, created_at: createdAt }) {
   el.dataset.id = id;
   el.versions = versions;
   showVersions(el, versions);
+  if (createdAt) stamp(el, createdAt);
+}
+
+const WHEN = new Intl.DateTimeFormat(undefined, { dateStyle: 'medium', timeStyle: 'short' });
+const TODAY = new Intl.DateTimeFormat(undefined, { timeStyle: 'short' });
+
+/** When ``seconds`` (Unix time) was: the time alone today, else the date and time. */
+export function when(seconds) {
+  const at = new Date(seconds * 1000);
+  return (at.toDateString() === new Date().toDateString() ? TODAY : WHEN).format(at);
+}
+
+/** The time a message was written, in its meta row, shown on hover (and to screen readers always). */
+function stamp(el, seconds) {
+  const meta = el.querySelector('.msg-meta');
+  if (!meta) return;
+  let time = meta.querySelector('.msg-time');
+  if (!time) {
+    time = document.createElement('time');
+    time.className = 'msg-time';
+    time.dataset.testid = 'message-time';
+    meta.append(time);
+  }
+  const at = new Date(seconds * 1000);
+  time.dateTime = at.toISOString();
+  time.textContent = when(seconds);
+  time.title = WHEN.format(at);
 }
 
 /** The "< 2/3 >" switcher of ``versions`` in the message's meta row; with ``locked`` both arrows
