@@ -74,3 +74,27 @@ def test_theme_and_text_size_are_kept_in_this_browser(browser, server):
         assert not c.errors, c.errors
     finally:
         context.close()
+
+
+def test_branch_into_a_new_chat_from_any_message(chat):
+    c = chat(settings={"max_new_tokens": 6})
+    c.send("First question")
+    c.wait_done()
+    c.send("Second question")
+    c.wait_done()
+    original = c.page.url
+    c.wait_until("() => document.querySelector('[data-testid=message-assistant]').dataset.id")
+    c.page.hover("[data-testid=message-assistant] >> nth=0")
+    c.page.click("[data-testid=message-assistant] >> nth=0 >> [data-testid=branch]")
+    c.wait_until(f"() => location.href !== {original!r}")
+    c.wait_until("() => document.querySelectorAll('.msg').length === 2")
+    assert c.page.text_content("#chat-title") == "First question (branch)"
+    assert c.js("[...document.querySelectorAll('[data-testid=message-user] .msg-body')].map(e => e.textContent)") \
+        == ["First question"]
+    c.wait_until("() => document.querySelectorAll('[data-testid=conversation-item]').length === 2")
+    c.shot("branched")
+    # The new chat goes on by itself; the original keeps its four messages.
+    c.send("A different follow-up")
+    c.wait_done()
+    c.page.goto(original)
+    c.wait_until("() => document.querySelectorAll('.msg').length === 4")

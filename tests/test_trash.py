@@ -155,3 +155,22 @@ def test_an_export_of_several_is_one_file_import_takes_whole(alice, store):
     titles = {c["title"] for c in alice.get("/api/conversations").get_json()}
     assert {"first export (imported)", "second export (imported)"} <= titles
     assert alice.post("/api/conversations/export", json={"ids": ["nope"]}).status_code == 404
+
+
+def test_branch_into_a_new_chat_from_any_message(alice, store):
+    conv = _chat(store, ALICE, "first question")
+    store.add_user_message(ALICE, conv, "second question")
+    second_answer = store.start_assistant(conv)
+    store.finish_assistant(second_answer, "second answer", "stop", {}, {})
+    first_answer = store.get_conversation(ALICE, conv)["messages"][1]["id"]
+    store.update(ALICE, conv, {"system": "Be brief.", "params": {"temperature": 0.2}})
+    response = alice.post(f"/api/conversations/{conv}/branch", json={"message_id": first_answer})
+    assert response.status_code == 201
+    new = alice.get(f"/api/conversations/{response.get_json()['id']}").get_json()
+    assert [m["content"] for m in new["messages"]] == ["first question", "about first question"]
+    assert new["title"] == "first question (branch)" and new["system"] == "Be brief."
+    assert new["params"] == {"temperature": 0.2}
+    assert len(store.get_conversation(ALICE, conv)["messages"]) == 4  # the original is untouched
+    other = _chat(store, BOB, "theirs")
+    for path, body in ((conv, {"message_id": "0" * 32}), (other, {"message_id": first_answer}), (conv, {})):
+        assert alice.post(f"/api/conversations/{path}/branch", json=body).status_code in (400, 404)

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 from .. import attachments as files
 from ..errors import ProtocolError
@@ -330,10 +330,11 @@ class Store(Versions, Options, Sharing, Presets, Trash):
         return self._backend.search(client_id or "", text, deadline)
 
     @_guarded
-    def import_conversation(self, client_id: str, body: Any, max_content_chars: int, address: str | None = None) -> str:
+    def import_conversation(self, client_id: str, body: Any, max_content_chars: int, address: str | None = None,
+                            mark: str = transfer.IMPORTED) -> str:
         """Create a conversation of ``client_id`` from an export (every version of its tree) or a
-        ``messages`` list; its id. The copy's title says it was imported; ``address`` is charged
-        for it."""
+        ``messages`` list; its id. The copy's title says it was imported (``mark``); ``address`` is
+        charged for it."""
         data = transfer.parse_import(body, max_content_chars, self.max_messages)
         size = len(data["system"] or "") + sum(_size(m) for m in data["messages"])
         first = next((m["content"] for m in data["messages"] if m["role"] == "user"), "")
@@ -345,7 +346,7 @@ class Store(Versions, Options, Sharing, Presets, Trash):
             db.execute(
                 "INSERT INTO conversations (id, client_id, title, title_set, renamed, system, params, model,"
                 f" created_at, updated_at, address, size) VALUES ({marks(db, 3)}, 1, {marks(db, 8)})",
-                (conv_id, client_id, transfer.imported_title(title), int(data["title"] is not None),
+                (conv_id, client_id, transfer.imported_title(title, mark), int(data["title"] is not None),
                  data["system"], json.dumps(data["params"]) if data["params"] else None, data["model"],
                  created, now, address, len(data["system"] or "")))
             ids: list = []
@@ -356,6 +357,24 @@ class Store(Versions, Options, Sharing, Presets, Trash):
                 db.execute(f"UPDATE conversations SET active_id = {db.mark} WHERE id = {db.mark}",
                            (ids[data["active"]], conv_id))
         return conv_id
+
+    def branch(self, client_id: str | None, conv_id: str, message_id: str, max_content_chars: int,
+               address: str | None = None) -> str | None:
+        """A new conversation of ``client_id`` holding the path from the first message down to
+        ``message_id`` (any message of the conversation, on any version), with the conversation's
+        settings, titled "… (branch)"; its id, or None when either is not this client's."""
+        conv = self.get_conversation(client_id, conv_id) if client_id else None
+        if conv is None or not _valid(message_id):
+            return None
+        with self._conn() as db:
+            if db.execute(f"SELECT 1 FROM messages WHERE id = {db.mark} AND conversation_id = {db.mark}",
+                          (message_id, conv_id)).fetchone() is None:
+                return None
+            path = [_message(r) for r in tree.path(db, conv_id, message_id)]
+        body = {"title": conv["title"], "system": conv["system"], "params": conv["params"], "model": conv["model"],
+                "messages": [{k: m[k] for k in ("role", "content", "attachments", "status", "reason", "usage",
+                                                "timings", "created_at")} for m in path]}
+        return self.import_conversation(cast(str, client_id), body, max_content_chars, address, mark=" (branch)")
 
     def export(self, client_id: str | None, conv_id: str, fmt: str) -> tuple[str, str, str] | None:
         """(body, mimetype, filename) of the conversation as Markdown (the active path) or JSON (the

@@ -113,10 +113,11 @@ def _message(msg: Any, i: int, max_content_chars: int, where: str | None = None)
     }
 
 
-def imported_title(title: str) -> str:
-    """The title of an imported copy: marked as one (once), within MAX_TITLE_CHARS."""
-    base = title[:-len(IMPORTED)] if title.endswith(IMPORTED) else title
-    return base[:MAX_TITLE_CHARS - len(IMPORTED)].rstrip() + IMPORTED
+def imported_title(title: str, mark: str = IMPORTED) -> str:
+    """The title of an imported copy (or a branch, ``mark`` " (branch)"): marked as one (once), within
+    MAX_TITLE_CHARS."""
+    base = title[:-len(mark)] if title.endswith(mark) else title
+    return base[:MAX_TITLE_CHARS - len(mark)].rstrip() + mark
 
 
 def _tree(nodes: Any, max_content_chars: int, limit: int) -> tuple[list, dict]:

@@ -119,6 +119,20 @@ def activate(conv_id: str) -> Response:
     return jsonify(_with_answering(client, _found(_store().set_active(client, conv_id, message_id))))
 
 
+@bp.post("/conversations/<conv_id>/branch")
+def branch(conv_id: str) -> tuple[Response, int]:
+    """Branch into a new chat: ``{"message_id"}``, any message of it; the path down to that message becomes
+    a new conversation of this client ("… (branch)", the same settings): 201 {"id"}."""
+    body = request.get_json(silent=True)
+    message_id = body.get("message_id") if isinstance(body, dict) else None
+    if not isinstance(message_id, str):
+        raise ProtocolError("bad_message", "body must be a JSON object with a string 'message_id'")
+    state = app_state()
+    new = _store().branch(current_client(), conv_id, message_id, state.settings.max_content_chars,
+                          guard.address(state.settings))
+    return jsonify(id=_found(new)), 201
+
+
 @bp.post("/conversations/import")
 def import_() -> tuple[Response, int]:
     """Create a conversation of this client from an export or an OpenAI-style messages list."""

@@ -71,3 +71,6 @@ export async function readDocument(file, name) {
 
 /** How many tokens ``text`` is for the model: {tokens} (null when the server cannot say). */
 export const countTokens = (text) => call('/api/tokens', { method: 'POST', json: { text } });
+
+/** A new chat holding conversation ``id`` down to ``messageId``: {id}. */
+export const branch = (id, messageId) => call(`${url(id)}/branch`, { method: 'POST', json: { message_id: messageId } });

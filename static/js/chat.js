@@ -370,6 +370,23 @@ export function forgetConversation(id) {
   if (wasOpen) openConversation(null, { address: 'replace' });
 }
 
+/** Branch into a new chat: the conversation down to message ``el`` (on the version shown) becomes a chat
+ * of its own, opened at once; this one stays as it is. */
+export async function branchFrom(el) {
+  const conversationId = sidebar.currentId();
+  if (!conversationId || inView().length) return;
+  if (!el.dataset.id && !(await syncIds())) return;
+  try {
+    const { id } = await api.branch(conversationId, el.dataset.id);
+    await sidebar.refresh();
+    await openConversation(id);
+    announce('Branched into a new chat.');
+    els.prompt.focus({ preventScroll: true });
+  } catch (err) {
+    composer.showError(`Could not branch: ${err.message}`);
+  }
+}
+
 /** Load the open conversation again when its last load failed (the socket is back). */
 export function retryLoad() {
   if (unloaded && unloaded === sidebar.currentId()) openConversation(unloaded, { address: false });

@@ -38,6 +38,7 @@ const MESSAGE_ACTIONS = {
   regenerate: () => chat.regenerate(),
   continue: (msg) => chat.continueAnswer(msg.view),
   edit: (msg) => chat.edit(msg),
+  branch: (msg) => chat.branchFrom(msg),
   'version-prev': (msg) => chat.switchVersion(msg, -1),
   'version-next': (msg) => chat.switchVersion(msg, 1),
 };

@@ -1,6 +1,6 @@
 // One message in the thread: the user's text, or an assistant answer with its status, stats and actions.
 import { MarkdownView } from './markdown.js';
-import { ICON_CONTINUE, ICON_COPY, ICON_EDIT, ICON_REGEN } from './icons.js';
+import { ICON_BRANCH, ICON_CONTINUE, ICON_COPY, ICON_EDIT, ICON_REGEN } from './icons.js';
 import { fmtDuration } from './util.js';
 
 /** Labels for `done` reasons worth showing; `stop` is the normal end and shows none. */
@@ -50,7 +50,9 @@ export function userMessage(content, files = []) {
   body.textContent = content;
   const meta = document.createElement('div');
   meta.className = 'msg-meta';
-  meta.innerHTML = '<span class="msg-actions"><button type="button" class="icon-btn" data-action="edit" data-testid="edit"'
+  meta.innerHTML = '<span class="msg-actions"><button type="button" class="icon-btn" data-action="branch" data-testid="branch"'
+    + ` aria-label="Branch into a new chat" title="Branch into a new chat">${ICON_BRANCH}</button>`
+    + '<button type="button" class="icon-btn" data-action="edit" data-testid="edit"'
     + ` aria-label="Edit" title="Edit">${ICON_EDIT}</button></span>`;
   row.append(meta, body);
   main.append(row);
@@ -288,7 +290,8 @@ export class AssistantMessage {
     const actions = document.createElement('span');
     actions.className = 'msg-actions';
     actions.innerHTML = `<button type="button" class="icon-btn" data-action="copy-message">${ICON_COPY}<span>Copy</span></button>`
-      + `<button type="button" class="icon-btn" data-action="regenerate" data-testid="regenerate" hidden>${ICON_REGEN}<span>Regenerate</span></button>`;
+      + `<button type="button" class="icon-btn" data-action="regenerate" data-testid="regenerate" hidden>${ICON_REGEN}<span>Regenerate</span></button>`
+      + `<button type="button" class="icon-btn" data-action="branch" data-testid="branch" title="Branch into a new chat: this conversation up to here">${ICON_BRANCH}<span>Branch</span></button>`;
     if (CONTINUABLE.includes(status === 'interrupted' ? status : reason)) {
       actions.insertAdjacentHTML('beforeend', `<button type="button" class="icon-btn" data-action="continue" data-testid="continue">${ICON_CONTINUE}<span>Continue</span></button>`);
     }
