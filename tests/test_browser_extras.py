@@ -98,3 +98,24 @@ def test_branch_into_a_new_chat_from_any_message(chat):
     c.wait_done()
     c.page.goto(original)
     c.wait_until("() => document.querySelectorAll('.msg').length === 4")
+
+
+def test_edit_an_answer_as_a_new_version(chat):
+    c = chat(settings={"max_new_tokens": 6})
+    c.send("Say something")
+    c.wait_done()
+    original = c.answer()
+    c.wait_until("() => document.querySelector('[data-testid=message-assistant]').dataset.id")
+    c.page.click("[data-testid=edit-answer]")
+    c.page.fill("[data-testid=edit-box]", "My own answer,\n\nin **two** paragraphs.")
+    c.page.keyboard.press("Enter")  # a new line in an answer, not a save
+    assert c.page.locator("[data-testid=edit-box]").count() == 1
+    c.page.keyboard.press("Control+Enter")
+    c.wait_until("() => document.querySelector('[data-testid=versions] .versions-label')?.textContent === '2/2'")
+    assert c.answer() == "My own answer,\n\nin **two** paragraphs."  # the new line typed last is trimmed
+    assert c.js("document.querySelector('[data-testid=message-assistant] .msg-body strong').textContent") == "two"
+    assert c.page.text_content("[data-testid=done-reason]") == "Edited by you"
+    c.shot("answer-edited")
+    c.page.click("[data-action=version-prev]")
+    c.wait_until("() => document.querySelector('[data-testid=versions] .versions-label')?.textContent === '1/2'")
+    assert c.answer() == original

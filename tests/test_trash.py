@@ -174,3 +174,20 @@ def test_branch_into_a_new_chat_from_any_message(alice, store):
     other = _chat(store, BOB, "theirs")
     for path, body in ((conv, {"message_id": "0" * 32}), (other, {"message_id": first_answer}), (conv, {})):
         assert alice.post(f"/api/conversations/{path}/branch", json=body).status_code in (400, 404)
+
+
+def test_edit_an_answer_as_a_new_version(alice, store):
+    conv = _chat(store, ALICE, "a question")
+    answer = store.get_conversation(ALICE, conv)["messages"][1]["id"]
+    response = alice.put(f"/api/conversations/{conv}/messages/{answer}", json={"content": "My better answer"})
+    assert response.status_code == 200
+    last = response.get_json()["messages"][-1]
+    assert (last["content"], last["reason"], last["status"]) == ("My better answer", "edited", "complete")
+    assert last["versions"]["count"] == 2 and last["versions"]["index"] == 1
+    assert store.history(conv)[-1] == {"role": "assistant", "content": "My better answer"}  # what the model sees
+    question = store.get_conversation(ALICE, conv)["messages"][0]["id"]
+    for target, body, status in ((question, {"content": "x"}, 400), (answer, {"content": " "}, 400),
+                                 ("0" * 32, {"content": "x"}, 400), (answer, {"content": "x" * 70_000}, 413)):
+        assert alice.put(f"/api/conversations/{conv}/messages/{target}", json=body).status_code == status
+    exported = alice.get(f"/api/conversations/{conv}/export?format=json").get_json()
+    assert alice.post("/api/conversations/import", json=exported).status_code == 201  # "edited" round-trips

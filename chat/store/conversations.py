@@ -24,7 +24,7 @@ from .versions import Versions
 
 PLACEHOLDER_TITLE = "New chat"
 TITLE_CHARS = 60
-FINISHED = ("stop", "length")
+FINISHED = ("stop", "length", "edited")  # stored 'complete' (an answer its user rewrote: "edited")
 SEARCH_BUDGET_S = 2.0  # a search's time when the caller sets none
 
 

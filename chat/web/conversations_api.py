@@ -119,6 +119,24 @@ def activate(conv_id: str) -> Response:
     return jsonify(_with_answering(client, _found(_store().set_active(client, conv_id, message_id))))
 
 
+@bp.put("/conversations/<conv_id>/messages/<message_id>")
+def edit_answer(conv_id: str, message_id: str) -> Response:
+    """Edit an answer: ``{"content"}`` becomes a new version of that answer (on the active path), reason
+    "edited"; the conversation as GET returns it."""
+    body = request.get_json(silent=True)
+    content = body.get("content") if isinstance(body, dict) else None
+    if not isinstance(content, str) or not content.strip():
+        raise ProtocolError("bad_message", "body must be a JSON object with a non-empty string 'content'")
+    state = app_state()
+    limit = 4 * state.settings.max_content_chars
+    if len(content) > limit:
+        raise ProtocolError("too_large", f"an answer may be at most {limit} characters")
+    client = current_client()
+    if state.store and state.store.owns(client, conv_id) and state.turns.runs.busy(conv_id):
+        raise ProtocolError("busy", "this conversation is answering; edit once the answer ends")
+    return jsonify(_with_answering(client, _found(_store().edit_answer(client, conv_id, message_id, content))))
+
+
 @bp.post("/conversations/<conv_id>/branch")
 def branch(conv_id: str) -> tuple[Response, int]:
     """Branch into a new chat: ``{"message_id"}``, any message of it; the path down to that message becomes

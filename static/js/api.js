@@ -74,3 +74,7 @@ export const countTokens = (text) => call('/api/tokens', { method: 'POST', json:
 
 /** A new chat holding conversation ``id`` down to ``messageId``: {id}. */
 export const branch = (id, messageId) => call(`${url(id)}/branch`, { method: 'POST', json: { message_id: messageId } });
+
+/** Save ``content`` as a new version of answer ``messageId``; returns the conversation. */
+export const editAnswer = (id, messageId, content) => call(`${url(id)}/messages/${encodeURIComponent(messageId)}`,
+  { method: 'PUT', json: { content } });

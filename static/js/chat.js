@@ -370,6 +370,28 @@ export function forgetConversation(id) {
   if (wasOpen) openConversation(null, { address: 'replace' });
 }
 
+/** Edit an answer in place; Save (or Ctrl+Enter) keeps the text as a new version of it ("Edited by you"),
+ * which the model sees from then on; the old version stays a click away. */
+export function editAnswer(article) {
+  if (inView().length || !article.view) return;
+  article.content = article.view.text;
+  editInPlace(article, async (content) => {
+    const conversationId = sidebar.currentId();
+    if (!article.dataset.id && !(await syncIds())) return;
+    try {
+      const conversation = await api.editAnswer(conversationId, article.dataset.id, content);
+      if (sidebar.currentId() !== conversationId) return;
+      thread.showStored(conversation.messages, []);
+      showRecord(conversation);
+      refreshControls();
+      announce('Your edit is saved as a new version of the answer.');
+      thread.lastMessage()?.querySelector('[data-action="edit-answer"]')?.focus({ preventScroll: true });
+    } catch (err) {
+      composer.showError(`Could not save the edit: ${err.message}`);
+    }
+  }, { multiline: true, action: 'edit-answer' });
+}
+
 /** Branch into a new chat: the conversation down to message ``el`` (on the version shown) becomes a chat
  * of its own, opened at once; this one stays as it is. */
 export async function branchFrom(el) {

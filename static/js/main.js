@@ -39,6 +39,7 @@ const MESSAGE_ACTIONS = {
   continue: (msg) => chat.continueAnswer(msg.view),
   edit: (msg) => chat.edit(msg),
   branch: (msg) => chat.branchFrom(msg),
+  'edit-answer': (msg) => chat.editAnswer(msg),
   'version-prev': (msg) => chat.switchVersion(msg, -1),
   'version-next': (msg) => chat.switchVersion(msg, 1),
 };

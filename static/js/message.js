@@ -10,6 +10,7 @@ export const REASONS = {
   timeout: 'Timed out',
   shutdown: 'Server restarting',
   error: 'Generation failed',
+  edited: 'Edited by you',
 };
 const BAD_REASONS = ['error', 'timeout', 'shutdown'];
 /** Answers cut short, which `continue` can extend (and stored ones left `interrupted` by a crash). */
@@ -126,7 +127,7 @@ function showVersions(el, versions, locked = false) {
 
 /** Turn a user message into a text box with Save and Cancel: Save (or Enter) calls
  * ``submit(text)``, Cancel (or Esc) puts the message back. */
-export function editInPlace(article, submit) {
+export function editInPlace(article, submit, { multiline = false, action = 'edit' } = {}) {
   if (article.querySelector('.msg-edit')) return;
   const body = article.querySelector('.msg-body');
   const form = document.createElement('div');
@@ -134,7 +135,9 @@ export function editInPlace(article, submit) {
   const box = document.createElement('textarea');
   box.className = 'msg-edit';
   box.dataset.testid = 'edit-box';
-  box.setAttribute('aria-label', 'Edit message (Enter saves and sends, Esc cancels)');
+  box.setAttribute('aria-label', multiline ? 'Edit the answer (Ctrl+Enter saves, Esc cancels)'
+    : 'Edit message (Enter saves and sends, Esc cancels)');
+  if (multiline) box.rows = Math.min(16, Math.max(4, (article.content || '').split('\n').length + 1));
   box.value = article.content;
   const actions = document.createElement('div');
   actions.className = 'msg-edit-actions';
@@ -155,7 +158,7 @@ export function editInPlace(article, submit) {
   };
   const cancelled = () => {
     close();
-    article.querySelector('[data-action="edit"]')?.focus(); // back where the keyboard was
+    article.querySelector(`[data-action="${action}"]`)?.focus(); // back where the keyboard was
   };
   const done = () => {
     if (!box.value.trim()) return;
@@ -172,7 +175,8 @@ export function editInPlace(article, submit) {
       e.preventDefault();
       e.stopPropagation();
       cancelled();
-    } else if (e.key === 'Enter' && !e.shiftKey && !e.isComposing && e.keyCode !== 229) {
+    } else if (e.key === 'Enter' && (multiline ? e.ctrlKey || e.metaKey : !e.shiftKey) && !e.isComposing
+      && e.keyCode !== 229) {
       e.preventDefault();
       done();
     }
@@ -291,6 +295,7 @@ export class AssistantMessage {
     actions.className = 'msg-actions';
     actions.innerHTML = `<button type="button" class="icon-btn" data-action="copy-message">${ICON_COPY}<span>Copy</span></button>`
       + `<button type="button" class="icon-btn" data-action="regenerate" data-testid="regenerate" hidden>${ICON_REGEN}<span>Regenerate</span></button>`
+      + `<button type="button" class="icon-btn" data-action="edit-answer" data-testid="edit-answer" title="Edit this answer: your text becomes a new version">${ICON_EDIT}<span>Edit</span></button>`
       + `<button type="button" class="icon-btn" data-action="branch" data-testid="branch" title="Branch into a new chat: this conversation up to here">${ICON_BRANCH}<span>Branch</span></button>`;
     if (CONTINUABLE.includes(status === 'interrupted' ? status : reason)) {
       actions.insertAdjacentHTML('beforeend', `<button type="button" class="icon-btn" data-action="continue" data-testid="continue">${ICON_CONTINUE}<span>Continue</span></button>`);
