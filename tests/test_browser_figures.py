@@ -58,3 +58,5 @@ def test_figures_while_streaming_and_after_continue(chat):
     c.page.reload()
     c.page.wait_for_selector("[data-testid=stats]")
     assert f"{whole['completion_tokens']} tokens" in c.page.text_content("[data-testid=stats]")
+    # The share of the context shows on a reloaded page too (the conversation may draw before `ready`).
+    c.wait_until("() => document.querySelector('[data-testid=stats]').textContent.includes('% of the context')", 10)

@@ -120,6 +120,8 @@ def test_a_restart_is_told_as_such_and_a_message_sent_meanwhile_goes_once_it_is_
         c.wait_until(f"() => {STATE} === 'open'", 30)
         c.wait_until(f"() => {USERS}.length === 2", 20)  # it went by itself
         assert c.js(USERS) == ["A long answer, please", "Sent while it restarts"]
+        # The answer from before the restart still says how much of the context it used.
+        assert "% of the context" in c.page.text_content("[data-testid=stats]")
         c.page.click("[data-testid=stop]")
         c.wait_done(20)
         assert c.page.is_hidden("[data-testid=error]") and c.page.is_hidden("[data-testid=queued]")

@@ -34,7 +34,9 @@ def test_shutdown_ends_answers_in_order_then_close_releases_the_store(app_factor
     stopper.join(30)
     assert not stopper.is_alive()
     srv.state.shutdown(0.3)  # a second call does nothing
-    late = WS(srv.ws_url, cookie=cookie).chat("late", rid="late")[-1]
+    late_client = WS(srv.ws_url, cookie=cookie)
+    assert late_client.ready["draining"] is True  # a socket accepted while stopping hears it in `ready`
+    late = late_client.chat("late", rid="late")[-1]
     assert (late["type"], late["code"]) == ("error", "overloaded")  # no new turns
     stored = conversation(srv, cookie, conv)[1]["messages"][-1]
     assert stored["status"] == "partial" and stored["reason"] == "shutdown"

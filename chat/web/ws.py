@@ -147,9 +147,12 @@ class Session:
         limits = {"max_content_chars": s.max_content_chars, "max_new_tokens": s.max_new_tokens,
                   "context_tokens": s.context_tokens, "max_active_per_connection": s.max_active_per_connection,
                   "trash_days": s.trash_days}
-        self.send({"type": "ready", "protocol": PROTOCOL, "model": engine.model_name, "models": engine.models(),
-                   "limits": limits})
-        if self.state.stopping:  # accepted just as the server began to stop
+        ready = {"type": "ready", "protocol": PROTOCOL, "model": engine.model_name, "models": engine.models(),
+                 "limits": limits}
+        if self.state.stopping:  # accepted just as the server began to stop: said at once, and as a frame
+            ready["draining"] = True
+        self.send(ready)
+        if self.state.stopping:
             self.draining()
         try:
             while self.open:

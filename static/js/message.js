@@ -199,8 +199,21 @@ function span(className, text, testid) {
 
 let contextTokens = 0; // the server's context size, from `ready`
 
-/** The context size answers are measured against (0: unknown, not shown). */
-export const setContextTokens = (n) => { contextTokens = Number.isInteger(n) && n > 0 ? n : 0; };
+/** The context size answers are measured against (0: unknown, not shown); answers already drawn
+ * (a conversation loaded before `ready`, or again after a reconnect) show their share at once. */
+export function setContextTokens(n) {
+  const size = Number.isInteger(n) && n > 0 ? n : 0;
+  if (size === contextTokens) return;
+  contextTokens = size;
+  for (const el of document.querySelectorAll('.msg-assistant')) {
+    const done = el.view?.done;
+    if (!done || el.view.meta.querySelector('.msg-live')) continue;
+    const line = stats(done.timings, done.usage);
+    const old = el.view.meta.querySelector('[data-testid=stats]');
+    if (old) old.textContent = line;
+    else if (line) el.view.meta.append(span('msg-stats', line, 'stats'));
+  }
+}
 
 /** How much of the context an answer's turn used: prompt and answer. */
 function contextPart(usage) {

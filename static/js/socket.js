@@ -77,12 +77,16 @@ function onDraining() {
 }
 
 function onReady(msg) {
-  ready = true;
-  restarting = false;
   attempt = 0;
   server = { model: msg.model || '', models: Array.isArray(msg.models) ? msg.models : [], limits: msg.limits || {} };
-  setConn('open', 'Connected');
   everReady = true;
+  if (msg.draining) { // a server that is stopping accepted this socket: still restarting
+    onDraining();
+    return;
+  }
+  ready = true;
+  restarting = false;
+  setConn('open', 'Connected');
   watchModel(socketToken);
 }
 
