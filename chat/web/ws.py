@@ -147,7 +147,8 @@ class Session:
         limits = {"max_content_chars": s.max_content_chars, "max_new_tokens": s.max_new_tokens,
                   "context_tokens": s.context_tokens, "max_active_per_connection": s.max_active_per_connection,
                   "trash_days": s.trash_days}
-        ready = {"type": "ready", "protocol": PROTOCOL, "model": engine.model_name, "models": engine.models(),
+        ready: dict[str, object] = {"type": "ready", "protocol": PROTOCOL, "model": engine.model_name,
+                                    "models": engine.models(),
                  "limits": limits}
         if self.state.stopping:  # accepted just as the server began to stop: said at once, and as a frame
             ready["draining"] = True
