@@ -148,8 +148,7 @@ class Session:
                   "context_tokens": s.context_tokens, "max_active_per_connection": s.max_active_per_connection,
                   "trash_days": s.trash_days}
         ready: dict[str, object] = {"type": "ready", "protocol": PROTOCOL, "model": engine.model_name,
-                                    "models": engine.models(),
-                 "limits": limits}
+                                    "models": engine.models(), "limits": limits}
         if self.state.stopping:  # accepted just as the server began to stop: said at once, and as a frame
             ready["draining"] = True
         self.send(ready)
