@@ -115,6 +115,7 @@ def html(data: bytes, max_pages: int, max_chars: int) -> tuple[str, None, bool]:
 
 def csv_(data: bytes, max_pages: int, max_chars: int) -> tuple[str, None, bool]:
     text = _decode(data).replace("\r\n", "\n")
+    csv.field_size_limit(len(text) + 1)  # one long cell is still a table (the worker's bounds hold)
     for _ in csv.reader(io.StringIO(text)):  # a malformed file fails here, with csv's own words
         pass
     return text, None, False  # as written: the model reads CSV as well as any table

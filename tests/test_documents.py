@@ -50,6 +50,11 @@ def test_docx_html_and_csv(client):
     assert table["text"] == "name,age\nÅsa,41\n"
 
 
+def test_a_csv_with_one_long_cell_is_read(client):
+    body = read(client, "wide.csv", b"id,text\n1," + b"z" * 300_000 + b"\n").get_json()
+    assert body["truncated"] is True and body["text"].startswith("id,text\n1,zzz")
+
+
 def test_long_documents_are_cut_at_the_message_limit(client):
     body = read(client, "long.pdf", pdf([f"Page {i} " + "word " * 60 for i in range(20)])).get_json()
     assert body["truncated"] is True and body["chars"] == 2000 and body["pages"] == 20
