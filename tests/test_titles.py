@@ -93,3 +93,14 @@ def test_titles_off_keeps_the_first_words_and_edits_rename(app_factory):
     assert conversation(srv, cookie, conv)[1]["title"] == "About cats"
     assert len(engine.history) == 2  # no title asked for
     client.close()
+
+
+def test_the_command_line_client_passes_over_title_frames(app_factory):
+    from chat.client.session import Session
+    srv = app_factory(FakeEngine(words=["Short ", "title "], answer_words=2), titles=True)
+    with Session(srv.ws_url, timeout=10) as session:
+        first = list(session.chat("hello there"))
+        conv = next(f for f in first if f["type"] == "start")["conversation_id"]
+        time.sleep(0.5)  # the title frame arrives meanwhile
+        second = list(session.chat("and again", conversation_id=conv))
+    assert [f["type"] for f in second if f["type"] not in ("delta", "queued")] == ["start", "done"]
