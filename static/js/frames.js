@@ -54,6 +54,7 @@ function refocus(req) {
 
 /** End a started request with the text that has arrived, drawn final. */
 function settle(req) {
+  clearTimeout(req.liveTimer); // a Continue may write into the same answer next
   requests.finish(req);
   sidebar.render(); // its "answering" mark goes
   swapIn(req);
@@ -143,7 +144,7 @@ function onDelta(msg) {
 /** The live line: the answer's tokens so far (the engine's own count when it gives one, so the figure
  * ends where `done` says; else one a delta) and tokens per second. */
 function drawLive(req) {
-  if (req.view.el.dataset.state === 'done') return;
+  if (req.view.el.dataset.state === 'done' || requests.get(req.id) !== req) return;
   const now = performance.now();
   req.liveAt = now;
   const count = req.tokens || req.nextIndex;
