@@ -29,10 +29,28 @@ INSTRUCTION = ("Write a short title (2 to 6 words) for the conversation below. W
                "user wrote in. Reply with the title only: no quotes, no period, no explanation.")
 
 
+SCRIPTS = (  # (first, last code point, the language a small model should be told to write in)
+    (0x3040, 0x30FF, "Japanese"), (0xAC00, 0xD7AF, "Korean"), (0x4E00, 0x9FFF, "Chinese"),
+    (0x0400, 0x04FF, "the user's language (Cyrillic script)"), (0x0600, 0x06FF, "the user's language (Arabic script)"),
+    (0x0900, 0x097F, "the user's language (Devanagari script)"), (0x0E00, 0x0E7F, "Thai"),
+)
+
+
+def language_of(question: str) -> str | None:
+    """The language a question's script says plainly (Japanese kana before Chinese characters), or None."""
+    for low, high, language in SCRIPTS:
+        if sum(low <= ord(ch) <= high for ch in question[:SHOWN_CHARS]) >= 2:
+            return language
+    return None
+
+
 def prompt(question: str, answer: str) -> list[dict]:
-    """The messages that ask the model for a title of this first exchange."""
+    """The messages that ask the model for a title of this first exchange (in the question's language,
+    named outright where its script says it: small models otherwise drift to English)."""
     text = f"User: {question[:SHOWN_CHARS]}\n\nAssistant: {answer[:SHOWN_CHARS]}"
-    return [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": text}]
+    language = language_of(question)
+    instruction = INSTRUCTION + (f" The title must be in {language}." if language else "")
+    return [{"role": "system", "content": instruction}, {"role": "user", "content": text}]
 
 
 _LEAD = re.compile(r"^[*_#\s]*(?:title|titre|titel|título|标题|題名|タイトル)[*_\s]*[:：][*_\s]*", re.IGNORECASE)

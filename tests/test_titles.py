@@ -32,6 +32,18 @@ def test_the_title_is_the_first_line_without_quotes_leads_or_marks(written, titl
     assert clean(written) == title
 
 
+@pytest.mark.parametrize("question, language", [
+    ("请用中文介绍一下长城", "Chinese"), ("東京の天気はどうですか", "Japanese"), ("서울 날씨 어때요", "Korean"),
+    ("Расскажи о Москве", "Cyrillic"), ("Tell me about Paris", None), ("Café au lait, s'il vous plaît", None),
+])
+def test_the_title_is_asked_in_the_language_the_script_says(question, language):
+    system = prompt(question, "…")[0]["content"]
+    if language is None:
+        assert "must be in" not in system
+    else:
+        assert "must be in" in system and language in system.split("must be in")[1]
+
+
 def test_the_prompt_asks_for_the_chat_language_and_bounds_what_it_shows():
     messages = prompt("q" * 5000, "a" * 5000)
     assert "language" in messages[0]["content"]
