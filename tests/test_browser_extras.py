@@ -19,6 +19,9 @@ def test_a_starter_prompt_starts_a_chat(chat):
     c.wait_done()
     assert c.page.text_content("[data-testid=message-user] .msg-body") == starters[1]
     assert c.page.is_hidden("[data-testid=starters]")  # the empty screen is gone
+    phone = chat(width=375)  # one column there, inside the screen
+    assert phone.js("[...document.querySelectorAll('[data-testid=starter]')]"
+                    ".every(b => b.getBoundingClientRect().right <= innerWidth)")
 
 
 def test_message_times_on_hover_and_dates_in_search_results(chat):
