@@ -176,7 +176,7 @@ def main() -> None:
         raise SystemExit(f"the engine did not start: {engine.error}")
     while engine.stats()["finishing"] and time.monotonic() < deadline:  # idle-time chores (the C++ step)
         time.sleep(0.5)
-    result: dict = {"model": engine.model_name, "weights": engine.weights}
+    result: dict = {"model": engine.model_name, "weights": engine.describe()["weights"]}
     done = threading.Event()
 
     def work() -> None:  # off the main thread, as the server runs it (design.md)

@@ -25,6 +25,9 @@ class Socket(Protocol):
     def close(self, code: int, reason: str, timeout: float | None = None) -> None:
         """Close the connection (within ``timeout`` seconds)."""
 
+    def draining(self) -> None:
+        """Tell the client the server is stopping (the ``draining`` frame), before the close."""
+
 
 class AppState:
     """What the blueprints share, all declared here: settings, engine, store, the turn service, limits."""
@@ -55,11 +58,19 @@ class AppState:
         self._stopped_by = time.monotonic() + max(0.0, timeout) + SETTLE_S + CLOSE_SOCKET_S
         self._stopping.set()
         try:
+            # Each client learns at once why its next turn would be refused and its socket will close.
+            for session in list(self.sessions):
+                session.draining()
             self.turns.shutdown(timeout)
             for session in list(self.sessions):
                 session.close(1001, "server shutting down", timeout=CLOSE_SOCKET_S)
         finally:
             self._stopped.set()
+
+    @property
+    def stopping(self) -> bool:
+        """True once a shutdown has begun (the server drains: no new turns)."""
+        return self._stopping.is_set()
 
     def close(self) -> None:
         """The last step: stop the engine, close the store and the state backend. A shutdown still

@@ -300,6 +300,33 @@ class Settings:
     log_content: bool = _setting(
         "CHAT_LOG_CONTENT", False, read.boolean,
         doc="When on, each answer's log line also contains the text: the user's message and the answer.")
+    titles: bool = _setting(
+        "CHAT_TITLES", True, read.boolean,
+        doc="When on, the model writes a short title (2 to 6 words, in the chat's language) for each new "
+            "conversation after its first answer: a greedy generation of at most 20 tokens and 15 s, after "
+            "the answer's `done`, never delaying it; the first words of the first message are the title "
+            "until then, and the page hears the new one in a `title` frame. That title is the "
+            "conversation's one title whatever version of the first message is shown; a title the user "
+            "sets always wins. Off: the first message's first words are the title, and editing the first "
+            "message renames the conversation (unless its user named it).")
+    starters: str = _setting(
+        "CHAT_STARTERS", "Explain how rainbows form, in three short sentences.|Write a short poem about the sea."
+        "|Give me three ideas for a quick weeknight dinner.|Translate “Good morning, how are you?” into French.",
+        str, doc="The starter prompts a new chat offers on its empty screen, separated by `|` (at most 8, each "
+                 "at most 200 characters; a click sends it). Empty: none. The defaults are short tasks a small "
+                 "model does well.")
+    max_document_mb: int = _setting(
+        "CHAT_MAX_DOCUMENT_MB", 10, int, low=1, high=15,
+        doc="Largest document (PDF, DOCX, HTML, CSV) the page may attach, in MB. Each is read to text by a "
+            "process of its own (at most 1 GiB of memory, 20 s, the first 300 pages of a PDF; two at once "
+            "per worker), and its text counts against `CHAT_MAX_CONTENT_CHARS` like any attachment. nginx's "
+            "`client_max_body_size` for `/api/documents` must allow it (deploy/nginx.conf: 11m).")
+    trash_days: float = _setting(
+        "CHAT_TRASH_DAYS", 30.0, float, low=0.0, high=3650,
+        doc="How long a deleted conversation waits in the trash, restorable (the page's **Undo** and its "
+            "**Trash** view), before it is deleted for good with its messages. In the trash it is found by "
+            "nothing else: not opened, searched, answered or shown by its share link. `0`: deleting "
+            "deletes at once.")
     sharing: bool = _setting(
         "CHAT_SHARING", False, read.boolean,
         doc="When on, a conversation's owner may make a read-only link to it (`/s/<token>`, from the page's "

@@ -178,6 +178,7 @@ class Run:
         self.before = before  # continue: the stored answer (its usage and timings, for the whole answer's)
         self.conversation_id, self.message_id, self.gen = conversation_id, message_id, gen
         self.deltas: list[str] = []
+        self.tokens = 0  # the answer's tokens so far, as the last delta said (0: unknown)
         self.done_frame: dict | None = None
         self.started = False
         self.finished = False
@@ -186,6 +187,7 @@ class Run:
         self.lock = threading.RLock()
         self.finished_event = threading.Event()
         self.last_checkpoint = time.monotonic()
+        self.after: Callable[[Run], None] | None = None  # once it ended and its conversation is free
 
     @property
     def store(self) -> RunStore:
@@ -213,7 +215,7 @@ class Run:
     def handle(self, event: Event) -> None:
         """One engine event (in the pump's greenlet, or in the remote engine's that emitted it)."""
         if type(event) is Delta:  # nearly every event
-            self.on_delta(event.text)
+            self.on_delta(event.text, event.tokens)
             return
         match event:
             case Queued(position=position):
@@ -232,12 +234,17 @@ class Run:
             self.forward({"type": "start", "id": self.id, "conversation_id": self.conversation_id,
                           "message_id": self.message_id})
 
-    def on_delta(self, text: str) -> None:
-        """Keep the delta for replay, send it, and checkpoint the text now and then."""
+    def on_delta(self, text: str, tokens: int = 0) -> None:
+        """Keep the delta for replay, send it (with the answer's tokens so far, when the engine counts
+        them), and checkpoint the text now and then."""
         with self.lock:
             index = len(self.deltas)
             self.deltas.append(text)
-            self.forward({"type": "delta", "id": self.id, "index": index, "text": text})
+            self.tokens = tokens
+            frame = {"type": "delta", "id": self.id, "index": index, "text": text}
+            if tokens:
+                frame["tokens"] = tokens
+            self.forward(frame)
         now = time.monotonic()
         if now - self.last_checkpoint >= CHECKPOINT_EVERY_S:
             self.last_checkpoint = now
@@ -300,6 +307,8 @@ class Run:
         for subscriber in subscribers:
             subscriber.forget(self)
         spawn(self._expire)
+        if self.after is not None:
+            spawn(self.after, self)
 
     def _expire(self) -> None:
         time.sleep(self.owner.resume_grace_s)
@@ -323,9 +332,12 @@ class Run:
         following the run keep following it."""
         with self.lock:
             self.subscribers = [s for s in self.subscribers if s is not subscriber]
+            last = len(self.deltas) - 1
             for index in range(start, len(self.deltas)):
-                if not subscriber.send({"type": "delta", "id": self.id, "index": index,
-                                        "text": self.deltas[index]}):
+                frame = {"type": "delta", "id": self.id, "index": index, "text": self.deltas[index]}
+                if index == last and self.tokens:  # the count so far rides on the last replayed delta
+                    frame["tokens"] = self.tokens
+                if not subscriber.send(frame):
                     self._orphaned()
                     return
                 if index % REPLAY_SLICE == REPLAY_SLICE - 1:

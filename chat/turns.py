@@ -21,6 +21,7 @@ from .limits import Limits
 from .runs import Run, RunHandle, RunRegistry, Subscriber
 from .store import new_id
 from .unsaved import Unsaved
+from .titles import Titler
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -151,7 +152,22 @@ class TurnService:
             except BaseException:  # no empty "New chat" left behind by a refused first message
                 self.store.delete(client, conv_id)
                 raise
-        return self._start(client, address, req, conv_id, messages, write, subscriber)
+        run = self._start(client, address, req, conv_id, messages, write, subscriber)
+        if new and self.settings.titles:
+            run.after = lambda ended: self._title(ended, req.content, model, address, subscriber)
+        return run
+
+    def _title(self, run: Run, question: str, model: str | None, address: str, subscriber: Subscriber) -> None:
+        """After a new conversation's first answer (finished, not cut off by an error): the model titles
+        it, and the connection that asked hears the title in a ``title`` frame."""
+        done = run.done_frame or {}
+        answer = run.prefix + "".join(run.deltas)
+        if done.get("reason") not in ("stop", "length", "cancelled") or not answer.strip():
+            return
+        conv_id = run.conversation_id
+        Titler(self.engine, self.store).write(
+            conv_id, question, answer, model, address,
+            lambda title: subscriber.send({"type": "title", "conversation_id": conv_id, "title": title}))
 
     def edit(self, client: str, address: str, req: TurnRequest, subscriber: Subscriber) -> Run:
         """A new version of a user message on the active path (same parent, same files), answered;
@@ -164,7 +180,7 @@ class TurnService:
 
         def write() -> None:
             self.store.add_user_message(client, conv_id, req.content, edited["attachments"],
-                                        replaces=req.message_id)
+                                        replaces=req.message_id, retitle=not self.settings.titles)
         return self._start(client, address, req, conv_id, self.prompt(history + [asked]), write, subscriber)
 
     def regenerate(self, client: str, address: str, req: TurnRequest, subscriber: Subscriber) -> Run:

@@ -88,8 +88,10 @@ def server_factory(tmp_path_factory, tiny_model):
 def gunicorn_server(server_factory) -> LiveServer:
     """The shared real server: tiny model, long answers allowed."""
     # Answers count per client across its connections: room for eight parallel streams of one cookie.
+    # Chats keep their first words as titles here (what most page tests read); the model's titles
+    # are tested on servers of their own (test_titles.py, test_browser_titles.py).
     return server_factory("shared", CHAT_MAX_NEW_TOKENS=4096, CHAT_CONTEXT_TOKENS=8192,
-                          CHAT_RESUME_GRACE_S=3, CHAT_MAX_ACTIVE_PER_CONNECTION=8)
+                          CHAT_RESUME_GRACE_S=3, CHAT_MAX_ACTIVE_PER_CONNECTION=8, CHAT_TITLES="off")
 
 
 @pytest.fixture(scope="session")
@@ -148,7 +150,7 @@ def app_factory(tmp_path_factory):
         data = tmp_path_factory.mktemp("app")
         settings = {"max_new_tokens": 4096, "context_tokens": 8192, "resume_grace_s": 2,
                     "rate_limit_per_min": 0, "rate_limit_per_ip_per_min": 0, "max_active_per_ip": 0,
-                    "max_active_per_connection": 8, "data_dir": str(data), **settings}
+                    "max_active_per_connection": 8, "data_dir": str(data), "titles": False, **settings}
         engine = engine or FakeEngine(answer_words=100_000, delay=0.001, seeded=True)
         settings = Settings(**settings)
         store = None if settings.engine_only else Store(settings.db_path)  # an engine opens none

@@ -38,6 +38,11 @@ def test_math_renders_as_mathml_and_money_stays_text(browser, server, width, sch
         assert c.js(f"document.querySelectorAll('{body} a').length") == 0, "TeX made a link"
         assert c.js(f"[...document.querySelectorAll('{body} [style]')].length") == 0
         assert c.js(f"document.querySelector('{body} .math-block').getBoundingClientRect().height") > 20
+        # Displayed math is centred in the answer's column.
+        offsets = c.js(f"""[...document.querySelectorAll('{body} .math-block math')].map(m => {{
+            const r = m.getBoundingClientRect(), box = m.closest('.msg-body').getBoundingClientRect();
+            return [(r.left + r.right) / 2 - (box.left + box.right) / 2, r.width, box.width]; }})""")
+        assert all(abs(centre) < 2 and width < full for centre, width, full in offsets), offsets
         c.shot(f"math-{width}-{scheme}")
         assert not c.errors, c.errors  # no CSP report, no exception
     finally:

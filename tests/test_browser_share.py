@@ -60,3 +60,40 @@ def test_share_read_and_stop_sharing(browser, sharing_server, width, scheme):
     finally:
         owner.close()
         reader_context.close()
+
+
+def test_the_shared_page_says_model_date_stopped_copies_and_continues_in_the_readers_chats(browser, sharing_server):
+    owner = Chat(browser, sharing_server.url).open()
+    reader_context = browser.new_context(viewport={"width": 1280, "height": 800})
+    reader_context.grant_permissions(["clipboard-read", "clipboard-write"])
+    reader = Chat(browser, sharing_server.url, context=reader_context)
+    try:
+        messages = [{"role": "user", "content": "Count for me"},
+                    {"role": "assistant", "content": "One, two\n\n```text\nthree\n```", "reason": "cancelled"}]
+        conv = owner.page.request.post(f"{owner.url}/api/conversations/import", data=json.dumps({"messages": messages}),
+                                       headers={"Content-Type": "application/json"}).json()["id"]
+        link = owner.page.request.post(f"{owner.url}/api/conversations/{conv}/share", data="{}",
+                                       headers={"Content-Type": "application/json"}).json()["url"]
+        reader.page.goto(sharing_server.url + link)
+        reader.page.wait_for_selector("[data-testid=shared-assistant] .code-block")
+        meta = reader.page.text_content("[data-testid=shared-meta]")
+        assert meta.startswith("tiny-qwen") and " · " in meta and any(ch.isdigit() for ch in meta), meta
+        assert reader.page.text_content("[data-testid=shared-reason]") == "Stopped"
+        reader.page.click("[data-testid=shared-assistant] .copy-btn")
+        reader.wait_until("() => document.querySelector('[data-testid=shared-assistant] .copy-btn')"
+                          ".textContent.includes('Copied')", 5)
+        assert reader.js("navigator.clipboard.readText()").strip() == "three"
+        assert reader.page.text_content("[data-testid=shared-status]") == "Copied to clipboard"
+        reader.shot("shared-marked")
+        reader.page.click("[data-testid=shared-continue]")
+        reader.page.wait_for_url("**/c/*")
+        reader.page.wait_for_selector("[data-testid=connection-status][data-state=open]")
+        reader.wait_until("() => document.querySelectorAll('[data-testid=message-assistant]').length === 1")
+        assert reader.page.text_content("#chat-title") == "Count for me (imported)"
+        mine = reader.page.request.get(f"{reader.url}/api/conversations").json()
+        assert len(mine) == 1 and mine[0]["id"] != conv  # the reader's own copy; the owner's is untouched
+        assert reader.page.is_visible("[data-testid=continue]")  # a stopped answer the reader may continue
+        assert not owner.errors and not reader.errors, owner.errors + reader.errors
+    finally:
+        owner.close()
+        reader_context.close()

@@ -162,8 +162,9 @@ def test_attach_files_by_button_and_drop_and_refuse_binary(chat):
     c.page.set_input_files("[data-testid=attach-file]", files=[
         {"name": "photo.txt", "mimeType": "text/plain", "buffer": b"\x89PNG\r\n\x1a\n\x00\x00\x00"}])
     c.wait_until("() => !document.querySelector('[data-testid=error]').hidden")
-    assert "not a text file" in c.page.text_content("[data-testid=error]")
+    assert "not a file this page can read" in c.page.text_content("[data-testid=error]")
     assert c.page.locator("[data-testid=pending-attachment]").count() == 2
+    c.wait_until("() => !document.querySelector('.file-chip.reading')")  # table.csv is read by the server
     c.send("Summarize these files")
     c.wait_done()
     assert c.page.locator("[data-testid=pending-attachment]").count() == 0

@@ -67,7 +67,8 @@ def test_list(alice, store, conv):
     assert [c["id"] for c in listed] == [newer["id"], conv["id"]]
     assert listed[1] == {"id": conv["id"], "title": "What is 2+2?", "system": "Be brief.",
                          "created_at": conv["created_at"], "updated_at": listed[1]["updated_at"],
-                         "pinned": False, "params": {}, "model": None, "answering": False}
+                         "pinned": False, "params": {}, "model": None, "answering": False,
+                         "archived": False, "deleted_at": None}
 
 
 @pytest.mark.parametrize("cookie", [None, BOB, "short", "bad cookie value with spaces!!"])
@@ -150,9 +151,9 @@ def test_patch_rejects_bad_fields(alice, store, conv, body, code):
 
 def test_delete(alice, store, conv):
     response = alice.delete(f"/api/conversations/{conv['id']}")
-    assert response.status_code == 200 and response.get_json() == {"id": conv["id"], "deleted": True}
+    assert response.status_code == 200 and response.get_json() == {"id": conv["id"], "deleted": True, "trash": True}
     assert store.get_conversation(ALICE, conv["id"]) is None
-    _not_found(alice.delete(f"/api/conversations/{conv['id']}"))
+    _not_found(alice.delete(f"/api/conversations/{conv['id']}"))  # already in the trash (test_trash.py)
     _not_found(alice.get(f"/api/conversations/{conv['id']}"))
 
 

@@ -128,8 +128,10 @@ def test_sigterm_finishes_short_answers_and_stores_long_ones(server_factory):
     srv.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     short_client.send({"type": "chat", "id": "S", "content": "late"})
-    refused = short_client.until(lambda f: f["type"] in ("error", "done"))[-1]
+    told = short_client.until(lambda f: f["type"] in ("error", "done"))
+    refused = told[-1]
     assert refused["type"] == "error" and refused["code"] == "overloaded"
+    assert [f["type"] for f in told].count("draining") == 1, told  # told it drains before it refused
     frames = long_client.until(lambda f: f["type"] == "done")
     assert frames[-1]["reason"] == "shutdown"
     assert srv.proc.wait(30) == 0

@@ -212,3 +212,22 @@ def test_continue_leaves_the_answer_open_and_reuses_the_prefix(engine):
     assert events[-1].usage["completion_tokens"] <= 8  # done counts only the new tokens
     whole, _ = collect(engine.submit(history, GenParams(temperature=0, max_new_tokens=16)))
     assert first + more == whole  # greedy: continuing equals answering at once
+
+
+def test_deltas_count_the_answers_tokens_as_done_does(tiny_model, tmp_path):
+    eng = make_engine(tiny_model, tmp_path)
+    try:
+        for params in (GenParams(temperature=0, max_new_tokens=40),
+                       GenParams(temperature=1.0, seed=3, max_new_tokens=60),
+                       GenParams(temperature=0, max_new_tokens=30, stop=("e",))):
+            events = list(eng.submit(ask("count with me"), params))
+            deltas = [e for e in events if isinstance(e, Delta) and e.text]
+            counts = [d.tokens for d in deltas]
+            assert counts == sorted(counts) and counts[0] >= 1, counts
+            assert len(deltas) <= counts[-1]  # a delta may carry several tokens, never fewer than one
+            done = events[-1]
+            assert counts[-1] == done.usage["completion_tokens"] or (
+                done.reason == "stop" and counts[-1] == done.usage["completion_tokens"] - 1), (counts, done)
+            # The engine's own count can trail by the end token alone (it makes no text).
+    finally:
+        eng.shutdown()

@@ -24,7 +24,7 @@ def test_ready_frame(ws):
     assert ready["protocol"] == "chat.v1"
     assert ready["model"]
     assert set(ready["limits"]) == {"max_content_chars", "max_new_tokens", "context_tokens",
-                                    "max_active_per_connection"}
+                                    "max_active_per_connection", "trash_days"}
 
 
 def test_chat_streams_and_stores_the_answer(server):
@@ -281,8 +281,9 @@ def test_delta_frames_written_directly_are_what_json_and_wsproto_write():
     from chat.web.internals import text_frame
     from chat.web.ws import encode
     for text in ["", "plain", 'quo"te\\ and \n', "ünï\u2028code 😀", "\x00\x1f\x7f", "x" * 120, "y" * 70_000]:
-        frame = {"type": "delta", "id": "r-1", "index": 7, "text": text}
-        assert encode(frame) == json.dumps(frame, ensure_ascii=False)
-        assert text_frame(encode(frame)) == Connection(ConnectionType.SERVER).send(TextMessage(data=encode(frame)))
+        for frame in ({"type": "delta", "id": "r-1", "index": 7, "text": text},
+                      {"type": "delta", "id": "r-1", "index": 7, "text": text, "tokens": 12}):
+            assert encode(frame) == json.dumps(frame, ensure_ascii=False)
+            assert text_frame(encode(frame)) == Connection(ConnectionType.SERVER).send(TextMessage(data=encode(frame)))
     done = {"type": "done", "id": "r-1", "reason": "stop", "usage": {"prompt_tokens": 1}, "timings": {}}
     assert encode(done) == json.dumps(done, ensure_ascii=False)

@@ -228,7 +228,7 @@ class Session:
             if cancelled_at is None:
                 deadline = time.monotonic() + self.timeout
             kind = frame.get("type")
-            if frame.get("id", id) != id or kind in ("pong", "ready"):
+            if frame.get("id", id) != id or kind in ("pong", "ready", "draining", "title"):
                 continue
             if kind == "delta":
                 index = frame.get("index", next_index)

@@ -194,6 +194,10 @@ class Engine:
         decode step, idle chores and draft counts ({} for an engine with nothing to tell)."""
         return {}
 
+    def count_tokens(self, text: str) -> int | None:
+        """How many tokens ``text`` is for the default model (None when the engine cannot say)."""
+        return None
+
     def forget(self, key: str) -> None:
         """A conversation was deleted: drop whatever the engine keeps for ``key`` (its KV, in memory and on disk)."""
 

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 from .. import attachments as files
 from ..errors import ProtocolError
@@ -18,12 +18,13 @@ from .disk_full import guarded as _guarded
 from .options import CONVERSATION_COLUMNS as _CONV, Options, conversation as _conversation
 from .presets import Presets
 from .sharing import Sharing
+from .trash import Trash
 from .tree import message as _message, owned as _owned, valid as _valid
 from .versions import Versions
 
 PLACEHOLDER_TITLE = "New chat"
 TITLE_CHARS = 60
-FINISHED = ("stop", "length")
+FINISHED = ("stop", "length", "edited")  # stored 'complete' (an answer its user rewrote: "edited")
 SEARCH_BUDGET_S = 2.0  # a search's time when the caller sets none
 
 
@@ -57,7 +58,7 @@ def backend_for(target: str, max_mb: int = 0) -> StoreBackend:
     return SQLite(target, max_mb)
 
 
-class Store(Versions, Options, Sharing, Presets):
+class Store(Versions, Options, Sharing, Presets, Trash):
     """Conversations of many clients; safe to share between greenlets and OS threads."""
 
     def __init__(self, path: str | os.PathLike, max_conversations: int = 0, max_messages: int = 0,
@@ -144,7 +145,7 @@ class Store(Versions, Options, Sharing, Presets):
         storage, ``adding`` characters included; the caller's transaction keeps it true until its
         insert (on PostgreSQL: a lock per client and per address)."""
         db.lock(client_id)
-        count = db.execute(f"SELECT count(*) FROM conversations WHERE client_id = {db.mark}",
+        count = db.execute(f"SELECT count(*) FROM conversations WHERE client_id = {db.mark} AND deleted_at IS NULL",
                            (client_id,)).fetchone()[0]
         if self.max_conversations and count >= self.max_conversations:
             raise ProtocolError("too_large", f"you have {count} conversations, the most this server keeps "
@@ -176,15 +177,19 @@ class Store(Versions, Options, Sharing, Presets):
             tree.versions(db, conv_id, conv["messages"])
         return conv
 
-    def list_conversations(self, client_id: str | None) -> list[dict]:
+    def list_conversations(self, client_id: str | None, view: str = "main") -> list[dict]:
         """This client's conversations without messages: pinned ones first, then most recently
-        updated first (a new message updates; renaming, pinning and settings do not)."""
+        updated first (a new message updates; renaming, pinning and settings do not). ``view``:
+        "main" (neither archived nor in the trash), "archived", or "trash" (last deleted first)."""
         if not client_id:
             return []
+        where, order = {"main": ("deleted_at IS NULL AND archived = 0", "pinned DESC, updated_at DESC"),
+                        "archived": ("deleted_at IS NULL AND archived = 1", "updated_at DESC"),
+                        "trash": ("deleted_at IS NOT NULL", "deleted_at DESC")}[view]
         with self._conn() as db:
             rows = db.execute(
-                f"SELECT {_CONV} FROM conversations WHERE client_id = {db.mark}"
-                " ORDER BY pinned DESC, updated_at DESC, rowid DESC", (client_id,)).fetchall()
+                f"SELECT {_CONV} FROM conversations WHERE client_id = {db.mark} AND {where}"
+                f" ORDER BY {order}, rowid DESC", (client_id,)).fetchall()
         return [_conversation(r) for r in rows]
 
     def rename(self, client_id: str | None, conv_id: str, title: str) -> bool:
@@ -221,10 +226,12 @@ class Store(Versions, Options, Sharing, Presets):
 
     @_guarded
     def add_user_message(self, client_id: str | None, conv_id: str, content: str,
-                         attachments: list | None = None, replaces: str | None = None) -> dict | None:
+                         attachments: list | None = None, replaces: str | None = None,
+                         retitle: bool = True) -> dict | None:
         """Append a user message to the active path, or with ``replaces`` add it as a new version
         of that user message (bad_message unless it is one on the active path). The first
-        message also titles a conversation not yet named."""
+        message also titles a conversation not yet named; a new version of it renames one whose
+        user did not name it, unless ``retitle`` is False (CHAT_TITLES: one title per conversation)."""
         now = time.time()
         msg = {"conversation_id": conv_id, "role": "user", "content": content, "status": "complete",
                "reason": None, "usage": None, "timings": None, "created_at": now,
@@ -244,7 +251,7 @@ class Store(Versions, Options, Sharing, Presets):
                 db.execute(f"UPDATE conversations SET updated_at = {db.mark} WHERE id = {db.mark}", (now, conv_id))
                 # The first message names the conversation, and a new version of it renames it,
                 # unless the user chose the title.
-                first = "title_set = 0" if parent is not None else "renamed = 0"
+                first = "title_set = 0" if parent is not None or not retitle else "renamed = 0"
                 db.execute(f"UPDATE conversations SET title = {db.mark}, title_set = 1"
                            f" WHERE id = {db.mark} AND {first}", (_title_from(content), conv_id))
         return msg
@@ -323,10 +330,11 @@ class Store(Versions, Options, Sharing, Presets):
         return self._backend.search(client_id or "", text, deadline)
 
     @_guarded
-    def import_conversation(self, client_id: str, body: Any, max_content_chars: int, address: str | None = None) -> str:
+    def import_conversation(self, client_id: str, body: Any, max_content_chars: int, address: str | None = None,
+                            mark: str = transfer.IMPORTED) -> str:
         """Create a conversation of ``client_id`` from an export (every version of its tree) or a
-        ``messages`` list; its id. The copy's title says it was imported; ``address`` is charged
-        for it."""
+        ``messages`` list; its id. The copy's title says it was imported (``mark``); ``address`` is
+        charged for it."""
         data = transfer.parse_import(body, max_content_chars, self.max_messages)
         size = len(data["system"] or "") + sum(_size(m) for m in data["messages"])
         first = next((m["content"] for m in data["messages"] if m["role"] == "user"), "")
@@ -338,7 +346,7 @@ class Store(Versions, Options, Sharing, Presets):
             db.execute(
                 "INSERT INTO conversations (id, client_id, title, title_set, renamed, system, params, model,"
                 f" created_at, updated_at, address, size) VALUES ({marks(db, 3)}, 1, {marks(db, 8)})",
-                (conv_id, client_id, transfer.imported_title(title), int(data["title"] is not None),
+                (conv_id, client_id, transfer.imported_title(title, mark), int(data["title"] is not None),
                  data["system"], json.dumps(data["params"]) if data["params"] else None, data["model"],
                  created, now, address, len(data["system"] or "")))
             ids: list = []
@@ -349,6 +357,24 @@ class Store(Versions, Options, Sharing, Presets):
                 db.execute(f"UPDATE conversations SET active_id = {db.mark} WHERE id = {db.mark}",
                            (ids[data["active"]], conv_id))
         return conv_id
+
+    def branch(self, client_id: str | None, conv_id: str, message_id: str, max_content_chars: int,
+               address: str | None = None) -> str | None:
+        """A new conversation of ``client_id`` holding the path from the first message down to
+        ``message_id`` (any message of the conversation, on any version), with the conversation's
+        settings, titled "… (branch)"; its id, or None when either is not this client's."""
+        conv = self.get_conversation(client_id, conv_id) if client_id else None
+        if conv is None or not _valid(message_id):
+            return None
+        with self._conn() as db:
+            if db.execute(f"SELECT 1 FROM messages WHERE id = {db.mark} AND conversation_id = {db.mark}",
+                          (message_id, conv_id)).fetchone() is None:
+                return None
+            path = [_message(r) for r in tree.path(db, conv_id, message_id)]
+        body = {"title": conv["title"], "system": conv["system"], "params": conv["params"], "model": conv["model"],
+                "messages": [{k: m[k] for k in ("role", "content", "attachments", "status", "reason", "usage",
+                                                "timings", "created_at")} for m in path]}
+        return self.import_conversation(cast(str, client_id), body, max_content_chars, address, mark=" (branch)")
 
     def export(self, client_id: str | None, conv_id: str, fmt: str) -> tuple[str, str, str] | None:
         """(body, mimetype, filename) of the conversation as Markdown (the active path) or JSON (the

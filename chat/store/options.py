@@ -17,14 +17,17 @@ _COLUMNS: dict[str, Callable[[Any], object]] = {
     "system": lambda v: v or None,
     "params": lambda v: json.dumps(v) if v else None,
     "model": lambda v: v or None,
+    "archived": lambda v: int(bool(v)),
 }
-CONVERSATION_COLUMNS = "id, title, system, created_at, updated_at, pinned, params, model"
+CONVERSATION_COLUMNS = "id, title, system, created_at, updated_at, pinned, params, model, archived, deleted_at"
 
 
 def conversation(row: Row) -> dict:
-    """A conversation row as the API shows it: ``pinned`` a bool, ``params`` an object."""
+    """A conversation row as the API shows it: ``pinned`` and ``archived`` bools, ``params`` an object,
+    ``deleted_at`` when it went to the trash (else None)."""
     out = dict(row)
     out["pinned"] = bool(out["pinned"])
+    out["archived"] = bool(out["archived"])
     out["params"] = json.loads(out["params"]) if out["params"] else {}
     return out
 
@@ -53,6 +56,14 @@ class Options:
             row = db.execute(f"SELECT {CONVERSATION_COLUMNS} FROM conversations WHERE id = {db.mark}",
                              (conv_id,)).fetchone()
         return conversation(row)
+
+    @guarded
+    def set_title(self: Host, conv_id: str, title: str) -> bool:
+        """The model's title for a conversation its user has not named; from then on it is the one title,
+        whatever version of the first message is shown. False when the user named it first (or it is gone)."""
+        with self._conn() as db:
+            return db.execute(f"UPDATE conversations SET title = {db.mark}, title_set = 1, renamed = 1"
+                              f" WHERE id = {db.mark} AND renamed = 0", (title, conv_id)).rowcount > 0
 
     def options(self: Host, conv_id: str) -> dict:
         """{params, model} the conversation's turns use ({} and None for one not stored yet)."""

@@ -102,6 +102,12 @@ MIGRATIONS: list[tuple[str, ...]] = [
             updated_at DOUBLE PRECISION NOT NULL)""",
         "CREATE UNIQUE INDEX presets_by_client ON presets (client_id, name)",
     ),
+    (
+        # Archive and trash (schema.py's eighth migration).
+        "ALTER TABLE conversations ADD COLUMN archived INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE conversations ADD COLUMN deleted_at DOUBLE PRECISION",
+        "CREATE INDEX conversations_in_trash ON conversations (deleted_at) WHERE deleted_at IS NOT NULL",
+    ),
 ]
 
 

@@ -141,6 +141,13 @@ MIGRATIONS: list[tuple[Step, ...]] = [
             updated_at REAL NOT NULL)""",
         "CREATE UNIQUE INDEX presets_by_client ON presets (client_id, name)",
     ),
+    (
+        # Archive and trash: an archived conversation leaves the main list but stays whole; a deleted
+        # one waits in the trash (deleted_at) until CHAT_TRASH_DAYS have passed, restorable meanwhile.
+        "ALTER TABLE conversations ADD COLUMN archived INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE conversations ADD COLUMN deleted_at REAL",
+        "CREATE INDEX conversations_in_trash ON conversations (deleted_at) WHERE deleted_at IS NOT NULL",
+    ),
 ]
 
 

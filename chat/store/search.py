@@ -103,9 +103,9 @@ def sqlite_ranked(query: Query) -> Ranked:
         source = (f"SELECT a.seq, a.score + b.score AS score FROM ({hits[0][0]}) a"
                   f" JOIN ({hits[1][0]}) b ON b.seq = a.seq")
         args = [hits[0][1], hits[1][1]]
-    return Ranked(f"""SELECT m.seq, m.conversation_id, c.title, m.id AS message_id, m.role
+    return Ranked(f"""SELECT m.seq, m.conversation_id, c.title, m.id AS message_id, m.role, m.created_at
         FROM ({source}) h JOIN messages m ON m.seq = h.seq JOIN conversations c ON c.id = m.conversation_id
-        WHERE c.client_id = ? ORDER BY h.score, m.seq DESC LIMIT ?""", args, mark="?")
+        WHERE c.client_id = ? AND c.deleted_at IS NULL ORDER BY h.score, m.seq DESC LIMIT ?""", args, mark="?")
 
 
 # ---- PostgreSQL: the expressions are those of the GIN indexes in pg_schema.py (the planner uses
@@ -129,9 +129,9 @@ def pg_ranked(query: Query) -> Ranked:
         args.append(query.ts_cjk())
         where += [f"strpos(substr(m.content, 1, {INDEXED_CHARS}), %s) > 0"] * len(query.runs)
     where_args = args + (list(query.runs) if query.ts_cjk() else [])
-    sql = f"""SELECT m.seq, m.conversation_id, c.title, m.id AS message_id, m.role
+    sql = f"""SELECT m.seq, m.conversation_id, c.title, m.id AS message_id, m.role, m.created_at
         FROM messages m JOIN conversations c ON c.id = m.conversation_id
-        WHERE {' AND '.join(where)} AND m.status <> 'streaming' AND c.client_id = %s
+        WHERE {' AND '.join(where)} AND m.status <> 'streaming' AND c.deleted_at IS NULL AND c.client_id = %s
         ORDER BY {' + '.join(ranks)} DESC, m.seq DESC LIMIT %s"""
     return Ranked(sql, where_args, args, mark="%s")
 
@@ -152,7 +152,7 @@ def search(db: Executor, ranked: Ranked, query: Query, client_id: str, limit: in
     for row in rows:
         text, spans = snippets.snippet(texts.get(row["seq"], ""), marks)
         results.append({"conversation_id": row["conversation_id"], "title": row["title"],
-                        "message_id": row["message_id"], "role": row["role"],
+                        "message_id": row["message_id"], "role": row["role"], "created_at": row["created_at"],
                         "snippet": text, "highlights": spans})
     return results
 

@@ -48,8 +48,9 @@ class Sharing:
         return True
 
     def shared(self, token: str) -> dict | None:
-        """What a link shows: the title and the active path's messages (role, content, attachments'
-        names), nothing about the owner or other conversations; None for an unknown token."""
+        """What a link shows: the title, the model (None: the server's default), when it last changed, and
+        the active path's messages (role, content, status, reason, time, attachments' names), nothing
+        about the owner or other conversations; None for an unknown token."""
         if not isinstance(token, str) or not 20 <= len(token) <= 64:
             return None
         with self._conn() as db:
@@ -60,7 +61,8 @@ class Sharing:
         conv = self.get_conversation(row["client_id"], row["id"])
         if conv is None:
             return None
-        return {"title": conv["title"], "messages": [
-            {"role": m["role"], "content": m["content"], "status": m["status"],
+        return {"title": conv["title"], "model": conv["model"], "updated_at": conv["updated_at"], "messages": [
+            {"role": m["role"], "content": m["content"], "status": m["status"], "reason": m["reason"],
+             "created_at": m["created_at"],
              "attachments": [{"name": a.get("name", "")} for a in m.get("attachments") or []]}
             for m in conv["messages"]]}

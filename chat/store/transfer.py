@@ -17,7 +17,7 @@ MAX_TITLE_CHARS = 200
 MAX_ID_CHARS = 200
 IMPORTED = " (imported)"
 STATUSES = ("complete", "partial", "interrupted")
-REASONS = ("stop", "length", "cancelled", "timeout", "shutdown", "error")
+REASONS = ("stop", "length", "cancelled", "timeout", "shutdown", "error", "edited")
 MAX_TIME = 253402300799  # 9999-12-31 23:59:59 UTC
 MAX_FIGURES = 16
 MAX_FIGURE = 10**15
@@ -123,11 +123,12 @@ def clean_title(title: str) -> str:
     return " ".join(_UNSAFE.sub(" ", title).split())
 
 
-def imported_title(title: str) -> str:
-    """The title of an imported copy: marked as one (once), within MAX_TITLE_CHARS."""
+def imported_title(title: str, mark: str = IMPORTED) -> str:
+    """The title of an imported copy (or a branch, ``mark`` " (branch)"): marked as one (once), within
+    MAX_TITLE_CHARS."""
     title = clean_title(title)
-    base = title[:-len(IMPORTED)] if title.endswith(IMPORTED) else title
-    return base[:MAX_TITLE_CHARS - len(IMPORTED)].rstrip() + IMPORTED
+    base = title[:-len(mark)] if title.endswith(mark) else title
+    return base[:MAX_TITLE_CHARS - len(mark)].rstrip() + mark
 
 
 def _tree(nodes: Any, max_content_chars: int, limit: int) -> tuple[list, dict]:

@@ -21,10 +21,11 @@ def valid(value: object) -> TypeGuard[str]:
 
 
 def owned(db: Connection, client_id: str | None, conv_id: object) -> bool:
-    """Whether the conversation exists and belongs to ``client_id`` (never another's, whatever the ids)."""
+    """Whether the conversation exists, belongs to ``client_id`` (never another's, whatever the ids) and
+    is not in the trash."""
     return (valid(conv_id) and isinstance(client_id, str) and client_id != "" and
-            db.execute(f"SELECT 1 FROM conversations WHERE id = {db.mark} AND client_id = {db.mark}",
-                       (conv_id, client_id)).fetchone() is not None)
+            db.execute(f"SELECT 1 FROM conversations WHERE id = {db.mark} AND client_id = {db.mark}"
+                       " AND deleted_at IS NULL", (conv_id, client_id)).fetchone() is not None)
 
 
 def message(row: Row) -> dict:

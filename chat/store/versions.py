@@ -62,6 +62,21 @@ class Versions:
                              (self._owner, message_id))
 
     @guarded
+    def edit_answer(self: Host, client_id: str | None, conv_id: str, message_id: object, content: str) -> dict | None:
+        """A new version of the answer ``message_id`` (on the active path) with the user's own ``content``,
+        reason "edited", made active (what followed the old version stays on its branch); the
+        conversation, or None if not this client's. bad_message for a message that is not such an answer."""
+        with self._conn() as db:
+            if not tree.owned(db, client_id, conv_id):
+                return None
+            answer = tree.message(tree.on_path(db, conv_id, message_id, "assistant"))
+        if answer["status"] == "streaming":
+            raise ProtocolError("busy", "this answer is still being written")
+        edited = self.start_assistant(conv_id, answer["parent_id"])
+        self.finish_assistant(edited, content, "edited")
+        return self.get_conversation(client_id, conv_id)
+
+    @guarded
     def set_active(self: Host, client_id: str | None, conv_id: str, message_id: object) -> dict | None:
         """Make the path through ``message_id`` (down to its newest descendant) active and return
         the conversation; None if not this client's, bad_message if not its message."""

@@ -9,8 +9,8 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
 
     ``engine_only``: only ``/v1`` and health, for web workers that use this process as their backend.
     """
-    from . import (conversations_api, error_responses, health, hosts, openai_api, openai_completions, pages,
-                   presets_api, request_body, sharing, ws)
+    from . import (conversation_bulk, conversations_api, documents_api, error_responses, health, hosts, openai_api,
+                   openai_completions, pages, presets_api, request_body, sharing, ws)
     hosts.init_app(app, app.extensions["chat"].settings)
     app.register_blueprint(health.bp)
     app.register_blueprint(openai_api.bp)
@@ -21,10 +21,12 @@ def init_app(app: Flask, engine_only: bool = False) -> None:
     else:
         app.register_blueprint(pages.bp)
         app.register_blueprint(conversations_api.bp)
+        app.register_blueprint(conversation_bulk.bp)
+        app.register_blueprint(documents_api.bp)
         app.register_blueprint(sharing.bp)
         app.register_blueprint(presets_api.bp)
         ws.init_app(app)
     error_responses.init_app(app)
     settings = app.extensions["chat"].settings
     app.wsgi_app = request_body.BoundedBody(  # type: ignore[method-assign]
-        app.wsgi_app, settings.body_timeout_s, settings.max_content_chars)
+        app.wsgi_app, settings.body_timeout_s, settings.max_content_chars, settings.max_document_mb * 2**20)

@@ -31,6 +31,12 @@ def _pinned(value: Any, settings: Settings, engine: Engine) -> bool:
     return value
 
 
+def _archived(value: Any, settings: Settings, engine: Engine) -> bool:
+    if not isinstance(value, bool):
+        _bad("'archived' must be true or false")
+    return value
+
+
 def _system(value: Any, settings: Settings, engine: Engine) -> str | None:
     if value is not None and not isinstance(value, str):
         _bad("'system' must be a string or null")
@@ -56,7 +62,8 @@ def _model(value: Any, settings: Settings, engine: Engine) -> str | None:
     return value
 
 
-FIELDS = {"title": _title, "pinned": _pinned, "system": _system, "params": _params, "model": _model}
+FIELDS = {"title": _title, "pinned": _pinned, "archived": _archived, "system": _system, "params": _params,
+          "model": _model}
 
 
 def parse(body: Any, settings: Settings, engine: Engine) -> dict:

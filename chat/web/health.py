@@ -12,8 +12,15 @@ bp = Blueprint("api", __name__)
 
 @bp.get("/healthz")
 def healthz() -> ResponseReturnValue:
-    """Liveness: the event loop answers."""
-    return jsonify({"status": "ok"})
+    """Liveness: the event loop answers (200 always); ``model`` says what /readyz would, without a 503,
+    so a page can follow a loading model without failed requests in its console."""
+    state = app_state()
+    engine = state.engine
+    model = "draining" if state.stopping else "ready" if engine.ready else "failed" if engine.error else "loading"
+    body: dict[str, object] = {"status": "ok", "model": model}
+    if model == "ready":
+        body["name"] = engine.model_name
+    return jsonify(body)
 
 
 @bp.get("/readyz")

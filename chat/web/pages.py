@@ -19,7 +19,9 @@ def index(conv_id: str | None = None) -> Response:
     """The chat page (at /c/<id> it opens that conversation); gives a new visitor a random identity
     cookie. The same page for every id: whether a conversation is the caller's is the API's to say."""
     settings = app_state().settings
-    response = current_app.make_response(render_template("index.html", sharing=settings.sharing))
+    starters = [s.strip()[:200] for s in settings.starters.split("|") if s.strip()][:8]
+    response = current_app.make_response(render_template("index.html", sharing=settings.sharing,
+                                                          starters=starters))
     if identity.browser_client() is None:
         value = identity.cookie_value(identity.new_client_id(), settings.api_key)
         identity.set_cookie(response, value, identity.is_https(request, settings.trusted_proxies))

@@ -36,17 +36,21 @@ class BodyTimeout(Exception):
 class BoundedBody:
     """WSGI middleware: see the module doc."""
 
-    def __init__(self, app: Callable, timeout_s: float, max_content_chars: int = 16000) -> None:
+    def __init__(self, app: Callable, timeout_s: float, max_content_chars: int = 16000,
+                 max_document_bytes: int = 10 * 2**20) -> None:
         self.app, self.timeout_s = app, timeout_s
+        self.document_bytes = max_document_bytes  # /api/documents: a file as the body (CHAT_MAX_DOCUMENT_MB)
         # The longest /api text field (a system prompt) escaped as JSON, plus the other fields.
         self.api_bytes = ESCAPED * max_content_chars + API_SLACK
 
     def limit(self, path: str) -> int:
-        """The largest body ``path`` takes: /v1's requests, an import, or any other route's fields."""
+        """The largest body ``path`` takes: /v1's requests, an import, a document, or any other route's fields."""
         if path.startswith("/v1/"):
             return MAX_BODY_BYTES
         if path == "/api/conversations/import":
             return MAX_IMPORT_BYTES
+        if path == "/api/documents":
+            return self.document_bytes
         return min(self.api_bytes, MAX_BODY_BYTES)
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:

@@ -2,12 +2,12 @@
 and ``/s/<token>`` shows that conversation's current version to whoever holds the link."""
 from __future__ import annotations
 
-from flask import Blueprint, Response, current_app, jsonify, render_template
+from flask import Blueprint, Response, current_app, jsonify, render_template, request
 from flask.typing import ResponseReturnValue
 
 from ..app_state import app_state
 from ..errors import ProtocolError, RequestError
-from . import guard
+from . import guard, identity
 from .identity import current_client
 
 bp = Blueprint("sharing", __name__)
@@ -73,7 +73,36 @@ def _private(response: Response) -> Response:
 
 @bp.get("/s/<token>")
 def page(token: str) -> ResponseReturnValue:
-    """The shared conversation, read-only; the same page, saying so, for a link revoked or never made."""
-    shared = _store().shared(token) if app_state().settings.sharing else None
+    """The shared conversation, read-only; the same page, saying so, for a link revoked or never made.
+    A visitor without an identity gets one (as on the chat page), so Continue in my chats can work."""
+    state = app_state()
+    shared = _store().shared(token) if state.settings.sharing else None
+    if shared is not None:
+        shared["model"] = shared["model"] or state.engine.model_name
     html = render_template("shared.html", shared=shared)
-    return current_app.make_response((html, 200 if shared else 404))
+    response = current_app.make_response((html, 200 if shared else 404))
+    if shared is not None and identity.browser_client() is None:
+        value = identity.cookie_value(identity.new_client_id(), state.settings.api_key)
+        identity.set_cookie(response, value, identity.is_https(request, state.settings.trusted_proxies))
+    return response
+
+
+@bp.post("/s/<token>/continue")
+def continue_(token: str) -> ResponseReturnValue:
+    """Continue in my chats: a copy of the shared conversation (as shown: the text, no attached files)
+    becomes the caller's own, titled "… (imported)": 201 {"id"}."""
+    state = app_state()
+    _sharing_on()
+    guard.check_write(state.settings)
+    client = current_client()
+    if not client:
+        raise ProtocolError("bad_message", "no client identity: open the page first to get one")
+    shared = _store().shared(token)
+    if shared is None:
+        raise ProtocolError("not_found", "this link does not work")
+    body = {"title": shared["title"], "model": shared["model"], "messages": [
+        {"role": m["role"], "content": m["content"], "status": m["status"], "reason": m["reason"],
+         "created_at": m["created_at"]} for m in shared["messages"]]}
+    address = guard.address(state.settings)
+    conv_id = _store().import_conversation(client, body, state.settings.max_content_chars, address)
+    return jsonify(id=conv_id), 201

@@ -77,6 +77,7 @@ def websocket(ws: BoundedServer) -> None:
 
 
 _DELTA_KEYS = {"type", "id", "index", "text"}
+_COUNTED_KEYS = {"type", "id", "index", "text", "tokens"}
 RESUME_BURST = 16  # resumes a connection may send at once (a reconnect resumes each open answer)
 RESUMES_PER_S = 0.5  # and after that
 
@@ -86,9 +87,14 @@ def encode(frame: dict) -> str:
 
     Deltas are nearly every frame, so theirs is written directly (a fifth of dumps' cost).
     """
-    if frame.keys() == _DELTA_KEYS and frame["type"] == "delta" and type(frame["index"]) is int:
-        return (f'{{"type": "delta", "id": {encode_basestring(frame["id"])}, "index": {frame["index"]:d}, '
-                f'"text": {encode_basestring(frame["text"])}}}')
+    keys = frame.keys()
+    if (keys == _DELTA_KEYS or keys == _COUNTED_KEYS) and frame["type"] == "delta" and type(frame["index"]) is int:
+        head = (f'{{"type": "delta", "id": {encode_basestring(frame["id"])}, "index": {frame["index"]:d}, '
+                f'"text": {encode_basestring(frame["text"])}')
+        if keys == _DELTA_KEYS:
+            return head + "}"
+        if keys == _COUNTED_KEYS and type(frame["tokens"]) is int:
+            return head + f', "tokens": {frame["tokens"]:d}}}'
     return json.dumps(frame, ensure_ascii=False)
 
 
@@ -139,9 +145,15 @@ class Session:
         s = self.settings
         engine = self.state.engine
         limits = {"max_content_chars": s.max_content_chars, "max_new_tokens": s.max_new_tokens,
-                  "context_tokens": s.context_tokens, "max_active_per_connection": s.max_active_per_connection}
-        self.send({"type": "ready", "protocol": PROTOCOL, "model": engine.model_name, "models": engine.models(),
-                   "limits": limits})
+                  "context_tokens": s.context_tokens, "max_active_per_connection": s.max_active_per_connection,
+                  "trash_days": s.trash_days}
+        ready: dict[str, object] = {"type": "ready", "protocol": PROTOCOL, "model": engine.model_name,
+                                    "models": engine.models(), "limits": limits}
+        if self.state.stopping:  # accepted just as the server began to stop: said at once, and as a frame
+            ready["draining"] = True
+        self.send(ready)
+        if self.state.stopping:
+            self.draining()
         try:
             while self.open:
                 raw = self.ws.receive()
@@ -216,6 +228,10 @@ class Session:
         """The run ended: nothing more comes to this connection."""
         if self.runs.get(run.id) is run:
             del self.runs[run.id]
+
+    def draining(self) -> None:
+        """The server stops: running answers may finish, new turns are refused, then 1001 closes the socket."""
+        self.send({"type": "draining"})
 
     def close(self, code: int, reason: str, timeout: float | None = None) -> None:
         self.open = False

@@ -10,7 +10,6 @@ import * as router from './router.js';
 import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
-import * as tabs from './tabs.js';
 import * as thread from './thread.js';
 import { AssistantMessage, editInPlace, setUserText } from './message.js';
 import { announce, newId } from './util.js';
@@ -40,19 +39,23 @@ export function send() {
   const content = composer.content();
   if (!content.trim()) return;
   if (unloaded && unloaded === sidebar.currentId()) {
-    // Never add to a history the person cannot see.
-    composer.showError('This conversation has not loaded yet. Your message is kept; it can be sent once it shows.');
+    // Never add to a history the person cannot see: it goes once the conversation shows.
+    hold('load', 'Your message will be sent once this conversation has loaded.');
     return;
   }
   if (inView().length) {
-    composer.setQueued(true);
-    announce('Your message will be sent when this answer finishes.');
-    refreshControls();
+    hold('answer', 'Your message will be sent when this answer finishes.');
+    return;
+  }
+  if (!socket.isReady()) {
+    if (socket.isRestarting()) hold('restart', 'The server is restarting. Your message will be sent once it is back.');
+    else hold('connection', 'Your message will be sent when the connection is back.');
     return;
   }
   composer.setQueued(false);
-  if (!socket.isReady()) {
-    composer.showError('Not connected to the server yet. Your message is kept; send it once the connection is back.');
+  const busy = attachments.reading();
+  if (busy) {
+    composer.showError(`“${busy}” is still being read. Send once its chip shows its tokens.`);
     return;
   }
   const files = attachments.current();
@@ -63,6 +66,7 @@ export function send() {
   composer.clearError();
   composer.clear();
   attachments.clear();
+  attachments.countDraft();
   const conversationId = sidebar.currentId();
   const message = { type: 'chat', id: newId(), content };
   if (files.length) message.attachments = files;
@@ -75,7 +79,17 @@ export function send() {
   submit(message, { conversationId, content, files, userEl: thread.appendUser(content, files) });
 }
 
-/** After an answer ends: a message typed while it was written goes out now. */
+/** Keep the box's text, to be sent when ``why`` ('answer', 'connection', 'restart', 'load') is over. */
+function hold(why, said) {
+  const again = composer.isQueued();
+  composer.setQueued(true, why);
+  if (why !== 'answer') composer.clearError();
+  if (!again) announce(said);
+  refreshControls();
+}
+
+/** After an answer ends, the connection is back or the conversation loaded: a message kept for it
+ * goes out now. */
 export function sendQueued() {
   if (!composer.isQueued() || inView().length) return;
   if (!composer.content().trim()) {
@@ -95,7 +109,8 @@ export function cancelQueued() {
 function canStart() {
   if (!sidebar.currentId() || inView().length) return false;
   if (!socket.isReady()) {
-    composer.showError('Not connected to the server yet. Try again once the connection is back.');
+    composer.showError(socket.isRestarting() ? 'The server is restarting. Try again once it is back.'
+      : 'Not connected to the server yet. Try again once the connection is back.', { connection: true });
     return false;
   }
   composer.clearError();
@@ -250,9 +265,15 @@ export function regenerate() {
   view.showPendingVersion(count - 1, count);
   view.setThinking();
   last.view.setRegenerating(`Writing version ${count} of ${count}…`);
-  // The old answer (and its button) gives way to the new one: the keyboard goes on from the composer.
-  if (last.contains(document.activeElement)) els.prompt.focus({ preventScroll: true });
-  submit({ type: 'regenerate', id: newId(), conversation_id: conversationId }, { conversationId, oldView: last, view });
+  // The keyboard stays with the answer: on it while the new version is written (its buttons hide),
+  // then on the new version's Regenerate (frames.js).
+  const keepFocus = last.contains(document.activeElement);
+  if (keepFocus) {
+    last.tabIndex = -1;
+    last.focus({ preventScroll: true });
+  }
+  submit({ type: 'regenerate', id: newId(), conversation_id: conversationId },
+    { conversationId, oldView: last, view, keepFocus });
 }
 
 /** The `params` a turn sends: none for a conversation with settings of its own (the server keeps
@@ -340,6 +361,7 @@ export async function openConversation(id, { keepError = false, reveal = null, a
   if (reveal) requestAnimationFrame(() => thread.reveal(reveal));
   showRecord(conversation);
   refreshControls();
+  if (retrying) sendQueued(); // a message kept while it could not load
 }
 
 export function forgetConversation(id) {
@@ -348,21 +370,43 @@ export function forgetConversation(id) {
   if (wasOpen) openConversation(null, { address: 'replace' });
 }
 
-/** Delete a conversation after asking, cancelling its answers first. */
-export async function deleteConversation(id) {
-  if (!confirm(`Delete “${sidebar.titleOf(id)}”? This cannot be undone.`)) return;
-  for (const req of requests.activeIn(id)) socket.send({ type: 'cancel', id: req.id });
-  try {
-    await api.deleteConversation(id);
-  } catch (err) {
-    if (err.status !== 404) {
-      composer.showError(`Could not delete: ${err.message}`);
-      return;
+/** Edit an answer in place; Save (or Ctrl+Enter) keeps the text as a new version of it ("Edited by you"),
+ * which the model sees from then on; the old version stays a click away. */
+export function editAnswer(article) {
+  if (inView().length || !article.view) return;
+  article.content = article.view.text;
+  editInPlace(article, async (content) => {
+    const conversationId = sidebar.currentId();
+    if (!article.dataset.id && !(await syncIds())) return;
+    try {
+      const conversation = await api.editAnswer(conversationId, article.dataset.id, content);
+      if (sidebar.currentId() !== conversationId) return;
+      thread.showStored(conversation.messages, []);
+      showRecord(conversation);
+      refreshControls();
+      announce('Your edit is saved as a new version of the answer.');
+      thread.lastMessage()?.querySelector('[data-action="edit-answer"]')?.focus({ preventScroll: true });
+    } catch (err) {
+      composer.showError(`Could not save the edit: ${err.message}`);
     }
+  }, { multiline: true, action: 'edit-answer' });
+}
+
+/** Branch into a new chat: the conversation down to message ``el`` (on the version shown) becomes a chat
+ * of its own, opened at once; this one stays as it is. */
+export async function branchFrom(el) {
+  const conversationId = sidebar.currentId();
+  if (!conversationId || inView().length) return;
+  if (!el.dataset.id && !(await syncIds())) return;
+  try {
+    const { id } = await api.branch(conversationId, el.dataset.id);
+    await sidebar.refresh();
+    await openConversation(id);
+    announce('Branched into a new chat.');
+    els.prompt.focus({ preventScroll: true });
+  } catch (err) {
+    composer.showError(`Could not branch: ${err.message}`);
   }
-  forgetConversation(id);
-  tabs.tell('deleted', id);
-  announce('Conversation deleted.');
 }
 
 /** Load the open conversation again when its last load failed (the socket is back). */

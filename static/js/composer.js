@@ -4,7 +4,8 @@ import * as socket from './socket.js';
 import { charLength } from './util.js';
 
 let composing = false; // an IME composition is open
-let queued = false; // the box's text goes out when the answer being written ends
+let queued = false; // the box's text goes out when the answer being written ends (or the connection is back)
+let connectionError = false; // the error line speaks of the connection: the next `ready` clears it
 
 const FRIENDLY = {
   too_large: () => {
@@ -13,7 +14,9 @@ const FRIENDLY = {
   },
   busy: () => 'An answer is still being written. Wait for it to finish or press Stop.',
   rate_limited: () => 'You are sending messages too quickly. Please wait a moment and try again.',
-  overloaded: () => 'The server is at capacity right now. Please try again in a moment.',
+  overloaded: () => (socket.isRestarting()
+    ? 'The server is restarting. Your message is kept and goes out once it is back.'
+    : 'The server is at capacity right now. Please try again in a moment.'),
   not_found: () => 'This conversation no longer exists.',
   internal: () => 'The server ran into a problem. Please try again.',
 };
@@ -24,14 +27,23 @@ export function errorText(code, message) {
   return friendly ? friendly() : (message || code || 'Something went wrong.');
 }
 
-export function showError(text) {
+/** Show ``text`` on the error line; ``connection``: it is about the connection, and goes by itself
+ * when the connection is back. */
+export function showError(text, { connection = false } = {}) {
   els.error.textContent = text;
   els.error.hidden = false;
+  connectionError = connection;
 }
 
 export function clearError() {
   els.error.hidden = true;
   els.error.textContent = '';
+  connectionError = false;
+}
+
+/** The connection is back: an error line about it goes. */
+export function clearConnectionError() {
+  if (connectionError) clearError();
 }
 
 /** The message to send: the box's text without leading blank lines or trailing space. */
@@ -72,10 +84,20 @@ export function isSendKey(e) {
   return !(e.isComposing || e.keyCode === 229 || composing);
 }
 
-/** Mark the box's text to be sent when the answer being written ends (or not). */
-export function setQueued(value) {
+const WAITS_FOR = {
+  answer: 'Sends when this answer finishes.',
+  connection: 'Sends when the connection is back.',
+  restart: 'The server is restarting: this sends once it is back.',
+  load: 'Sends once this conversation has loaded.',
+};
+
+/** Mark the box's text to be sent when the answer being written ends, the connection is back or
+ * the conversation has loaded (``why``: 'answer', 'connection', 'restart', 'load'), or not. */
+export function setQueued(value, why = 'answer') {
   queued = value;
   els.queued.hidden = !value;
+  els.queued.dataset.why = value ? why : '';
+  if (value) els.queuedText.textContent = WAITS_FOR[why] || WAITS_FOR.answer;
   els.prompt.classList.toggle('queued', value);
 }
 
@@ -89,11 +111,12 @@ export function update(streaming) {
   if (queued && !text.trim()) setQueued(false);
   els.send.hidden = streaming && !text.trim();
   els.stop.hidden = !streaming;
-  els.send.disabled = !socket.isReady() || !text.trim() || (streaming && queued);
+  els.send.disabled = !text.trim() || queued;
   els.send.classList.toggle('waiting', streaming);
   let why = 'Send (Enter)';
-  if (!socket.isReady()) why = 'Waiting for the connection…';
-  else if (streaming && queued) why = 'Queued: it sends when this answer finishes';
+  if (queued) why = `Queued: ${els.queuedText.textContent}`;
+  else if (socket.isRestarting()) why = 'Send when the server is back (Enter)';
+  else if (!socket.isReady()) why = 'Send when the connection is back (Enter)';
   else if (streaming) why = 'Send when this answer finishes (Enter)';
   els.send.title = why;
   els.send.setAttribute('aria-label', why);

@@ -35,12 +35,26 @@ function rollback(req) {
 /** A regenerated answer takes the old one's place once it has something to show. */
 function swapIn(req) {
   if (!req.oldView || req.view.el.isConnected || !req.oldView.isConnected) return;
+  const hadFocus = req.oldView.contains(document.activeElement);
   req.oldView.replaceWith(req.view.el);
   req.oldView.view.setRegenerating(null);
+  if (hadFocus) {
+    req.view.el.tabIndex = -1;
+    req.view.el.focus({ preventScroll: true });
+  }
+}
+
+/** A regenerated answer that ended: the keyboard, kept on the answer meanwhile, goes to its Regenerate. */
+function refocus(req) {
+  const active = document.activeElement;
+  if (!req.keepFocus || !(active === document.body || req.view.el.contains(active))) return;
+  const button = req.view.el.querySelector('[data-action="regenerate"]:not([hidden])');
+  if (button) button.focus({ preventScroll: true });
 }
 
 /** End a started request with the text that has arrived, drawn final. */
 function settle(req) {
+  clearTimeout(req.liveTimer); // a Continue may write into the same answer next
   requests.finish(req);
   sidebar.render(); // its "answering" mark goes
   swapIn(req);
@@ -59,6 +73,7 @@ export function showServer(waiting) {
 
 function onReady() {
   showServer();
+  composer.clearConnectionError();
   chat.retryLoad();
   for (const req of requests.all()) {
     if (req.sent) {
@@ -66,11 +81,18 @@ function onReady() {
       socket.send({ type: 'resume', id: req.id, from: req.nextIndex });
       if (req.cancelRequested) socket.send({ type: 'cancel', id: req.id });
     } else if (!req.started) {
-      rollback(req);
+      rollback(req); // never reached the server: its text is back in the box, and goes now
+      if (!req.reload && !req.oldView && composer.content().trim()) composer.setQueued(true, 'connection');
     }
   }
   chat.refreshControls();
+  chat.sendQueued();
   sidebar.refresh();
+}
+
+/** The server is restarting: Send keeps messages until it is back; answers running now may finish. */
+function onDraining() {
+  chat.refreshControls();
 }
 
 function onQueued(msg) {
@@ -107,18 +129,29 @@ const LIVE_EVERY_MS = 250;
 function onDelta(msg) {
   const req = requests.get(msg.id);
   if (!req || !requests.addDelta(req, msg.index, msg.text)) return;
+  if (Number.isInteger(msg.tokens)) req.tokens = msg.tokens; // the engine's count, where it gives one
   swapIn(req);
   thread.scheduleRender(req.view, req.prefix + req.text);
-  // Live figures from the first delta this page saw (a resumed answer: counted from there).
+  // Live figures from the first delta this page saw (a resumed answer: counted from there), drawn at
+  // most every LIVE_EVERY_MS, and once more after the last delta so the figure ends on the latest count.
   const now = performance.now();
-  if (req.liveFrom === undefined) req.liveFrom = { at: now, index: msg.index };
-  if (!(now - (req.liveAt || 0) < LIVE_EVERY_MS)) {
-    req.liveAt = now;
-    const seconds = (now - req.liveFrom.at) / 1000;
-    const gaps = req.nextIndex - 1 - req.liveFrom.index; // deltas after the first one timed
-    const earlier = (req.prefix && req.view.done?.usage?.completion_tokens) || 0; // a continue: the whole answer
-    req.view.showLive(earlier + req.nextIndex, seconds > 0.2 && gaps > 0 ? gaps / seconds : 0);
-  }
+  if (req.liveFrom === undefined) req.liveFrom = { at: now, count: req.tokens || req.nextIndex };
+  clearTimeout(req.liveTimer);
+  if (!(now - (req.liveAt || 0) < LIVE_EVERY_MS)) drawLive(req);
+  else req.liveTimer = setTimeout(() => drawLive(req), LIVE_EVERY_MS);
+}
+
+/** The live line: the answer's tokens so far (the engine's own count when it gives one, so the figure
+ * ends where `done` says; else one a delta) and tokens per second. */
+function drawLive(req) {
+  if (req.view.el.dataset.state === 'done' || requests.get(req.id) !== req) return;
+  const now = performance.now();
+  req.liveAt = now;
+  const count = req.tokens || req.nextIndex;
+  const seconds = (now - req.liveFrom.at) / 1000;
+  const gained = count - req.liveFrom.count;
+  const earlier = (req.prefix && req.view.done?.usage?.completion_tokens) || 0; // a continue: the whole answer
+  req.view.showLive(earlier + count, seconds > 0.2 && gained > 0 ? gained / seconds : 0);
 }
 
 function onDone(msg) {
@@ -131,6 +164,7 @@ function onDone(msg) {
   if (!req.prefix && !req.text && msg.reason === 'stop') req.view.body.textContent = '(empty answer)';
   thread.followStream();
   chat.refreshControls();
+  refocus(req);
   if (req.conversationId === sidebar.currentId()) {
     const reason = REASONS[msg.reason] ? ` (${REASONS[msg.reason]})` : '';
     announce(`Answer${reason}: ${req.text.slice(0, 2000)}`);
@@ -158,7 +192,13 @@ function onError(msg) {
     }
   } else if (!req.started) {
     rollback(req);
-    composer.showError(text);
+    if (msg.code === 'overloaded' && socket.isRestarting() && !req.reload && !req.oldView) {
+      // Sent as the server began to drain: kept, and sent once it is back.
+      composer.setQueued(true, 'restart');
+      announce('The server is restarting. Your message will be sent once it is back.');
+    } else {
+      composer.showError(text);
+    }
     if (msg.code === 'not_found' && req.conversationId === sidebar.currentId()) chat.forgetConversation(req.conversationId);
     // Answering in another tab: show that answer here, live.
     if (msg.code === 'busy' && req.conversationId === sidebar.currentId()) chat.syncIds();
@@ -170,7 +210,14 @@ function onError(msg) {
   if (req && req.conversationId === sidebar.currentId()) chat.sendQueued();
 }
 
-const HANDLERS = { ready: onReady, queued: onQueued, start: onStart, delta: onDelta, done: onDone, error: onError };
+/** The model titled a new conversation after its first answer. */
+function onTitle(msg) {
+  if (typeof msg.conversation_id === 'string' && typeof msg.title === 'string' && msg.title.trim()) {
+    sidebar.retitle(msg.conversation_id, msg.title);
+  }
+}
+
+const HANDLERS = { ready: onReady, draining: onDraining, title: onTitle, queued: onQueued, start: onStart, delta: onDelta, done: onDone, error: onError };
 
 /** Route one server frame to its handler; unknown types are ignored. */
 export function onFrame(msg) {

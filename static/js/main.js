@@ -6,6 +6,7 @@ import * as frames from './frames.js';
 import * as listnav from './listnav.js';
 import * as composer from './composer.js';
 import { importFile } from './importer.js';
+import * as library from './library.js';
 import * as models from './models.js';
 import * as router from './router.js';
 import * as search from './search.js';
@@ -37,6 +38,8 @@ const MESSAGE_ACTIONS = {
   regenerate: () => chat.regenerate(),
   continue: (msg) => chat.continueAnswer(msg.view),
   edit: (msg) => chat.edit(msg),
+  branch: (msg) => chat.branchFrom(msg),
+  'edit-answer': (msg) => chat.editAnswer(msg),
   'version-prev': (msg) => chat.switchVersion(msg, -1),
   'version-next': (msg) => chat.switchVersion(msg, 1),
 };
@@ -55,6 +58,7 @@ els.prompt.addEventListener('compositionend', () => composer.setComposing(false)
 els.prompt.addEventListener('input', () => {
   composer.autosize();
   chat.refreshControls();
+  attachments.countDraft();
 });
 els.prompt.addEventListener('keydown', (e) => {
   if (!composer.isSendKey(e)) return;
@@ -164,10 +168,10 @@ async function rowAction(action, item) {
   if (action === 'rename') sidebar.startRename(item);
   else if (action === 'pin') sidebar.togglePin(id);
   else if (action === 'export') sidebar.closeDrawer();
-  else if (action === 'delete') {
+  else if (action === 'delete' || action === 'archive') {
     const next = item.nextElementSibling?.dataset.id || item.previousElementSibling?.dataset.id || null;
-    await chat.deleteConversation(id);
-    if (!sidebar.entry(id)) sidebar.rove(next)?.focus(); // deleted: the keyboard stays in the list
+    await (action === 'delete' ? library.trash([id]) : library.archive([id]));
+    if (!sidebar.entry(id)) sidebar.rove(next)?.focus(); // gone from the list: the keyboard stays in it
     else sidebar.rove(id)?.focus();
   }
 }
@@ -177,6 +181,9 @@ els.list.addEventListener('click', (e) => {
   if (e.target.closest('[data-action="menu"]')) {
     if (listnav.menuTarget() === item) listnav.closeMenu();
     else listnav.openMenu(item, { focus: e.detail === 0 }); // from a key: into the menu
+  } else if (e.target.closest('.conversation-open') && sidebar.isSelecting()) {
+    sidebar.toggleSelected(item.dataset.id);
+    sidebar.rove(item.dataset.id)?.focus();
   } else if (e.target.closest('.conversation-open')) {
     if (item.dataset.id !== sidebar.currentId()) chat.openConversation(item.dataset.id);
     sidebar.closeDrawer();
@@ -198,6 +205,34 @@ document.addEventListener('pointerdown', (e) => {
   }
 });
 els.list.closest('.conversations').addEventListener('scroll', () => listnav.closeMenu(false), { passive: true });
+// A starter prompt on the empty screen goes as the new chat's first message.
+document.getElementById('starters')?.addEventListener('click', (e) => {
+  const starter = e.target.closest('.starter');
+  if (!starter) return;
+  els.prompt.value = starter.textContent;
+  composer.autosize();
+  chat.refreshControls();
+  chat.send();
+  els.prompt.focus({ preventScroll: true });
+});
+// Appearance: applied at once and kept in this browser (js/theme.js).
+for (const [id, key] of [['set-theme', 'theme'], ['set-text', 'text']]) {
+  const select = document.getElementById(id);
+  select.value = window.chatAppearance?.get()[key] || select.value;
+  select.addEventListener('change', () => window.chatAppearance?.set({ [key]: select.value }));
+}
+els.selectMode.addEventListener('click', library.toggleSelect);
+els.bulkBar.addEventListener('click', (e) => {
+  const action = e.target.closest('[data-bulk]')?.dataset.bulk;
+  if (action) library.onBulk(action);
+});
+els.toastUndo.addEventListener('click', library.undo);
+els.openArchived.addEventListener('click', () => library.openLibrary('archived'));
+els.openTrash.addEventListener('click', () => library.openLibrary('trash'));
+els.library.addEventListener('click', (e) => {
+  if (e.target === els.library) els.library.close(); // click on the backdrop
+  else library.onLibraryClick(e);
+});
 els.newChat.addEventListener('click', () => {
   chat.openConversation(null);
   sidebar.closeDrawer();

@@ -48,7 +48,7 @@ function codeBlock(text, lang, live) {
   if (html === null) html = escapeHtml(text);
   const cls = label ? ` language-${escapeHtml(label.replace(/[^\w+#.-]/g, ''))}` : '';
   return `<div class="code-block"><div class="code-head"><span class="code-lang">${escapeHtml(label || 'text')}</span></div>`
-    + `<pre><code class="hljs${cls}">${html}</code></pre></div>`;
+    + `<pre tabindex="0"><code class="hljs${cls}">${html}</code></pre></div>`;
 }
 
 // A tool call the model made (<tool_call>{"name", "arguments"}</tool_call>): a collapsible block

@@ -1,6 +1,6 @@
 // One message in the thread: the user's text, or an assistant answer with its status, stats and actions.
 import { MarkdownView } from './markdown.js';
-import { ICON_CONTINUE, ICON_COPY, ICON_EDIT, ICON_REGEN } from './icons.js';
+import { ICON_BRANCH, ICON_CONTINUE, ICON_COPY, ICON_EDIT, ICON_REGEN } from './icons.js';
 import { fmtDuration } from './util.js';
 
 /** Labels for `done` reasons worth showing; `stop` is the normal end and shows none. */
@@ -10,6 +10,7 @@ export const REASONS = {
   timeout: 'Timed out',
   shutdown: 'Server restarting',
   error: 'Generation failed',
+  edited: 'Edited by you',
 };
 const BAD_REASONS = ['error', 'timeout', 'shutdown'];
 /** Answers cut short, which `continue` can extend (and stored ones left `interrupted` by a crash). */
@@ -50,7 +51,9 @@ export function userMessage(content, files = []) {
   body.textContent = content;
   const meta = document.createElement('div');
   meta.className = 'msg-meta';
-  meta.innerHTML = '<span class="msg-actions"><button type="button" class="icon-btn" data-action="edit" data-testid="edit"'
+  meta.innerHTML = '<span class="msg-actions"><button type="button" class="icon-btn" data-action="branch" data-testid="branch"'
+    + ` aria-label="Branch into a new chat" title="Branch into a new chat">${ICON_BRANCH}</button>`
+    + '<button type="button" class="icon-btn" data-action="edit" data-testid="edit"'
     + ` aria-label="Edit" title="Edit">${ICON_EDIT}</button></span>`;
   row.append(meta, body);
   main.append(row);
@@ -62,10 +65,37 @@ export function userMessage(content, files = []) {
 }
 
 /** Record a message element's stored id and versions, and show "< 2/3 >" when there are several. */
-export function setIdentity(el, { id, versions }) {
+export function setIdentity(el, { id, versions, created_at: createdAt }) {
   el.dataset.id = id;
   el.versions = versions;
   showVersions(el, versions);
+  if (createdAt) stamp(el, createdAt);
+}
+
+const WHEN = new Intl.DateTimeFormat(undefined, { dateStyle: 'medium', timeStyle: 'short' });
+const TODAY = new Intl.DateTimeFormat(undefined, { timeStyle: 'short' });
+
+/** When ``seconds`` (Unix time) was: the time alone today, else the date and time. */
+export function when(seconds) {
+  const at = new Date(seconds * 1000);
+  return (at.toDateString() === new Date().toDateString() ? TODAY : WHEN).format(at);
+}
+
+/** The time a message was written, in its meta row, shown on hover (and to screen readers always). */
+function stamp(el, seconds) {
+  const meta = el.querySelector('.msg-meta');
+  if (!meta) return;
+  let time = meta.querySelector('.msg-time');
+  if (!time) {
+    time = document.createElement('time');
+    time.className = 'msg-time';
+    time.dataset.testid = 'message-time';
+    meta.append(time);
+  }
+  const at = new Date(seconds * 1000);
+  time.dateTime = at.toISOString();
+  time.textContent = when(seconds);
+  time.title = WHEN.format(at);
 }
 
 /** The "< 2/3 >" switcher of ``versions`` in the message's meta row; with ``locked`` both arrows
@@ -97,7 +127,7 @@ function showVersions(el, versions, locked = false) {
 
 /** Turn a user message into a text box with Save and Cancel: Save (or Enter) calls
  * ``submit(text)``, Cancel (or Esc) puts the message back. */
-export function editInPlace(article, submit) {
+export function editInPlace(article, submit, { multiline = false, action = 'edit' } = {}) {
   if (article.querySelector('.msg-edit')) return;
   const body = article.querySelector('.msg-body');
   const form = document.createElement('div');
@@ -105,7 +135,9 @@ export function editInPlace(article, submit) {
   const box = document.createElement('textarea');
   box.className = 'msg-edit';
   box.dataset.testid = 'edit-box';
-  box.setAttribute('aria-label', 'Edit message (Enter saves and sends, Esc cancels)');
+  box.setAttribute('aria-label', multiline ? 'Edit the answer (Ctrl+Enter saves, Esc cancels)'
+    : 'Edit message (Enter saves and sends, Esc cancels)');
+  if (multiline) box.rows = Math.min(16, Math.max(4, (article.content || '').split('\n').length + 1));
   box.value = article.content;
   const actions = document.createElement('div');
   actions.className = 'msg-edit-actions';
@@ -126,7 +158,7 @@ export function editInPlace(article, submit) {
   };
   const cancelled = () => {
     close();
-    article.querySelector('[data-action="edit"]')?.focus(); // back where the keyboard was
+    article.querySelector(`[data-action="${action}"]`)?.focus(); // back where the keyboard was
   };
   const done = () => {
     if (!box.value.trim()) return;
@@ -143,7 +175,8 @@ export function editInPlace(article, submit) {
       e.preventDefault();
       e.stopPropagation();
       cancelled();
-    } else if (e.key === 'Enter' && !e.shiftKey && !e.isComposing && e.keyCode !== 229) {
+    } else if (e.key === 'Enter' && (multiline ? e.ctrlKey || e.metaKey : !e.shiftKey) && !e.isComposing
+      && e.keyCode !== 229) {
       e.preventDefault();
       done();
     }
@@ -166,8 +199,21 @@ function span(className, text, testid) {
 
 let contextTokens = 0; // the server's context size, from `ready`
 
-/** The context size answers are measured against (0: unknown, not shown). */
-export const setContextTokens = (n) => { contextTokens = Number.isInteger(n) && n > 0 ? n : 0; };
+/** The context size answers are measured against (0: unknown, not shown); answers already drawn
+ * (a conversation loaded before `ready`, or again after a reconnect) show their share at once. */
+export function setContextTokens(n) {
+  const size = Number.isInteger(n) && n > 0 ? n : 0;
+  if (size === contextTokens) return;
+  contextTokens = size;
+  for (const el of document.querySelectorAll('.msg-assistant')) {
+    const done = el.view?.done;
+    if (!done || el.view.meta.querySelector('.msg-live')) continue;
+    const line = stats(done.timings, done.usage);
+    const old = el.view.meta.querySelector('[data-testid=stats]');
+    if (old) old.textContent = line;
+    else if (line) el.view.meta.append(span('msg-stats', line, 'stats'));
+  }
+}
 
 /** How much of the context an answer's turn used: prompt and answer. */
 function contextPart(usage) {
@@ -263,7 +309,9 @@ export class AssistantMessage {
     const actions = document.createElement('span');
     actions.className = 'msg-actions';
     actions.innerHTML = `<button type="button" class="icon-btn" data-action="copy-message">${ICON_COPY}<span>Copy</span></button>`
-      + `<button type="button" class="icon-btn" data-action="regenerate" data-testid="regenerate" hidden>${ICON_REGEN}<span>Regenerate</span></button>`;
+      + `<button type="button" class="icon-btn" data-action="regenerate" data-testid="regenerate" hidden>${ICON_REGEN}<span>Regenerate</span></button>`
+      + `<button type="button" class="icon-btn" data-action="edit-answer" data-testid="edit-answer" title="Edit this answer: your text becomes a new version">${ICON_EDIT}<span>Edit</span></button>`
+      + `<button type="button" class="icon-btn" data-action="branch" data-testid="branch" title="Branch into a new chat: this conversation up to here">${ICON_BRANCH}<span>Branch</span></button>`;
     if (CONTINUABLE.includes(status === 'interrupted' ? status : reason)) {
       actions.insertAdjacentHTML('beforeend', `<button type="button" class="icon-btn" data-action="continue" data-testid="continue">${ICON_CONTINUE}<span>Continue</span></button>`);
     }

@@ -14,10 +14,10 @@ const requests = new Map();
  */
 export function add({
   id, conversationId, view, content = '', files = [], userEl = null, oldView = null, prefix = '',
-  reload = false, started = false, sent = false,
+  reload = false, started = false, sent = false, keepFocus = false,
 }) {
   const req = {
-    id, conversationId, view, content, files, userEl, oldView, prefix, reload, started, sent,
+    id, conversationId, view, content, files, userEl, oldView, prefix, reload, started, sent, keepFocus,
     text: '', nextIndex: 0, pending: new Map(), done: false, resuming: false, cancelRequested: false,
   };
   requests.set(id, req);

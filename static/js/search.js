@@ -2,6 +2,7 @@
 // offsets with DOM text nodes and <mark> elements (never by writing the text as HTML).
 import { els } from './dom.js';
 import * as api from './api.js';
+import { when } from './message.js';
 
 const DEBOUNCE_MS = 150;
 let timer = 0;
@@ -82,6 +83,14 @@ function hit(result) {
   const snippet = document.createElement('span');
   snippet.className = 'hit-snippet';
   snippet.append(highlighted(result.snippet, result.highlights));
+  if (result.created_at) {
+    const date = document.createElement('time');
+    date.className = 'hit-date';
+    date.dataset.testid = 'hit-date';
+    date.dateTime = new Date(result.created_at * 1000).toISOString();
+    date.textContent = when(result.created_at);
+    title.append(' ', date);
+  }
   button.append(title, snippet);
   li.append(button);
   return li;

@@ -13,12 +13,16 @@ let conversations = [];
 let current = null;
 const titles = storage.get(KEY_TITLES, {});
 let refreshTimer = 0;
+let selecting = false; // Select: a click on a row ticks it instead of opening it
+const selected = new Set(); // the rows ticked
 
 /** The open conversation's id; null for a new chat not started yet. */
 export const currentId = () => current;
 
+const offList = new Map(); // records of conversations opened but not listed (archived ones)
+
 export function titleOf(id) {
-  const conversation = conversations.find((c) => c.id === id);
+  const conversation = conversations.find((c) => c.id === id) || offList.get(id);
   return (conversation?.title || '').trim() || titles[id] || 'New chat';
 }
 
@@ -52,15 +56,45 @@ export function added(id, content) {
 /** The server's record of a conversation (title, pin, settings), from a GET or a PATCH. */
 export function setEntry(record) {
   const entry = conversations.find((c) => c.id === record.id);
-  if (entry) {
-    const { messages, ...fields } = record;
-    Object.assign(entry, fields);
-  }
+  const { messages, ...fields } = record;
+  if (entry) Object.assign(entry, fields);
+  else offList.set(record.id, fields);
   updateHeader();
+}
+
+/** The model wrote conversation ``id``'s title (a `title` frame): the list and the top bar show it. */
+export function retitle(id, title) {
+  const entry = conversations.find((c) => c.id === id);
+  if (entry) entry.title = title;
+  titles[id] = title;
+  storage.set(KEY_TITLES, titles);
+  render();
+  updateHeader();
+}
+
+/** Whether rows are being ticked (Select), and which. */
+export const isSelecting = () => selecting;
+export const selectedIds = () => conversations.map((c) => c.id).filter((id) => selected.has(id));
+
+/** Start or end ticking rows (ending forgets the ticks). */
+export function setSelecting(on) {
+  selecting = on;
+  if (!on) selected.clear();
+  els.selectMode.setAttribute('aria-pressed', String(on));
+  els.selectModeText.textContent = on ? 'Cancel' : 'Select';
+  render();
+}
+
+/** Tick or untick row ``id``. */
+export function toggleSelected(id) {
+  if (selected.has(id)) selected.delete(id);
+  else selected.add(id);
+  render();
 }
 
 /** Drop a deleted (or vanished) conversation from the list. */
 export function forget(id) {
+  selected.delete(id);
   conversations = conversations.filter((c) => c.id !== id);
   delete titles[id];
   storage.set(KEY_TITLES, titles);
@@ -97,6 +131,12 @@ function item(c) {
   li.classList.toggle('pinned', Boolean(c.pinned));
   li.dataset.pinned = c.pinned ? 'true' : 'false';
   li.querySelector('[data-action="menu"]').setAttribute('aria-label', `Actions for “${title}”`);
+  if (selecting) {
+    open.setAttribute('role', 'checkbox');
+    open.setAttribute('aria-checked', String(selected.has(c.id)));
+    li.classList.add('selectable');
+    li.classList.toggle('selected', selected.has(c.id));
+  }
   return li;
 }
 
@@ -187,6 +227,11 @@ export function render() {
   conversations = [...conversations.filter((c) => c.pinned), ...conversations.filter((c) => !c.pinned)];
   els.list.replaceChildren(...grouped());
   els.listEmpty.hidden = conversations.length > 0;
+  els.list.classList.toggle('selecting', selecting);
+  els.bulkBar.hidden = !selecting;
+  const ticked = selectedIds().length;
+  els.bulkCount.textContent = ticked ? `${ticked} selected` : 'None selected';
+  for (const b of els.bulkBar.querySelectorAll('button')) b.disabled = !ticked;
   if (focusedId) {
     focusItem(focusedId);
     if (onMore) els.list.querySelector(`[data-id="${CSS.escape(focusedId)}"] .conversation-more`)?.focus();
@@ -203,6 +248,7 @@ export const entry = (id) => conversations.find((c) => c.id === id);
 export function updateHeader() {
   const title = current ? titleOf(current) : 'New chat';
   els.title.textContent = title;
+  els.title.title = title; // the whole title on hover where it is cut short
   document.title = current ? `${title} · Chat` : 'Chat';
   els.exportMenu.hidden = !current;
   if (current) {

@@ -1,11 +1,13 @@
 // The chat.v1 WebSocket: one connection, reconnect with a short backoff (sooner when /healthz
-// answers, Retry now), the status dot, and what `ready` said (and /readyz, while the model loads).
+// answers, Retry now), the status dot, what `ready` said (and /healthz, while the model loads),
+// and `draining`: the server is restarting, said as such until a new `ready`.
 import { els } from './dom.js';
 import { announce } from './util.js';
 
 let ws = null;
 let ready = false;
 let everReady = false;
+let restarting = false; // the server said `draining`: true until the next `ready`
 let attempt = 0;
 let reconnectTimer = 0;
 let countdownTimer = 0;
@@ -17,10 +19,12 @@ let listener = { frame() {}, closed() {}, changed() {} };
 const MAX_WAIT_MS = 5000; // the longest wait between two tries
 const PROBE_MS = 1500; // how often /healthz is asked while waiting
 const PROBE_TIMEOUT_MS = 2500;
-const READY_POLL_MS = 2000; // how often /readyz is asked while the model loads
+const READY_POLL_MS = 2000; // how often /healthz is asked while the model loads
 
-/** True between `ready` and the socket closing. */
+/** True between `ready` and the socket closing (or the server saying it drains). */
 export const isReady = () => ready;
+/** True from the server's `draining` until the next `ready`: it is restarting, not busy. */
+export const isRestarting = () => restarting;
 /** The model's display name from `ready` ('' before the first). */
 export const model = () => server.model;
 /** Every model the server serves, its default first, from `ready` ([] before the first). */
@@ -57,35 +61,51 @@ function setConn(kind, text) {
   // Screen readers hear transitions only, not every tick of the retry countdown.
   if (everReady && kind !== els.conn.dataset.state) {
     if (kind === 'open') announce('Reconnected.');
+    else if (kind === 'restarting' && els.conn.dataset.state === 'open') announce('The server is restarting. Reconnecting…');
     else if (kind === 'closed' && els.conn.dataset.state === 'open') announce('Connection lost. Reconnecting…');
   }
   els.conn.dataset.state = kind;
   els.connText.textContent = text;
-  els.connRetry.hidden = kind !== 'closed';
+  els.connRetry.hidden = kind !== 'closed' && !(kind === 'restarting' && !ws);
+}
+
+/** The server is stopping: answers running now may finish, new ones wait for the next `ready`. */
+function onDraining() {
+  restarting = true;
+  ready = false;
+  setConn('restarting', 'Server restarting…');
 }
 
 function onReady(msg) {
-  ready = true;
   attempt = 0;
   server = { model: msg.model || '', models: Array.isArray(msg.models) ? msg.models : [], limits: msg.limits || {} };
-  setConn('open', 'Connected');
   everReady = true;
+  if (msg.draining) { // a server that is stopping accepted this socket: still restarting
+    onDraining();
+    return;
+  }
+  ready = true;
+  restarting = false;
+  setConn('open', 'Connected');
   watchModel(socketToken);
 }
 
-/** While the model loads (or its backend is down), `ready` names a placeholder: ask /readyz until
- * it is ready, telling ``changed('loading' | 'failed')``, then take the name it gives. */
+/** While the model loads (or its backend is down), `ready` names a placeholder: ask /healthz (200
+ * whatever the model does, so nothing fails in the console) until its `model` says ready, telling
+ * ``changed('loading' | 'failed')``, then take the name it gives. */
 async function watchModel(token) {
   let waiting = null;
   while (token === socketToken && ready) {
     let answer = null;
     try {
-      const response = await fetch('/readyz', { cache: 'no-store' });
+      const response = await fetch('/healthz', { cache: 'no-store' });
       answer = { ok: response.ok, body: await response.json() };
     } catch { return; } // unreachable: the socket's own drop says so
     if (token !== socketToken) return;
-    if (answer.ok) {
-      const name = answer.body?.model;
+    if (!answer.ok) return;
+    const status = answer.body?.model;
+    if (status === 'ready') {
+      const name = answer.body?.name;
       if (waiting && typeof name === 'string' && name && name !== server.model) {
         server.models = [name, ...server.models.filter((m) => m !== server.model && m !== name)];
         server.model = name;
@@ -93,7 +113,6 @@ async function watchModel(token) {
       if (waiting) listener.changed();
       return;
     }
-    const status = answer.body?.status;
     if (status !== 'loading' && status !== 'failed') return;
     if (status !== waiting) listener.changed(status);
     waiting = status;
@@ -106,7 +125,8 @@ function connect() {
   clearInterval(countdownTimer);
   clearInterval(probeTimer);
   if (ws) return;
-  setConn('connecting', everReady ? 'Reconnecting…' : 'Connecting…');
+  if (restarting) setConn('restarting', 'Server restarting · reconnecting…');
+  else setConn('connecting', everReady ? 'Reconnecting…' : 'Connecting…');
   let socket;
   try {
     socket = new WebSocket(wsUrl());
@@ -121,6 +141,7 @@ function connect() {
     let msg;
     try { msg = JSON.parse(event.data); } catch { return; }
     if (msg?.type === 'ready') onReady(msg);
+    else if (msg?.type === 'draining') onDraining();
     listener.frame(msg);
   });
   socket.addEventListener('close', () => {
@@ -158,7 +179,8 @@ function scheduleReconnect() {
       return;
     }
     const left = Math.max(1, Math.ceil((at - Date.now()) / 1000));
-    setConn('closed', `Disconnected · retrying in ${left} s`);
+    if (restarting) setConn('restarting', `Server restarting · retrying in ${left} s`);
+    else setConn('closed', `Disconnected · retrying in ${left} s`);
   };
   tick();
   clearInterval(countdownTimer);

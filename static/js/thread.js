@@ -124,7 +124,7 @@ export function updateRegenerate(hidden) {
   for (const button of els.thread.querySelectorAll('[data-action="regenerate"], [data-action="continue"]')) {
     button.hidden = hidden || button.closest('.msg') !== last;
   }
-  for (const button of els.thread.querySelectorAll('[data-action="edit"]')) button.hidden = hidden;
+  for (const button of els.thread.querySelectorAll('[data-action="edit"], [data-action="branch"], [data-action="edit-answer"]')) button.hidden = hidden;
 }
 
 // ---------------------------------------------------------------- streaming, one render per frame

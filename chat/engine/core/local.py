@@ -257,6 +257,11 @@ class LocalEngine(Engine):
         gc.freeze()
         release_memory()  # loading's temporaries (a GGUF's unpacked blocks: hundreds of MB)
 
+    def count_tokens(self, text: str) -> int | None:
+        if not self.ready:
+            return None
+        return len(self.loaded.tokenizer.encode(text, add_special_tokens=False))
+
     def forget(self, key: str) -> None:
         self.prefix.forget(key)
         self.queue.wake.set()

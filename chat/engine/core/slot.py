@@ -78,7 +78,7 @@ class Slot:
             self.first_delta_at = time.monotonic()
         entries = tuple(self.pending)
         self.pending.clear()
-        return Delta(text, entries) if entries else Delta(text)
+        return Delta(text, entries, tokens=len(self.out_ids))
 
     def done(self, reason: str, message: str | None = None) -> Done:
         """The answer's end: its usage and timings."""
