@@ -31,6 +31,7 @@ class GenParams:
     prompt_logprobs: int | None = None  # likewise for every prompt token (/v1/completions with echo)
     raw_prompt: bool = False  # the one message's content is the prompt as is, no chat template
     tools: tuple = ()  # OpenAI function tools the prompt lists (the template's own way, else a generic one)
+    tool_mode: str | None = None  # the grammar is tool calls (tool_choice auto, required or a name)
 
 
 _ids = itertools.count(1)

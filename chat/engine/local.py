@@ -251,12 +251,14 @@ class LocalEngine(Engine):
         params = gen.params
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self.grammars.tokenizer  # noqa: B018 (built on first use, here rather than on the engine thread)
+        if params.grammar:
+            self.grammars.table  # noqa: B018 (likewise)
         return ids, self.grammars.matcher(params.grammar) if params.grammar else None
 
     def new_slot(self, gen: Generation, ids: list, matcher: object = None) -> Slot:
         """A request's slot as it starts (the scheduler's admission)."""
         slot = Slot(gen, ids, self.loaded.tokenizer, self.settings)
-        slot.matcher = matcher
+        slot.constrain(matcher, self.grammars)
         return slot
 
     # ---- joining and decoding ----
@@ -322,8 +324,8 @@ class LocalEngine(Engine):
                 return
         scores = grammar.log_probs(logits, slots)
         failed = grammar.apply_masks(logits, slots)
-        tokens = sample_rows(logits, [s.params for s in slots], [s.generator for s in slots],
-                             native=self.runner.sampler())
+        tokens = grammar.settle(slots, sample_rows(logits, [s.params for s in slots], [s.generator for s in slots],
+                                                   native=self.runner.sampler()))
         for j, (slot, token) in enumerate(zip(slots, tokens)):
             if scores is not None and j in scores and not isinstance(token, str) and token not in self.loaded.eos_ids:
                 slot.pending.append(grammar.entry(self.grammars, scores[j], token, slot.params.logprobs or 0))

@@ -250,7 +250,7 @@ def chat_completions() -> Response:
     body = _read_json()
     values = parse_request(body, state.settings, state.engine.vocab_size)
     extra = openai_tools.plan(body)
-    tool_mode = extra.pop("tool_mode", None)
+    tool_mode = extra.get("tool_mode")
     engine = _engine_ready()
     # A model this server does not serve gets the default, as before there were several.
     model = values.get("model") if values.get("model") in engine.models() else engine.model_name
@@ -305,7 +305,7 @@ def _complete(gen: Generation, meta: dict, turns: TurnService, tool_mode: str | 
     turns.record(end, "v1", meta["id"])
     if not isinstance(end, Done) or end.reason not in _FINISH:
         raise _failure(end, meta["id"])
-    message, called = openai_tools.message("".join(texts), tool_mode)
+    message, called = openai_tools.message("".join(texts), tool_mode, meta["id"])
     return jsonify({**meta, "object": "chat.completion",
                     "choices": [{"index": 0, "message": message,
                                  "logprobs": {"content": entries} if logprobs else None,
@@ -331,7 +331,7 @@ def _stream(gen: Generation, meta: dict, include_usage: bool, turns: TurnService
     # (byte for byte what ``chunk`` writes) instead of building and dumping a dict each time.
     head, _, tail = chunk({"content": _MARK}).rpartition(json.dumps(_MARK))
     end: Done | Refused | None = None
-    calls = openai_tools.CallStream() if tool_mode else None
+    calls = openai_tools.CallStream(meta["id"]) if tool_mode else None
     try:
         yield chunk({"role": "assistant", "content": ""})
         for event in gen.events(KEEPALIVE_S):

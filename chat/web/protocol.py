@@ -162,7 +162,6 @@ def _structured(params: dict, rid: str | None, kind: str) -> dict:
         out = plan(wanted)
     except RequestError as exc:
         raise ProtocolError("bad_message", f"params: {exc.message}", rid) from None
-    out.pop("tool_mode", None)
     return out
 
 
