@@ -169,7 +169,8 @@ def call_id(seed: str | None, index: int) -> str:
 def parse_calls(text: str, seed: str | None = None) -> tuple[str, list[dict]]:
     """(text outside the calls, OpenAI ``tool_calls``) of an answer; unreadable blocks stay text, and a
     call identical to an earlier one is dropped (a small model can loop on one call)."""
-    calls, kept, last, seen = [], [], 0, set()
+    calls: list[dict] = []
+    kept, last, seen = [], 0, set()
     for match in _CALL.finditer(text):
         try:
             body = json.loads(match.group(1))

@@ -35,8 +35,9 @@ OUTSIDE = b'}]0",[{nft-1: \n<'  # outside a string
 class Vocab:
     """What the guards need to know of every token: its bytes, which continue a number, which hold a quote."""
 
-    def __init__(self, token_bytes: list[bytes], eos_ids: list[int]) -> None:
+    def __init__(self, token_bytes: list[bytes], eos_ids: list[int], encode: Any = None) -> None:
         self.bytes = token_bytes
+        self.encode = encode  # text -> token ids (the tokenizer's own, shorter, splitting of an ending)
         self.eos, self.eos_ids = eos_ids[0], frozenset(eos_ids)
         n = len(token_bytes)
         self.words = (n + 31) // 32
@@ -263,4 +264,24 @@ class Guard:
                     return None
                 scan.feed(self.vocab.bytes[t])
                 out.append(t)
-        return None if m.is_error() else out
+        if m.is_error():
+            return None
+        return self._shorter(first, out)
+
+    def _shorter(self, first: int | None, walked: list[int]) -> list[int]:
+        """The walked ending as the tokenizer splits its text (fewer tokens), when the grammar takes that."""
+        if len(walked) < 2 or self.vocab.encode is None:
+            return walked
+        try:
+            text = b"".join(self.vocab.bytes[t] for t in walked).decode("utf-8")
+        except UnicodeDecodeError:
+            return walked
+        ids = list(self.vocab.encode(text))
+        if len(ids) >= len(walked):
+            return walked
+        m = self.matcher.deep_copy()
+        if first is not None:
+            m.consume_token(first)
+        if m.validate_tokens(ids) != len(ids) or not m.consume_tokens(ids) or not (m.is_accepting() or m.is_stopped()):
+            return walked
+        return ids

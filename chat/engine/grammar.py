@@ -55,7 +55,8 @@ class Grammars:
         """Every token's bytes and classes, for the budget and guards (built on first use)."""
         if self._vocab is None:
             tok = self.tokenizer
-            vocab = Vocab([tok.decode_bytes([t]) for t in range(self.vocab)], self.eos_ids)
+            vocab = Vocab([tok.decode_bytes([t]) for t in range(self.vocab)], self.eos_ids,
+                          lambda text: self.hf.encode(text, add_special_tokens=False))
             with self._lock:
                 self._vocab = self._vocab or vocab
         return self._vocab
