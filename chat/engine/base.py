@@ -32,6 +32,7 @@ class GenParams:
     raw_prompt: bool = False  # the one message's content is the prompt as is, no chat template
     tools: tuple = ()  # OpenAI function tools the prompt lists (the template's own way, else a generic one)
     tool_mode: str | None = None  # the grammar is tool calls (tool_choice auto, required or a name)
+    upstream: dict = field(default_factory=dict)  # those fields as a remote engine passes them on (remote_fields.py)
 
 
 _ids = itertools.count(1)

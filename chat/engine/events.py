@@ -28,6 +28,7 @@ class Delta:
     text: str
     logprobs: tuple = ()  # OpenAI's entries: {"token", "logprob", "bytes", "top_logprobs"}
     prompt_logprobs: tuple = ()  # once, before the answer: one per prompt token (the first's logprob None)
+    reasoning: str = ""  # a remote model's reasoning (``reasoning_content``), kept apart from the answer
 
 
 @dataclass(frozen=True)

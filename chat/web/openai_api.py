@@ -289,6 +289,7 @@ def _complete(gen: Generation, meta: dict, turns: TurnService, tool_mode: str | 
     """Wait for the whole answer; one ``chat.completion`` object."""
     texts: list[str] = []
     entries: list[dict] = []
+    reasoning: list[str] = []
     end: Done | Refused | None = None
     try:
         for event in gen.events():
@@ -296,6 +297,8 @@ def _complete(gen: Generation, meta: dict, turns: TurnService, tool_mode: str | 
                 case Delta(text=text):
                     texts.append(text)
                     entries += event.logprobs
+                    if event.reasoning:
+                        reasoning.append(event.reasoning)
                 case Done() | Refused():
                     end = event
     finally:
@@ -306,6 +309,8 @@ def _complete(gen: Generation, meta: dict, turns: TurnService, tool_mode: str | 
     if not isinstance(end, Done) or end.reason not in _FINISH:
         raise _failure(end, meta["id"])
     message, called = openai_tools.message("".join(texts), tool_mode, meta["id"])
+    if reasoning:  # a remote model's reasoning, as vLLM and SGLang name it
+        message["reasoning_content"] = "".join(reasoning)
     return jsonify({**meta, "object": "chat.completion",
                     "choices": [{"index": 0, "message": message,
                                  "logprobs": {"content": entries} if logprobs else None,
@@ -338,6 +343,8 @@ def _stream(gen: Generation, meta: dict, include_usage: bool, turns: TurnService
             match event:
                 case None:
                     yield ": keep-alive\n\n"
+                case Delta(reasoning=reasoning) if reasoning:
+                    yield chunk({"reasoning_content": reasoning})
                 case Delta(text=text) if calls is not None:
                     for delta in calls.push(text):
                         yield chunk(delta)

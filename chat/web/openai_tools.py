@@ -47,6 +47,10 @@ def _plan(body: dict) -> dict:
         out["tool_mode"] = choice
     if grammar is not None:
         out["grammar"] = grammar
+    # as a remote engine passes them on (parallel_tool_calls always: the default here is one call)
+    out["upstream"] = {k: v for k, v in (("response_format", fmt), ("tools", listed or None),
+                                         ("tool_choice", body.get("tool_choice")),
+                                         ("parallel_tool_calls", parallel if listed else None)) if v is not None}
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise _bad("logprobs", "must be a boolean")
