@@ -209,7 +209,7 @@ class Run:
     def handle(self, event: Event) -> None:
         """One engine event (in the pump's greenlet, or in the remote engine's that emitted it)."""
         if type(event) is Delta:  # nearly every event
-            self.on_delta(event.text)
+            self.on_delta(event.text, event.logprobs, event.reasoning)
             return
         match event:
             case Queued(position=position):
@@ -228,12 +228,18 @@ class Run:
             self.forward({"type": "start", "id": self.id, "conversation_id": self.conversation_id,
                           "message_id": self.message_id})
 
-    def on_delta(self, text: str) -> None:
-        """Keep the delta for replay, send it, and checkpoint the text now and then."""
+    def on_delta(self, text: str, logprobs: tuple = (), reasoning: str = "") -> None:
+        """Keep the delta for replay, send it (with its tokens' log probabilities and a remote model's
+        reasoning, when there are), and checkpoint the text now and then."""
         with self.lock:
             index = len(self.deltas)
             self.deltas.append(text)
-            self.forward({"type": "delta", "id": self.id, "index": index, "text": text})
+            frame = {"type": "delta", "id": self.id, "index": index, "text": text}
+            if logprobs:
+                frame["logprobs"] = list(logprobs)
+            if reasoning:
+                frame["reasoning"] = reasoning
+            self.forward(frame)
         now = time.monotonic()
         if now - self.last_checkpoint >= CHECKPOINT_EVERY_S:
             self.last_checkpoint = now

@@ -147,7 +147,7 @@ def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int, vocab: 
                    from_index=msg.get("from", 0), t=msg.get("t"), structured=structured)
 
 
-STRUCTURED = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
+STRUCTURED = ("response_format", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs")
 
 
 def _structured(params: dict, rid: str | None, kind: str) -> dict:
