@@ -11,6 +11,7 @@ import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
 import * as tabs from './tabs.js';
 import * as thread from './thread.js';
+import * as tokens from './tokens.js';
 import { REASONS, setContextTokens, wholeAnswer } from './message.js';
 import { announce } from './util.js';
 
@@ -107,6 +108,7 @@ const LIVE_EVERY_MS = 250;
 function onDelta(msg) {
   const req = requests.get(msg.id);
   if (!req || !requests.addDelta(req, msg.index, msg.text)) return;
+  tokens.add(req.view, msg.logprobs);
   swapIn(req);
   thread.scheduleRender(req.view, req.prefix + req.text);
   // Live figures from the first delta this page saw (a resumed answer: counted from there).
