@@ -3,8 +3,10 @@
 and validate), and named and required tool choices streamed (each exactly one call whose arguments
 parse and validate), all at the server's default sampling.
 
-``.venv/bin/python -m bench.answers [RUNS]`` (RUNS per case, default 100) prints one JSON line;
-CHAT_* variables reach the server (the bundled model by default).
+``.venv/bin/python -m bench.answers [RUNS [FRONT]]`` (RUNS per case, default 100) prints one JSON line;
+CHAT_* variables reach the server (the bundled model by default). FRONT: ``self`` runs the cases
+through a server with ``CHAT_BACKEND=openai`` in front of a second instance (the real engine), ``llama``
+in front of llama.cpp's server with ``--jinja`` on the bundled GGUF (``LLAMA_SERVER`` names the binary).
 """
 from __future__ import annotations
 
@@ -105,15 +107,34 @@ def run(url: str, runs: int) -> dict:
 
 
 def main() -> None:
+    import os
+
     from harness import LiveServer
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 100
+    front = sys.argv[2] if len(sys.argv) > 2 else "local"
+    stops = []
     with tempfile.TemporaryDirectory() as tmp:
-        server = LiveServer(Path(tmp), {"CHAT_DB": f"{tmp}/chat.db", "CHAT_MAX_BATCH": CLIENTS,
-                                          "CHAT_RATE_LIMIT_PER_IP_PER_MIN": 0}, ready_timeout=600)
+        env = {"CHAT_DB": f"{tmp}/chat.db", "CHAT_MAX_BATCH": CLIENTS, "CHAT_RATE_LIMIT_PER_IP_PER_MIN": 0}
         try:
-            print(json.dumps(run(server.url, runs)))
+            if front == "self":
+                engine = LiveServer(Path(tmp) / "engine", {**env, "CHAT_DB": f"{tmp}/engine.db"}, ready_timeout=600)
+                stops.append(engine.stop)
+                env.update(CHAT_BACKEND="openai", CHAT_BACKEND_URL=f"{engine.url}/v1")
+            elif front == "llama":
+                from chat.engine.model import bundled_gguf
+
+                from .peer import LlamaServer
+                llama = LlamaServer(os.environ["LLAMA_SERVER"], str(bundled_gguf()), Path(tmp))
+                llama.cmd.append("--jinja")
+                llama.start()
+                stops.append(llama.stop)
+                env.update(CHAT_BACKEND="openai", CHAT_BACKEND_URL=f"http://127.0.0.1:{llama.port}/v1")
+            server = LiveServer(Path(tmp), env, ready_timeout=600)
+            stops.append(server.stop)
+            print(json.dumps({"front": front, **run(server.url, runs)}))
         finally:
-            server.stop()
+            for stop in reversed(stops):
+                stop()
 
 
 if __name__ == "__main__":

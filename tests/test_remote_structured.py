@@ -131,3 +131,73 @@ def test_the_websocket_through_the_backend(front):
     (call,) = done["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_relay_writes_upstream_tool_calls_as_the_local_engine_does():
+    from chat import structured
+    from chat.engine.remote_fields import Relay
+    relay = Relay()
+    chunks = [{"delta": {"reasoning_content": "thinking"}},
+              {"delta": {"content": "Let me look."}},
+              {"delta": {"tool_calls": [{"index": 0, "id": "up1",
+                                         "function": {"name": "get_weather", "arguments": ""}}]}},
+              {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}},
+              {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Rome"}'}}]}},
+              {"delta": {"tool_calls": [{"index": 1, "id": "up2", "function": {"name": "get_time",
+                                                                              "arguments": '{"zone": "cet"}'}}]},
+               "logprobs": {"content": [{"token": "x", "logprob": -1.0, "bytes": [120], "top_logprobs": []}]}}]
+    deltas = [d for c in chunks for d in relay.chat(c)] + relay.end()
+    assert [d.reasoning for d in deltas if d.reasoning] == ["thinking"]
+    assert [e["token"] for d in deltas for e in d.logprobs] == ["x"]
+    content, calls = structured.parse_calls("".join(d.text for d in deltas), "seed")
+    assert content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Rome"}), ("get_time", {"zone": "cet"})]
+
+
+def test_reasoning_comes_back_in_openai_shape(tmp_path):
+    """An upstream reasoning model's ``reasoning_content`` reaches /v1 clients, whole and streamed."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    lines = [{"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "Hm, "}}]},
+             {"choices": [{"index": 0, "delta": {"reasoning_content": "blue."}}]},
+             {"choices": [{"index": 0, "delta": {"content": "Blue."}, "finish_reason": "stop"}]}]
+
+    class Upstream(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "thinker"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for line in lines:
+                self.wfile.write(f"data: {json.dumps(line)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    engine = RemoteEngine(Settings(backend="openai", backend_url=f"http://127.0.0.1:{httpd.server_port}/v1"))
+    wait_for(lambda: engine.ready or engine.error)
+    server = AppServer(make_app(engine))
+    try:
+        sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        whole = sdk.chat.completions.create(model="m", messages=ASK).choices[0].message
+        assert whole.content == "Blue." and whole.model_extra["reasoning_content"] == "Hm, blue."
+        chunks = [c.choices[0].delta for c in sdk.chat.completions.create(model="m", messages=ASK, stream=True)
+                  if c.choices]
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks) == "Hm, blue."
+        assert "".join(d.content or "" for d in chunks) == "Blue."
+    finally:
+        server.close()
+        engine.shutdown()
+        httpd.shutdown()
