@@ -259,3 +259,24 @@ def test_a_call_cut_short_sends_no_template_text():
     out = stream.push(text) + stream.flush()
     args = "".join(c["function"].get("arguments", "") for d in out for c in d.get("tool_calls", []))
     assert args == '{"city": "Rome"}'
+
+
+def test_a_repeated_call_ends_the_answer(grammars):
+    from chat import structured
+    from chat.config import Settings
+    from chat.engine.budget import Guard
+    listed = structured.tools([WEATHER, TIME])
+    matcher = grammars.matcher(structured.tools_grammar(listed, "required", True))
+    guard = Guard(grammars.table, matcher, 500, Settings(), calls=True)
+    one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    eos = grammars.table.eos
+    for text, ends in [(one, False), ("\n" + one.replace("Oslo", "Rome"), False), ("\n" + one, True)]:
+        for t in grammars.hf.encode(text, add_special_tokens=False):
+            assert matcher.consume_token(t)
+            guard.took(t)
+        bits = np.zeros(grammars.table.words, dtype=np.uint32)
+        matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        guard.restrict(bits)
+        allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
+        assert (list(allowed) == [eos]) == ends
+    assert not guard.closed  # a repeat ends the answer as stop, not for its budget

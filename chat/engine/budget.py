@@ -166,9 +166,10 @@ class Guard:
         """Narrow the matcher's mask (``bits``, uint32 words) by the rules; never to nothing."""
         if self.forced is not None or self.repeated:
             only = self.forced[0] if self.forced else self.vocab.eos
-            bits[:] = 0
-            bits[only >> 5] |= np.uint32(1 << (only & 31))
-            return
+            if _allowed(bits, only):  # (a call repeated mid-token: the grammar may want more first)
+                bits[:] = 0
+                bits[only >> 5] |= np.uint32(1 << (only & 31))
+                return
         scan = self.scan
         if not scan.active:
             return
