@@ -273,7 +273,7 @@ class Run:
         if event.notice:
             frame["message"] = event.notice
         if self.gen.params.tools:  # the answer's <tool_call> blocks, read back (the text keeps them)
-            calls = structured.parse_calls(text, self.id)[1]
+            calls = structured.parse_calls(text, self.message_id or self.id)[1]
             if calls:
                 frame["tool_calls"] = calls
         with self.lock:
