@@ -27,6 +27,7 @@ import numpy as np
 CALL_OPEN, CALL_CLOSE = b"<tool_call>", b"</tool_call>"
 WALK_LIMIT = 96  # longest ending looked for; past it the answer is left alone (a pattern the walk cannot close)
 FAR = 32  # tokens beyond the last ending's length where the ending is only looked at every few steps
+AGAIN = 16  # steps before an ending out of reach (longer than WALK_LIMIT) is looked for again
 NUMBER = frozenset(b"0123456789.eE+-")
 IN_STRING = b'"a0 '  # what closes a string soonest, in order
 OUTSIDE = b'}]0",[{nft-1: \n<'  # outside a string
@@ -158,6 +159,7 @@ class Guard:
         self.produced = 0
         self.ending: int | None = None  # the last ending's length, and when it was found
         self.checked_at = -1
+        self.rest_until = 0  # no ending within reach: the walk rests until this many tokens
         self.bits = np.zeros(vocab.words, dtype=np.uint32)
 
     # ---- before sampling: the mask
@@ -190,7 +192,7 @@ class Guard:
 
     def settle(self, token: int) -> int:
         """The token the row takes: ``token``, or the first of the ending when no ending fits after it."""
-        if not self.close or self.forced is not None or self.repeated:
+        if not self.close or self.forced is not None or self.repeated or self.produced < self.rest_until:
             return token
         left = self.max_new - self.produced - 1 - self.reserve  # tokens left after this one, less the reserve
         if self.ending is not None and left > self.ending + FAR and self.produced - self.checked_at < 8:
@@ -204,7 +206,8 @@ class Guard:
             self.forced = [token] + after  # fits without the reserve: take it, then close
             return token
         now = self._ending(None)
-        if now is None:  # no ending within reach (or none at all): leave the row to its length
+        if now is None:  # no ending within reach (or none at all): leave the row to its length, for a while
+            self.rest_until = self.produced + AGAIN
             return token
         self.forced = now if now else None
         self.repeated = self.repeated or not now  # the grammar may end here: end it
