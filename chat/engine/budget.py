@@ -26,7 +26,8 @@ import numpy as np
 
 CALL_OPEN, CALL_CLOSE = b"<tool_call>", b"</tool_call>"
 WALK_LIMIT = 96  # longest ending looked for; past it the answer is left alone (a pattern the walk cannot close)
-FAR = 32  # tokens beyond the last ending's length where the ending is only looked at every few steps
+FAR = 16  # tokens beyond the last ending's length where the ending is only looked at every EVERY steps
+EVERY = 4
 AGAIN = 16  # steps before an ending out of reach (longer than WALK_LIMIT) is looked for again
 NUMBER = frozenset(b"0123456789.eE+-")
 IN_STRING = b'"a0 '  # what closes a string soonest, in order
@@ -195,7 +196,7 @@ class Guard:
         if not self.close or self.forced is not None or self.repeated or self.produced < self.rest_until:
             return token
         left = self.max_new - self.produced - 1 - self.reserve  # tokens left after this one, less the reserve
-        if self.ending is not None and left > self.ending + FAR and self.produced - self.checked_at < 8:
+        if self.ending is not None and left > self.ending + FAR and self.produced - self.checked_at < EVERY:
             return token
         after = self._ending(token)
         self.checked_at = self.produced
