@@ -1,6 +1,7 @@
 """Real client libraries against the real engine (tiny random model, the worst case for JSON), at the
 server's default sampling and small ``max_tokens``: the OpenAI SDK's ``parse`` and streamed tool calls,
-instructor in its JSON_SCHEMA and TOOLS modes, langchain-openai's ``bind_tools``.
+instructor in its JSON_SCHEMA and TOOLS modes, langchain-openai's ``bind_tools``; each against the local
+engine and through the remote backend in front of a second instance.
 
 The tiny model never ends a string on its own, so its JSON answers are closed by their budget: valid,
 with ``finish_reason: "length"``, which the SDK's ``parse`` and instructor's JSON modes treat as a
@@ -13,8 +14,10 @@ import json
 import pytest
 from pydantic import BaseModel
 
+from chat.config import Settings
+from chat.engine.remote import RemoteEngine
 from fakes import AppServer
-from helpers import make_app, make_engine
+from helpers import make_app, make_engine, wait_for
 
 openai = pytest.importorskip("openai")
 instructor = pytest.importorskip("instructor")
@@ -38,11 +41,21 @@ WEATHER = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "Name a fruit and its color."}]
 
 
-@pytest.fixture(scope="module")
-def url(tiny_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["local", "remote"])
+def url(request, tiny_model, tmp_path_factory):
+    """The local engine; or a server with the remote backend in front of a second instance (the same clients
+    must pass through it)."""
     engine = make_engine(tiny_model, tmp_path_factory.mktemp("clients"))
     server = AppServer(make_app(engine, max_new_tokens=512))
-    yield f"{server.url}/v1"
+    front = front_engine = None
+    if request.param == "remote":
+        front_engine = RemoteEngine(Settings(backend="openai", backend_url=f"{server.url}/v1"))
+        wait_for(lambda: front_engine.ready or front_engine.error)
+        front = AppServer(make_app(front_engine, max_new_tokens=512))
+    yield f"{(front or server).url}/v1"
+    if front is not None:
+        front.close()
+        front_engine.shutdown()
     server.close()
     engine.shutdown()
 
