@@ -131,6 +131,12 @@ def test_the_websocket_through_the_backend(front):
     (call,) = done["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    client = WS(front.ws_url)
+    frames = client.chat("Hi", rid="t2", params={"logprobs": True, "top_logprobs": 2, "max_new_tokens": 6})
+    client.close()
+    entries = [e for f in frames if f["type"] == "delta" for e in f.get("logprobs", [])]
+    assert frames[-1]["type"] == "done" and len(entries) == frames[-1]["usage"]["completion_tokens"]
+    assert all(len(e["top_logprobs"]) == 2 for e in entries)
 
 
 def test_relay_writes_upstream_tool_calls_as_the_local_engine_does():
