@@ -161,14 +161,11 @@ def test_relay_writes_upstream_tool_calls_as_the_local_engine_does():
         ("get_weather", {"city": "Rome"}), ("get_time", {"zone": "cet"})]
 
 
-def test_reasoning_comes_back_in_openai_shape(tmp_path):
-    """An upstream reasoning model's ``reasoning_content`` reaches /v1 clients, whole and streamed."""
+def scripted(lines: list) -> tuple:
+    """A scripted upstream that streams ``lines`` to every chat call: (its server, the bodies it was sent)."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    lines = [{"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "Hm, "}}]},
-             {"choices": [{"index": 0, "delta": {"reasoning_content": "blue."}}]},
-             {"choices": [{"index": 0, "delta": {"content": "Blue."}, "finish_reason": "stop"}]}]
+    bodies: list = []
 
     class Upstream(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -182,7 +179,7 @@ def test_reasoning_comes_back_in_openai_shape(tmp_path):
             self.wfile.write(body)
 
         def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
@@ -192,6 +189,15 @@ def test_reasoning_comes_back_in_openai_shape(tmp_path):
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, bodies
+
+
+def test_reasoning_comes_back_in_openai_shape():
+    """An upstream reasoning model's ``reasoning_content`` reaches /v1 clients, whole and streamed."""
+    lines = [{"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "Hm, "}}]},
+             {"choices": [{"index": 0, "delta": {"reasoning_content": "blue."}}]},
+             {"choices": [{"index": 0, "delta": {"content": "Blue."}, "finish_reason": "stop"}]}]
+    httpd, _ = scripted(lines)
     engine = RemoteEngine(Settings(backend="openai", backend_url=f"http://127.0.0.1:{httpd.server_port}/v1"))
     wait_for(lambda: engine.ready or engine.error)
     server = AppServer(make_app(engine))
@@ -203,6 +209,41 @@ def test_reasoning_comes_back_in_openai_shape(tmp_path):
                   if c.choices]
         assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks) == "Hm, blue."
         assert "".join(d.content or "" for d in chunks) == "Blue."
+    finally:
+        server.close()
+        engine.shutdown()
+        httpd.shutdown()
+
+
+def test_a_tool_round_trip_reaches_the_upstream_as_openai_writes_it():
+    """A history with a tool call and its result goes upstream in OpenAI's own shape (the upstream's
+    template renders it), after the server's system prompt; the upstream's call comes back as tool_calls."""
+    def piece(call: dict, finish: str | None = None) -> dict:
+        return {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, **call}]}, "finish_reason": finish}]}
+    lines = [piece({"id": "u1", "type": "function", "function": {"name": "get_time", "arguments": ""}}),
+             piece({"function": {"arguments": '{"zone"'}}),
+             piece({"function": {"arguments": ': "cet"}'}}, "tool_calls")]
+    httpd, bodies = scripted(lines)
+    engine = RemoteEngine(Settings(backend="openai", backend_url=f"http://127.0.0.1:{httpd.server_port}/v1"))
+    wait_for(lambda: engine.ready or engine.error)
+    server = AppServer(make_app(engine))
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C and sunny"}]
+    try:
+        sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        out = sdk.chat.completions.create(model="m", messages=history, tools=[WEATHER, TIME])
+        (call,) = out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"zone": "cet"}
+        sent = bodies[-1]
+        assert [m["role"] for m in sent["messages"]] == ["system", "user", "assistant", "tool"]
+        assert sent["messages"][2]["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert sent["messages"][3] == {"role": "tool", "content": "22 C and sunny", "tool_call_id": "call_1"}
+        assert [t["function"]["name"] for t in sent["tools"]] == ["get_weather", "get_time"]
+        assert sent["parallel_tool_calls"] is False and "tool_choice" not in sent
     finally:
         server.close()
         engine.shutdown()

@@ -266,8 +266,7 @@ class RemoteEngine(Engine):
 
     def _chat_body(self, gen: Generation) -> dict:
         p = gen.params
-        body = {"model": self._upstream_model(p.model), "messages": [{"role": m["role"], "content": m["content"]}
-                                                          for m in gen.messages],
+        body = {"model": self._upstream_model(p.model), "messages": remote_fields.messages(gen.messages, p),
                 "stream": True, "stream_options": {"include_usage": True},
                 "temperature": p.temperature, "top_p": p.top_p, "max_tokens": p.max_new_tokens,
                 **remote_fields.chat_fields(p)}

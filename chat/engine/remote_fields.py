@@ -18,9 +18,20 @@ from .events import Delta
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "}\n</tool_call>"
 
 
+def messages(given: list, p: GenParams) -> list:
+    """The messages upstream: as the turn has them, or a history with tool calls and results as the client
+    wrote it (after the server's system prompt, when the turn added one)."""
+    plain = [{"role": m["role"], "content": m["content"]} for m in given]
+    native = p.upstream.get("messages")
+    if not native:
+        return plain
+    own = any(m.get("role") in ("system", "developer") for m in native)
+    return [m for m in plain[:1] if m["role"] == "system" and not own] + list(native)
+
+
 def chat_fields(p: GenParams) -> dict:
     """The structured fields of a chat request, as the upstream takes them."""
-    out = dict(p.upstream)
+    out = {k: v for k, v in p.upstream.items() if k != "messages"}
     if p.logprobs is not None:
         out["logprobs"] = True
         if p.logprobs:

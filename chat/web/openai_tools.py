@@ -47,10 +47,12 @@ def _plan(body: dict) -> dict:
         out["tool_mode"] = choice
     if grammar is not None:
         out["grammar"] = grammar
-    # as a remote engine passes them on (parallel_tool_calls always: the default here is one call)
+    # as a remote engine passes them on (parallel_tool_calls always: the default here is one call), with a
+    # history's tool calls and results as OpenAI writes them (the upstream's own template renders them)
     out["upstream"] = {k: v for k, v in (("response_format", fmt), ("tools", listed or None),
                                          ("tool_choice", body.get("tool_choice")),
-                                         ("parallel_tool_calls", parallel if listed else None)) if v is not None}
+                                         ("parallel_tool_calls", parallel if listed else None),
+                                         ("messages", _native(body.get("messages")))) if v is not None}
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise _bad("logprobs", "must be a boolean")
@@ -63,6 +65,16 @@ def _plan(body: dict) -> dict:
     if logprobs:
         out["logprobs"] = top or 0
     return out
+
+
+def _native(messages: Any) -> list | None:
+    """A history with tool calls or tool results, as the client sent it (checked already), else None."""
+    if not isinstance(messages, list) or not any(
+            isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages):
+        return None
+    keep = ("role", "content", "name", "tool_calls", "tool_call_id")
+    return [{**{k: m[k] for k in keep if m.get(k) is not None},
+             **({"role": "system"} if m.get("role") == "developer" else {})} for m in messages if isinstance(m, dict)]
 
 
 def plan(body: dict) -> dict:
