@@ -40,6 +40,14 @@ def test_token_probabilities_on_demand(chat):
     last.locator("[data-testid=token]").nth(0).blur()
     c.page.mouse.move(0, 0)
     assert tip.is_hidden()
+    # Continue (the answer was cut at 8 tokens) asks for them too, and the new tokens join the old
+    before = tokens.count()
+    last.locator("[data-testid=continue]").click()
+    c.wait_until("() => [...document.querySelectorAll('[data-testid=message-assistant]')].pop()"
+                 ".dataset.state === 'done'")
+    assert [f for f in sent if f.get("type") == "continue"][-1]["params"]["logprobs"] is True
+    last.locator("[data-testid=show-probabilities]").click()
+    assert last.locator("[data-testid=token]").count() > before
     # the setting stays for the next visit
     c.page.reload()
     c.page.wait_for_selector("[data-testid=connection-status][data-state=open]")

@@ -155,8 +155,9 @@ def _structured(params: dict, rid: str | None, kind: str) -> dict:
     wanted = {k: params[k] for k in STRUCTURED if params.get(k) is not None}
     if not wanted:
         return {}
-    if kind == "continue":  # a grammar would start over in the middle of the answer
-        raise ProtocolError("bad_message", f"params: {', '.join(wanted)} cannot be used to continue an answer", rid)
+    grammar = [k for k in wanted if k in STRUCTURED[:4]]
+    if kind == "continue" and grammar:  # a grammar would start over in the middle of the answer
+        raise ProtocolError("bad_message", f"params: {', '.join(grammar)} cannot be used to continue an answer", rid)
     from .openai_tools import plan
     try:
         out = plan(wanted)

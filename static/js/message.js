@@ -306,6 +306,7 @@ export class AssistantMessage {
     this.el.dataset.state = 'streaming';
     this.el.setAttribute('aria-busy', 'true');
     this.meta.replaceChildren();
+    this.el.querySelector('.token-view')?.remove(); // its tokens are about to grow
   }
 
   /** Mark the answer failed with ``text``, keeping what had arrived. */
