@@ -41,6 +41,8 @@ $(RUNTIME): requirements.txt
 
 $(DEV): $(RUNTIME) requirements-dev.txt
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements-dev.txt
+	# instructor (a client the tests drive) without its jiter cap: see requirements-dev.txt
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps instructor==1.17.0
 	touch $@
 
 # Browser, proxy and scale-out tests need Debian's chromium, nginx, redis-server and postgresql;

@@ -1,10 +1,11 @@
 """Structured answers on the bundled model, in-process (the ``structured`` phase): 50 prompts over 5
 schemas answered with and without ``json_schema`` (the share that parses and validates), 8 constrained
-rows' aggregate tok/s beside 8 free ones and the masks' own cost per step, each schema's first
-compile, and /v1/completions-style prompt scoring against a token-by-token decoder run.
+rows' aggregate tok/s beside 8 free ones and the masks' own cost per step, 1 and 8 rows closed by
+their budget beside free ones (``budget``), each schema's first compile, and /v1/completions-style
+prompt scoring against a token-by-token decoder run.
 
 ``.venv/bin/python -m bench.structured [REPS [PARTS]]`` prints one JSON line (PARTS: some of
-compile,validity,mask,scoring); CHAT_* variables choose the model.
+compile,validity,mask,budget,scoring); CHAT_* variables choose the model.
 """
 from __future__ import annotations
 
@@ -113,6 +114,53 @@ def mask_cost(engine, reps: int) -> dict:
             "step_ms": round(engine.batch.step_s * 1000, 1)}
 
 
+FREE_TEXT = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+             "additionalProperties": False}
+
+
+def budget_cost(engine, reps: int) -> dict:
+    """1 and 8 rows whose one string runs into the budget, so the close (chat/engine/budget.py) looks for
+    the ending at every one of the last tokens and then writes it: constrained beside free, aggregate
+    tok/s over alternating runs (the issue's target: at most 10% slower)."""
+    from chat import structured
+    from chat.engine import GenParams
+    from chat.engine.core import grammar
+    g = structured.schema_grammar(FREE_TEXT)
+    out: dict = {}
+    original = grammar.settle
+    spent: list[float] = []
+
+    def timed(slots, tokens):  # the close's own work: the endings looked for after each sampled token
+        t0 = time.perf_counter()
+        taken = original(slots, tokens)
+        if any(s.guard is not None for s in slots):
+            spent.append(time.perf_counter() - t0)
+        return taken
+
+    grammar.settle = timed
+    for rows in (1, BATCH):
+        rates: dict = {"free": [], "constrained": []}
+        spent.clear()
+        for _ in range(reps):
+            for mode in ("free", "constrained"):
+                jobs = [([{"role": "user", "content": ESSAY.format(t)}],
+                         GenParams(temperature=0, max_new_tokens=64, grammar=g if mode == "constrained" else None))
+                        for t in TOPICS[:rows]]
+                started = time.perf_counter()
+                answers = _run(engine, jobs)
+                tokens = sum(d.usage["completion_tokens"] for _, d in answers)
+                rates[mode].append(tokens / (time.perf_counter() - started))
+        ratios = [c / f for c, f in zip(rates["constrained"], rates["free"])]
+        out[f"rows_{rows}"] = {"free_tok_s": [round(r, 1) for r in rates["free"]],
+                               "constrained_tok_s": [round(r, 1) for r in rates["constrained"]],
+                               "ratio_p50": round(statistics.median(ratios), 3),
+                               "close_ms_per_step_p50": round(1000 * statistics.median(spent), 3),
+                               "close_ms_per_step_p90": round(1000 * sorted(spent)[int(0.9 * len(spent))], 3),
+                               "step_ms": round(engine.step_s * 1000, 1)}
+    grammar.settle = original
+    return out
+
+
 def compile_times(engine) -> dict:
     from chat import structured
     from chat.engine.core.grammar import Grammars
@@ -167,7 +215,7 @@ def main() -> None:
     from chat.config import Settings
     from chat.engine.core.local import LocalEngine
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["compile", "validity", "mask", "scoring"]
+    parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["compile", "validity", "mask", "budget", "scoring"]
     engine = LocalEngine(Settings.from_env({}, max_batch=BATCH * 2))
     deadline = time.monotonic() + 600
     while not engine.ready and engine.error is None and time.monotonic() < deadline:
@@ -187,6 +235,8 @@ def main() -> None:
                 result["validity"] = validity(engine)
             if "mask" in parts:
                 result["mask"] = mask_cost(engine, reps)
+            if "budget" in parts:
+                result["budget"] = budget_cost(engine, reps)
             if "scoring" in parts and engine.decoder is not None:
                 result["scoring"] = scoring(engine)
         except Exception as exc:

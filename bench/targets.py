@@ -101,15 +101,19 @@ def restart_targets(r: dict, row) -> list[dict]:
 
 
 def structured_targets(s: dict, row) -> list[dict]:
-    """Issue 31's goals: schema answers, the masks' cost, compile time, prompt scoring."""
+    """Issue 31's goals: schema answers, the masks' cost, compile time, prompt scoring; issue 42's: the budget
+    close's cost at 1 and 8 rows."""
     if not s.get("validity"):
         return []
     valid, mask, scoring = s["validity"], s.get("mask") or {}, s.get("scoring") or {}
+    budget = s.get("budget") or {}
     # the summed log probability's difference, per token (single tokens differ more: bench/structured.py)
     return [row(f"50 schema prompts valid with json_schema, % (without: {valid['free']['percent']:.0f}%)",
                 valid["json_schema"]["percent"], "= 100", lambda v: v >= 100),
             row("8 constrained rows' aggregate tok/s ÷ 8 free rows'", mask.get("ratio_p50"), "≥ 0.9",
                 lambda v: v >= 0.9),
+            *[row(f"{n} row(s) closed by their budget: tok/s ÷ free rows'", (budget.get(f"rows_{n}") or {}).get(
+                "ratio_p50"), "≥ 0.9", lambda v: v >= 0.9) for n in (1, 8)],
             row("first compile of the 5 schemas, slowest (ms)", (s.get("compile") or {}).get("max_first_ms"),
                 "≤ 50", lambda v: v <= 50),
             row("echo + logprobs: summed log probability against quality.py's token-by-token run, difference per token",

@@ -111,6 +111,23 @@ class Settings:
     generation_timeout_s: float = _setting(
         "CHAT_GENERATION_TIMEOUT_S", 300.0, float, low=0.1, high=86400,
         doc="An answer still running after this many seconds ends with reason `timeout`.")
+    grammar_close: bool = _setting(
+        "CHAT_GRAMMAR_CLOSE", True, read.boolean,
+        doc="A constrained answer (`response_format`, tool calls) always ends as a complete, valid value: when "
+            "the tokens left reach what the shortest valid ending needs, only that ending is allowed (the "
+            "answer ends with reason `length`). Off: such an answer can be cut mid-value at `max_tokens`.")
+    grammar_reserve: int = _setting(
+        "CHAT_GRAMMAR_RESERVE", 2, int, low=0, high=64,
+        doc="Tokens kept spare when a constrained answer is closed for its budget: the close starts this many "
+            "tokens before the last moment.")
+    json_max_digits: int = _setting(
+        "CHAT_JSON_MAX_DIGITS", 17, int, low=0, high=4096,
+        doc="Most digits in one number of a constrained JSON answer (17: every 64-bit float's shortest form); "
+            "a small model otherwise can fill its whole answer with one number. 0: no cap.")
+    json_unique_keys: bool = _setting(
+        "CHAT_JSON_UNIQUE_KEYS", True, read.boolean,
+        doc="A constrained JSON answer never repeats a key within one object (JSON that repeats one is "
+            "ambiguous, and a small model can loop on one key). Off: keys may repeat where the schema allows.")
     system_prompt: str = _setting(
         "CHAT_SYSTEM_PROMPT", "You are a helpful assistant.", str,
         doc="System prompt for new conversations and for `/v1` requests that bring none, unless the client "

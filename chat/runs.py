@@ -215,7 +215,7 @@ class Run:
     def handle(self, event: Event) -> None:
         """One engine event (in the pump's greenlet, or in the remote engine's that emitted it)."""
         if type(event) is Delta:  # nearly every event
-            self.on_delta(event.text, event.tokens)
+            self.on_delta(event.text, event.tokens, event.logprobs, event.reasoning)
             return
         match event:
             case Queued(position=position):
@@ -234,9 +234,10 @@ class Run:
             self.forward({"type": "start", "id": self.id, "conversation_id": self.conversation_id,
                           "message_id": self.message_id})
 
-    def on_delta(self, text: str, tokens: int = 0) -> None:
-        """Keep the delta for replay, send it (with the answer's tokens so far, when the engine counts
-        them), and checkpoint the text now and then."""
+    def on_delta(self, text: str, tokens: int = 0, logprobs: tuple = (), reasoning: str = "") -> None:
+        """Keep the delta for replay, send it (with the answer's tokens so far, when the engine counts them, its
+        tokens' log probabilities and a remote model's reasoning, when there are), and checkpoint the text now
+        and then."""
         with self.lock:
             index = len(self.deltas)
             self.deltas.append(text)
@@ -244,6 +245,10 @@ class Run:
             frame = {"type": "delta", "id": self.id, "index": index, "text": text}
             if tokens:
                 frame["tokens"] = tokens
+            if logprobs:
+                frame["logprobs"] = list(logprobs)
+            if reasoning:
+                frame["reasoning"] = reasoning
             self.forward(frame)
         now = time.monotonic()
         if now - self.last_checkpoint >= CHECKPOINT_EVERY_S:
@@ -290,7 +295,7 @@ class Run:
             frame["stored"] = False
             frame.setdefault("message", NOT_STORED)
         if self.gen.params.tools:  # the answer's <tool_call> blocks, read back (the text keeps them)
-            calls = structured.parse_calls(text)[1]
+            calls = structured.parse_calls(text, self.message_id or self.id)[1]
             if calls:
                 frame["tool_calls"] = calls
         with self.lock:

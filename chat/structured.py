@@ -9,6 +9,7 @@ template renders too; a template without tools gets a generic system prompt (``t
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -139,7 +140,8 @@ def tool_choice(value: Any, listed: list[dict], name: str = "tool_choice") -> st
 
 def tools_grammar(listed: list[dict], choice: str, parallel: bool) -> str | None:
     """The grammar of an answer under ``choice``: tool calls only (``required``, a name), or free text
-    that does not start with ``<`` or tool calls (``auto``); None for ``none``."""
+    that does not start with ``<`` or tool calls (``auto``); None for ``none``. One call, except with
+    ``parallel`` under ``auto`` or ``required`` (a named choice is one call of that function)."""
     if choice == "none" or not listed:
         return None
     chosen = [t for t in listed if choice in ("auto", "required") or t["function"]["name"] == choice]
@@ -147,7 +149,7 @@ def tools_grammar(listed: list[dict], choice: str, parallel: bool) -> str | None
         "name": {"const": t["function"]["name"]}, "arguments": t["function"]["parameters"]},
         "required": ["name", "arguments"], "additionalProperties": False} for t in chosen],
         "x-guidance": JSON_STYLE}
-    calls = 'calls: call ("\\n" call)*' if parallel else "calls: call"
+    calls = 'calls: call ("\\n" call)*' if parallel and choice in ("auto", "required") else "calls: call"
     start = "start: TEXT | calls" if choice == "auto" else "start: calls"
     lark = "\n".join([start, "TEXT: /[^<][\\s\\S]*/", calls,
                       'call: "<tool_call>\\n" body "\\n</tool_call>"',
@@ -165,9 +167,19 @@ def tools_prompt(listed: list[dict]) -> str:
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
-def parse_calls(text: str) -> tuple[str, list[dict]]:
-    """(text outside the calls, OpenAI ``tool_calls``) of an answer; unreadable blocks stay text."""
-    calls, kept, last = [], [], 0
+def call_id(seed: str | None, index: int) -> str:
+    """A tool call's id: from the answer's own id and the call's index, so the streamed and the whole
+    form of one answer (and its stored copy, read again) name each call alike; random without a seed."""
+    if seed is None:
+        return f"call_{uuid.uuid4().hex[:24]}"
+    return f"call_{hashlib.sha256(f'{seed}:{index}'.encode()).hexdigest()[:24]}"
+
+
+def parse_calls(text: str, seed: str | None = None) -> tuple[str, list[dict]]:
+    """(text outside the calls, OpenAI ``tool_calls``) of an answer; unreadable blocks stay text, and a
+    call identical to an earlier one is dropped (a small model can loop on one call)."""
+    calls: list[dict] = []
+    kept, last, seen = [], 0, set()
     for match in _CALL.finditer(text):
         try:
             body = json.loads(match.group(1))
@@ -177,7 +189,11 @@ def parse_calls(text: str) -> tuple[str, list[dict]]:
             continue
         kept.append(text[last:match.start()])
         last = match.end()
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        same = json.dumps(body, sort_keys=True)
+        if same in seen:
+            continue
+        seen.add(same)
+        calls.append({"id": call_id(seed, len(calls)), "type": "function",
                       "function": {"name": body["name"], "arguments": raw_arguments(match.group(1), body)}})
     kept.append(text[last:])
     return "".join(kept).strip() if calls else text, calls

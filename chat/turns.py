@@ -98,7 +98,8 @@ class TurnService:
                          seed=given.get("seed"), stop=tuple(given.get("stop", ())), model=model,
                          grammar=given.get("grammar"), logprobs=given.get("logprobs"),
                          prompt_logprobs=given.get("prompt_logprobs"), raw_prompt=given.get("raw_prompt", False),
-                         tools=tuple(given.get("tools", ())), cache_salt=given.get("cache_salt"))
+                         tools=tuple(given.get("tools", ())), cache_salt=given.get("cache_salt"),
+                         tool_mode=given.get("tool_mode"), upstream=given.get("upstream", {}))
 
     def model(self, wanted: str | None, rid: str | None = None) -> str | None:
         """``wanted`` when the engine serves it (None: its default); bad_message when it does not."""

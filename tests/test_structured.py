@@ -386,7 +386,7 @@ def test_a_failed_matcher_never_masks_its_whole_row(engine):
 
     class Row:
         def __init__(self, matcher):
-            self.matcher = matcher
+            self.matcher, self.guard = matcher, None
 
     ok = engine.grammars.matcher(structured.schema_grammar(PERSON))
     broken = engine.grammars.matcher(structured.schema_grammar(PERSON))

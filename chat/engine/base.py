@@ -34,6 +34,8 @@ class GenParams:
     # Whose KV the prompt may reuse besides public preambles: conversations of the same salt (the client's
     # identity, hashed), as vLLM's per-tenant cache salt; None: the engine's public namespace.
     cache_salt: str | None = None
+    tool_mode: str | None = None  # the grammar is tool calls (tool_choice auto, required or a name)
+    upstream: dict = field(default_factory=dict)  # those fields as a remote engine passes them on (remote/fields.py)
 
 
 _ids = itertools.count(1)

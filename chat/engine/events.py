@@ -29,6 +29,7 @@ class Delta:
     logprobs: tuple = ()  # OpenAI's entries: {"token", "logprob", "bytes", "top_logprobs"}
     prompt_logprobs: tuple = ()  # once, before the answer: one per prompt token (the first's logprob None)
     tokens: int = 0  # the answer's tokens so far, this delta's included (0: the engine cannot say)
+    reasoning: str = ""  # a remote model's reasoning (``reasoning_content``), kept apart from the answer
 
 
 @dataclass(frozen=True)

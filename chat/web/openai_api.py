@@ -260,7 +260,7 @@ def chat_completions() -> Response:
     values = parse_request(body, state.settings, state.engine.vocab_size)
     _count_tools(body, values, state.settings)
     extra = openai_tools.plan(body)
-    tool_mode = extra.pop("tool_mode", None)
+    tool_mode = extra.get("tool_mode")
     engine = _engine_ready()
     # A model this server does not serve gets the default, as before there were several.
     model = values.get("model") if values.get("model") in engine.models() else engine.model_name
@@ -310,6 +310,7 @@ def _complete(gen: Generation, meta: dict, turns: TurnService, tool_mode: str | 
     """Wait for the whole answer; one ``chat.completion`` object."""
     texts: list[str] = []
     entries: list[dict] = []
+    reasoning: list[str] = []
     end: Done | Refused | None = None
     try:
         for event in gen.events():
@@ -317,6 +318,8 @@ def _complete(gen: Generation, meta: dict, turns: TurnService, tool_mode: str | 
                 case Delta(text=text):
                     texts.append(text)
                     entries += event.logprobs
+                    if event.reasoning:
+                        reasoning.append(event.reasoning)
                 case Done() | Refused():
                     end = event
     finally:
@@ -326,7 +329,9 @@ def _complete(gen: Generation, meta: dict, turns: TurnService, tool_mode: str | 
     turns.record(end, "v1", meta["id"])
     if not isinstance(end, Done) or end.reason not in _FINISH:
         raise _failure(end, meta["id"])
-    message, called = openai_tools.message("".join(texts), tool_mode)
+    message, called = openai_tools.message("".join(texts), tool_mode, meta["id"])
+    if reasoning:  # a remote model's reasoning, as vLLM and SGLang name it
+        message["reasoning_content"] = "".join(reasoning)
     return jsonify({**meta, "object": "chat.completion",
                     "choices": [{"index": 0, "message": message,
                                  "logprobs": {"content": entries} if logprobs else None,
@@ -352,13 +357,15 @@ def _stream(gen: Generation, meta: dict, include_usage: bool, turns: TurnService
     # (byte for byte what ``chunk`` writes) instead of building and dumping a dict each time.
     head, _, tail = chunk({"content": _MARK}).rpartition(json.dumps(_MARK))
     end: Done | Refused | None = None
-    calls = openai_tools.CallStream() if tool_mode else None
+    calls = openai_tools.CallStream(meta["id"]) if tool_mode else None
     try:
         yield chunk({"role": "assistant", "content": ""})
         for event in gen.events(KEEPALIVE_S):
             match event:
                 case None:
                     yield ": keep-alive\n\n"
+                case Delta(reasoning=reasoning) if reasoning:
+                    yield chunk({"reasoning_content": reasoning})
                 case Delta(text=text) if calls is not None:
                     for delta in calls.push(text):
                         yield chunk(delta)

@@ -147,7 +147,7 @@ def parse(raw: str | bytes, max_content_chars: int, max_new_tokens: int, vocab: 
                    from_index=msg.get("from", 0), t=msg.get("t"), structured=structured)
 
 
-STRUCTURED = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
+STRUCTURED = ("response_format", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs")
 
 
 def _structured(params: dict, rid: str | None, kind: str) -> dict:
@@ -155,14 +155,14 @@ def _structured(params: dict, rid: str | None, kind: str) -> dict:
     wanted = {k: params[k] for k in STRUCTURED if params.get(k) is not None}
     if not wanted:
         return {}
-    if kind == "continue":  # a grammar would start over in the middle of the answer
-        raise ProtocolError("bad_message", f"params: {', '.join(wanted)} cannot be used to continue an answer", rid)
+    grammar = [k for k in wanted if k in STRUCTURED[:4]]
+    if kind == "continue" and grammar:  # a grammar would start over in the middle of the answer
+        raise ProtocolError("bad_message", f"params: {', '.join(grammar)} cannot be used to continue an answer", rid)
     from .openai_tools import plan
     try:
         out = plan(wanted)
     except RequestError as exc:
         raise ProtocolError("bad_message", f"params: {exc.message}", rid) from None
-    out.pop("tool_mode", None)
     return out
 
 

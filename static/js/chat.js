@@ -11,6 +11,7 @@ import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
 import * as thread from './thread.js';
+import * as tokens from './tokens.js';
 import { AssistantMessage, editInPlace, setUserText } from './message.js';
 import { announce, newId } from './util.js';
 
@@ -285,7 +286,7 @@ function turnParams(conversationId) {
 
 /** Show a waiting answer, track the request and send it (or leave it for the next `ready`). */
 function submit(message, record) {
-  const params = turnParams(record.conversationId);
+  const params = tokens.withLogprobs(turnParams(record.conversationId));
   if (params) message.params = params;
   let view = record.view;
   if (!view) {

@@ -11,6 +11,7 @@ import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
 import * as tabs from './tabs.js';
 import * as thread from './thread.js';
+import * as tokens from './tokens.js';
 import { REASONS, setContextTokens, wholeAnswer } from './message.js';
 import { announce } from './util.js';
 
@@ -130,6 +131,7 @@ function onDelta(msg) {
   const req = requests.get(msg.id);
   if (!req || !requests.addDelta(req, msg.index, msg.text)) return;
   if (Number.isInteger(msg.tokens)) req.tokens = msg.tokens; // the engine's count, where it gives one
+  tokens.add(req.view, msg.logprobs);
   swapIn(req);
   thread.scheduleRender(req.view, req.prefix + req.text);
   // Live figures from the first delta this page saw (a resumed answer: counted from there), drawn at

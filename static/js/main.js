@@ -17,6 +17,7 @@ import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
 import * as tabs from './tabs.js';
 import * as thread from './thread.js';
+import * as tokens from './tokens.js';
 
 // ---------------------------------------------------------------- the thread
 
@@ -151,6 +152,7 @@ els.exportMenu.querySelector('.export-menu').addEventListener('click', (e) => {
 els.openChatSettings.addEventListener('click', chat.openChatSettings);
 els.copyMarkdown.addEventListener('click', chat.copyAsMarkdown);
 share.init();
+tokens.init();
 els.openShare.addEventListener('click', share.open);
 els.shareCopy.addEventListener('click', share.copy);
 els.shareStop.addEventListener('click', share.stop);

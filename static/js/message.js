@@ -1,4 +1,5 @@
 // One message in the thread: the user's text, or an assistant answer with its status, stats and actions.
+import { action as probabilitiesAction } from './tokens.js';
 import { MarkdownView } from './markdown.js';
 import { ICON_BRANCH, ICON_CONTINUE, ICON_COPY, ICON_EDIT, ICON_REGEN } from './icons.js';
 import { fmtDuration } from './util.js';
@@ -315,6 +316,7 @@ export class AssistantMessage {
     if (CONTINUABLE.includes(status === 'interrupted' ? status : reason)) {
       actions.insertAdjacentHTML('beforeend', `<button type="button" class="icon-btn" data-action="continue" data-testid="continue">${ICON_CONTINUE}<span>Continue</span></button>`);
     }
+    if (this.tokens?.length) actions.append(probabilitiesAction(this));
     this.meta.prepend(actions);
     if (this.el.versions) setIdentity(this.el, { id: this.el.dataset.id, versions: this.el.versions });
     else if (this.pendingVersions) showVersions(this.el, this.pendingVersions, true);
@@ -354,6 +356,7 @@ export class AssistantMessage {
     this.el.dataset.state = 'streaming';
     this.el.setAttribute('aria-busy', 'true');
     this.meta.replaceChildren();
+    this.el.querySelector('.token-view')?.remove(); // its tokens are about to grow
   }
 
   /** Mark the answer failed with ``text``, keeping what had arrived. */

@@ -104,8 +104,8 @@ class Batch:
                 return
         scores = grammar.log_probs(logits, slots)
         failed = grammar.apply_masks(logits, slots)
-        tokens = sample_rows(logits, [s.params for s in slots], [s.generator for s in slots],
-                             native=self.runner.sampler())
+        tokens = grammar.settle(slots, sample_rows(logits, [s.params for s in slots], [s.generator for s in slots],
+                                                   native=self.runner.sampler()))
         for j, (slot, token) in enumerate(zip(slots, tokens)):
             if slot in failed:  # its token was drawn unconstrained: never emitted
                 self._take(slot, grammar.failure_message(slot.matcher))

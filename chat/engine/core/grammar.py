@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ...errors import EngineError
+from .budget import Vocab
 
 CACHE_SIZE = 128  # compiled grammars kept (most recently used)
 TOP_MAX = 20  # alternatives per token, as OpenAI allows
@@ -37,6 +38,7 @@ class Grammars:
     def __init__(self, tokenizer: Any, eos_ids: frozenset, vocab: int) -> None:
         self.hf, self.eos_ids, self.vocab = tokenizer, sorted(eos_ids), vocab
         self._tok: llguidance.LLTokenizer | None = None
+        self._vocab: Vocab | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.compiled = 0  # compiles (cache misses), for tests and metrics
@@ -47,6 +49,17 @@ class Grammars:
             if self._tok is None:
                 self._tok = llguidance.hf.from_tokenizer(self.hf, n_vocab=self.vocab, eos_token=self.eos_ids)
             return self._tok
+
+    @property
+    def table(self) -> Vocab:
+        """Every token's bytes and classes, for the budget and guards (built on first use)."""
+        if self._vocab is None:
+            tok = self.tokenizer
+            vocab = Vocab([tok.decode_bytes([t]) for t in range(self.vocab)], self.eos_ids,
+                          lambda text: self.hf.encode(text, add_special_tokens=False))
+            with self._lock:
+                self._vocab = self._vocab or vocab
+        return self._vocab
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher for ``grammar``; raises ``GrammarError`` when it does not compile."""
@@ -118,6 +131,8 @@ def apply_masks(logits: torch.Tensor, slots: list) -> list:
         if m.is_error():  # this step unconstrained (never a row of -inf); the engine ends the row
             bits[j] = -1
             failed.append(slots[i])
+        elif slots[i].guard is not None:
+            slots[i].guard.restrict(bits[j].view(np.uint32))
     banned = np.unpackbits((~bits).view(np.uint8), axis=1, bitorder="little")[:, :vocab].view(bool)
     if logits.device.type == "cpu" and logits.is_contiguous():
         values = logits.numpy()
@@ -128,6 +143,11 @@ def apply_masks(logits: torch.Tensor, slots: list) -> list:
         sub = logits.index_select(0, index).masked_fill_(torch.from_numpy(banned).to(logits.device), float("-inf"))
         logits.index_copy_(0, index, sub)
     return failed
+
+
+def settle(slots: list, tokens: list) -> list:
+    """The tokens the rows take: a constrained row's sampled token, unless its budget replaces it (budget.py)."""
+    return [s.guard.settle(t) if s.guard is not None and not isinstance(t, str) else t for s, t in zip(slots, tokens)]
 
 
 def log_probs(logits: torch.Tensor, slots: list) -> dict | None:

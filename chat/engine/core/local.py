@@ -239,7 +239,8 @@ class LocalEngine(Engine):
             self.cpu = cpu.detect(self.settings.cpu_isa).isa
             self.vocab_size = runner.vocab_size
             self.grammars = grammar.Grammars(self.loaded.tokenizer, self.loaded.eos_ids, runner.vocab_size)
-            self.queue.loaded(runner.dims, self.loaded.tokenizer, runner.wide_prefill, self.loaded.template.stops)
+            self.queue.loaded(runner.dims, self.loaded.tokenizer, runner.wide_prefill, self.loaded.template.stops,
+                              self.grammars)
             self.batch.loaded(runner, self.grammars, self.loaded.eos_ids)
             self.chores = runner.chores(self.settings)
             settings = self.settings
@@ -292,6 +293,8 @@ class LocalEngine(Engine):
         params = gen.params
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self.grammars.tokenizer  # noqa: B018 (built on first use, here rather than on the engine thread)
+        if params.grammar:
+            self.grammars.table  # noqa: B018 (likewise)
         return ids, self.grammars.matcher(params.grammar) if params.grammar else None
 
     def _end_running(self, reason: str) -> None:

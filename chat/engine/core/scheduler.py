@@ -101,6 +101,7 @@ class Scheduler:
         self.dims: tuple | None = None  # a KV buffer's (layers, heads, head dim, dtype, device): ``loaded``
         self.tokenizer: Any = None  # the slots' (their text)
         self.stops: tuple[str, ...] = ()  # the template's stop text, besides each request's own
+        self.grammars: Any = None  # core/grammar.py's Grammars, once loaded
         # Whether a forward of many rows costs little more than one of a few (dense products): then newcomers
         # arriving together are prefilled in one forward rather than each from its preamble. The engine keeps
         # it current (the idle chores may move the weights onto the block products).
@@ -116,10 +117,13 @@ class Scheduler:
         self.spent: dict[str, int] = {}  # prompt tokens prefilled per owner since prefill last went idle
         self.budget_tokens = max(PREFILL_TOKENS, 2 * self.settings.context_tokens)
 
-    def loaded(self, dims: tuple, tokenizer: Any, wide_prefill: bool, stops: tuple[str, ...] = ()) -> None:
+    def loaded(self, dims: tuple, tokenizer: Any, wide_prefill: bool, stops: tuple[str, ...] = (),
+               grammars: Any = None) -> None:
         """The model is in: the shape of its KV buffers, its tokenizer (the slots'), how its prefill scales, the
-        text its template ends an answer at (a base model's ChatML markers)."""
+        text its template ends an answer at (a base model's ChatML markers), the grammars' token table (a
+        constrained slot's budget: ``Slot.constrain``)."""
         self.dims, self.tokenizer, self.wide_prefill, self.stops = dims, tokenizer, wide_prefill, stops
+        self.grammars = grammars
 
     # ---- any thread
 
@@ -237,7 +241,7 @@ class Scheduler:
                 continue
             room -= 1
             slot = Slot(gen, request.prompt_ids, self.tokenizer, self.settings, self.stops)
-            slot.matcher = request.matcher
+            slot.constrain(request.matcher, self.grammars)
             started.append(slot)
         # Several newcomers without a conversation's KV arriving together share their chunks where prefill
         # runs on dense products (one forward for all: cheaper than a forward each, even from a shared

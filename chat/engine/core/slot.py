@@ -10,6 +10,7 @@ import torch
 from ...config import Settings
 from ..base import Generation
 from ..events import Delta, Done
+from .budget import Guard
 from .decoding import IncrementalDecoder, StopMatcher
 from .grammar import failure_message
 
@@ -20,6 +21,7 @@ class Slot:
     def __init__(self, gen: Generation, ids: list[int], tokenizer: Any, settings: Settings,
                  stops: tuple[str, ...] = ()) -> None:
         self.gen = gen
+        self.settings = settings
         self.params = gen.params
         self.prompt_ids = ids
         self.out_ids: list[int] = []
@@ -39,17 +41,28 @@ class Slot:
         self.hit_stop = False
         self.matcher: Any = None  # the grammar's llguidance matcher, when the answer has one
         self.failure: str | None = None  # why the answer ended with ``error``
+        self.guard: Guard | None = None  # its budget and runaway guards (budget.py)
         self.pending: list = []  # log probability entries of tokens whose text is not out yet
         self.drafts: Any = None  # drafts.Row, once the row runs alone with drafts on
 
+    def constrain(self, matcher: Any, grammars: Any) -> None:
+        """Follow a grammar (``matcher``: llguidance's, or None), with its budget and guards."""
+        self.matcher = matcher
+        if matcher is not None:
+            room = min(self.max_new, self.context - self.pos - 1)
+            self.guard = Guard(grammars.table, matcher, room, self.settings, calls=self.params.tool_mode is not None)
+
     def take(self, token: int, eos_ids: frozenset) -> tuple[str, str | None]:
         """(text this token completes, reason the answer ends or None)."""
-        if self.matcher is not None and not self.matcher.consume_token(token) and self.matcher.is_error():
-            # never a clean stop on text the grammar did not accept: the answer ends with ``error``
-            self.failure = failure_message(self.matcher)
-            return "", "error"
+        if self.matcher is not None:
+            if not self.matcher.consume_token(token) and self.matcher.is_error():
+                # never a clean stop on text the grammar did not accept: the answer ends with ``error``
+                self.failure = failure_message(self.matcher)
+                return "", "error"
+            if self.guard is not None:
+                self.guard.took(token)
         if token in eos_ids:
-            return "", "stop"
+            return "", self._ended()
         self.out_ids.append(token)
         self.last = token
         text, hit = self.stopper.push(self.decoder.push(token))
@@ -57,10 +70,14 @@ class Slot:
             self.hit_stop = True
             return text, "stop"
         if self.matcher is not None and self.matcher.is_stopped():
-            return text, "stop"  # the grammar is complete and allows nothing more
+            return text, self._ended()  # the grammar is complete and allows nothing more
         if len(self.out_ids) >= self.max_new or self.pos + 1 >= self.context:
             return text, "length"
         return text, None
+
+    def _ended(self) -> str:
+        """How a grammar's complete answer ended: ``length`` when its budget closed it."""
+        return "length" if self.guard is not None and self.guard.closed else "stop"
 
     def flush(self) -> str:
         """Text still held back when the answer ends (nothing after a stop sequence)."""

@@ -12,9 +12,10 @@ from urllib.parse import urlsplit
 
 from ...concurrency import real_lock, receiver, spawn
 from ...config import Settings
-from ...errors import BackendError, ConfigError, EngineError, Overloaded
+from ...errors import PROTOCOL_STATUS, BackendError, ConfigError, EngineError, Overloaded
 from ..base import Engine, Generation, GenParams
 from ..events import Delta, Done, Refused, Started
+from . import fields as remote_fields
 from .sse import Body
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,20 @@ class _Call:
         self.sock: socket.socket | None = None  # once connected (http.client lets go of it at a close)
         self.waiting_since: float | None = None  # None unless blocked reading the stream
         self.stalled = False
+
+
+REFUSALS = (400, 404, 413, 422)  # the upstream's verdict on the request itself, passed to the client
+
+
+def _refusal(status: int, body: bytes) -> Refused:
+    """An upstream's refusal as the client's own error: its message, and its code where it is one of ours."""
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    if code not in PROTOCOL_STATUS or code in ("internal", "overloaded", "rate_limited"):
+        code = {413: "too_large", 404: "not_found"}.get(status, "bad_message")
+    return Refused(code, _error_text(status, body).replace("backend answered", "the model server refused it:"))
 
 
 def _error_text(status: int, body: bytes) -> str:
@@ -174,9 +189,8 @@ class RemoteEngine(Engine):
         """Start one upstream call; events arrive on the returned Generation."""
         if self._closed:
             raise Overloaded("the server is shutting down")
-        if params.grammar or params.logprobs is not None or params.prompt_logprobs is not None or params.tools:
-            raise EngineError("structured answers, tools and log probabilities need the local engine",
-                              "bad_message", 400)
+        if params.grammar and not params.upstream:
+            raise EngineError("this structured answer needs the local engine", "bad_message", 400)
         with self._lock:
             if len(self._active) >= self.settings.max_batch + self.settings.max_queue:
                 raise Overloaded("too many requests in flight to the backend; retry shortly")
@@ -242,10 +256,10 @@ class RemoteEngine(Engine):
 
     def _body(self, gen: Generation) -> bytes:
         p = gen.params
-        body = {"model": self._upstream_model(p.model), "messages": [{"role": m["role"], "content": m["content"]}
-                                                          for m in gen.messages],
-                "stream": True, "stream_options": {"include_usage": True},
-                "temperature": p.temperature, "top_p": p.top_p, "max_tokens": p.max_new_tokens}
+        if p.raw_prompt:  # /v1/completions: the prompt as is, to the upstream's own /completions
+            body = remote_fields.completion_body(p, self._upstream_model(p.model), gen.messages[-1]["content"])
+        else:
+            body = self._chat_body(gen)
         if p.seed is not None:
             body["seed"] = p.seed
         if p.top_k:  # sent only when set: vLLM, TGI, llama.cpp and Ollama take them; not every backend does
@@ -256,10 +270,18 @@ class RemoteEngine(Engine):
             body["stop"] = list(p.stop)
         if p.cache_salt and self.salted:
             body["cache_salt"] = p.cache_salt
+        return json.dumps(body).encode()
+
+    def _chat_body(self, gen: Generation) -> dict:
+        p = gen.params
+        body = {"model": self._upstream_model(p.model), "messages": remote_fields.messages(gen.messages, p),
+                "stream": True, "stream_options": {"include_usage": True},
+                "temperature": p.temperature, "top_p": p.top_p, "max_tokens": p.max_new_tokens,
+                **remote_fields.chat_fields(p)}
         if gen.messages and gen.messages[-1].get("prefix"):
             # continue: backends that know these (vLLM, SGLang) extend the last answer in place.
             body.update(continue_final_message=True, add_generation_prompt=False)
-        return json.dumps(body).encode()
+        return body
 
     def _run(self, call: _Call) -> None:
         gen = call.gen
@@ -267,9 +289,14 @@ class RemoteEngine(Engine):
         state: dict[str, Any] = {"first": None, "deltas": 0, "usage": None, "finish": None,
                  "room": max(MIN_ANSWER_BYTES, BYTES_PER_TOKEN * gen.params.max_new_tokens)}
         reason, message = "error", None
+        state["relay"] = remote_fields.Relay(gen.messages[-1]["content"] if gen.params.prompt_logprobs is not None
+                                             else None)
         conn = call.conn = self._connection(self.settings.backend_timeout_s)
         try:
             reason, message = self._call(gen, call, t0, state)
+            if reason == "refused":
+                log.info("remote generation %s refused by the backend: %s", gen.serial, message)
+                return
             if reason == "overloaded":  # before any token: refused, like a full queue here
                 log.warning("remote generation %s refused: %s", gen.serial, message)
                 gen.emit(Refused("overloaded", "the model server is at capacity; try again shortly"))
@@ -306,11 +333,16 @@ class RemoteEngine(Engine):
         sock = call.sock = conn.sock
         if gen.cancel_reason:
             return gen.cancel_reason, None
-        conn.request("POST", f"{self._base}/chat/completions", self._body(gen),
+        path = "completions" if gen.params.raw_prompt else "chat/completions"
+        conn.request("POST", f"{self._base}/{path}", self._body(gen),
                      headers={**self._headers(), "Content-Type": "application/json",
                               "Accept": "text/event-stream"})
         response = conn.getresponse()
         if response.status != 200:
+            if response.status in REFUSALS:  # the upstream refused the request itself: the client's error
+                refused = _refusal(response.status, response.read(4096))
+                gen.emit(refused)
+                return "refused", refused.message
             reason = "overloaded" if response.status in AT_CAPACITY else "error"
             return reason, _error_text(response.status, response.read(4096))
         gen.emit(Started(0))
@@ -348,7 +380,10 @@ class RemoteEngine(Engine):
         if not line.startswith(b"data:"):
             return None  # blank separators, comments (keep-alives), event names
         data = line[5:].strip()
+        relay = state["relay"]
         if data == b"[DONE]":
+            for delta in relay.end():
+                gen.emit(delta)
             return _FINISH.get(state["finish"] or "stop", "stop"), None
         text = data.decode()
         chunk, end = _decode(text)  # json.loads without its encoding sniffing and whitespace regexes
@@ -360,9 +395,11 @@ class RemoteEngine(Engine):
         if chunk.get("usage"):
             state["usage"] = chunk["usage"]
         for choice in chunk.get("choices") or ():
-            piece = (choice.get("delta") or {}).get("content")
-            if piece:
-                text = piece
+            for delta in relay.legacy(choice) if "text" in choice else relay.chat(choice):
+                if not delta.text:
+                    gen.emit(delta)
+                    continue
+                text = delta.text
                 if state["first"] is None:
                     state["first"] = time.monotonic()
                 state["deltas"] += 1
@@ -372,11 +409,11 @@ class RemoteEngine(Engine):
                     kept = text.encode("utf-8", "surrogatepass")[:size + state["room"]]
                     text = kept.decode("utf-8", "ignore")
                     if text:
-                        gen.emit(Delta(text))
+                        gen.emit(Delta(text, delta.logprobs))
                     log.warning("remote generation %s passed its %d bytes: cut", gen.serial,
                                 max(MIN_ANSWER_BYTES, BYTES_PER_TOKEN * gen.params.max_new_tokens))
                     return "length", None
-                gen.emit(Delta(text))
+                gen.emit(delta)
             if choice.get("finish_reason"):
                 state["finish"] = choice["finish_reason"]
         return None
