@@ -57,7 +57,10 @@ def live_env(workdir: Path) -> dict:
             # one torch thread: on a shared 2-core box a 2-thread team stalls on every op
             "CHAT_THREADS": "1",
             "CHAT_GRACEFUL_TIMEOUT_S": "5", "CHAT_CACHE_DIR": str(ROOT / "data" / "model-cache"),
-            "CHAT_KV_DISK_MB": "64"}  # conversations' KV on disk in the shared cache: a little
+            "CHAT_KV_DISK_MB": "64",  # conversations' KV on disk in the shared cache: a little
+            # no model-written titles: one landing in the background would change a conversation a test compares
+            # before and after (tests/test_browser_titles.py asks for them)
+            "CHAT_TITLES": "off"}
 
 
 @pytest.fixture(scope="session")

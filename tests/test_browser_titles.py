@@ -21,8 +21,9 @@ def stored_title(c, conv: str) -> str:
 
 @pytest.fixture(scope="module")
 def titled(server_factory):
-    """A server of this module's own, with CHAT_TITLES at its default (on)."""
-    return server_factory("titles")
+    """A server of this module's own, with model-written titles (CHAT_TITLES, on by default; the other live
+    test servers turn them off)."""
+    return server_factory("titles", CHAT_TITLES="on")
 
 
 @pytest.fixture
