@@ -141,9 +141,11 @@ class Decoder:
         """cos and sin at ``positions`` (rows, columns) -> (rows, columns, 1, head dim), as transformers
         computes them (float32, then the activations' type); ``local``: the windowed layers' base."""
         need = int(positions.max()) + 1
-        cos, sin = self._angles.get(local, (torch.empty(0), torch.empty(0)))
-        if need > cos.shape[0]:
-            size = max(need, 2 * cos.shape[0], 256)
+        held = self._angles.get(local)
+        if held is not None and need <= held[0].shape[0]:
+            cos, sin = held
+        else:
+            size = max(need, 2 * held[0].shape[0] if held is not None else 0, 256)
             freqs = torch.outer(torch.arange(size, dtype=torch.float), self.local_inv_freq if local else self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = self._angles[local] = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
