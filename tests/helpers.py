@@ -540,3 +540,14 @@ class Chat:
             self.context.close()
         else:
             self.page.close()
+
+
+# ---------------------------------------------------------------- tools the structured-answer tests offer
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                          "required": ["city"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}  # a tool_choice naming it

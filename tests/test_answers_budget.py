@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 from fakes import AppServer
+from helpers import NAMED_WEATHER as NAMED
+from helpers import TIME_TOOL as TIME
+from helpers import WEATHER_TOOL as WEATHER
 from helpers import make_app, make_engine
 
 openai = pytest.importorskip("openai")
@@ -22,14 +25,7 @@ NESTED = {"type": "object", "required": ["id", "items"], "additionalProperties":
     "items": {"type": "array", "minItems": 1, "items": {
         "type": "object", "required": ["product", "quantity"], "additionalProperties": False,
         "properties": {"product": {"type": "string"}, "quantity": {"type": "number"}}}}}}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                          "required": ["city"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
-                                       "required": ["zone"], "additionalProperties": False}}}
 FRUITS = [{"role": "user", "content": "List two fruits as JSON."}]
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 def _format(schema):

@@ -11,20 +11,16 @@ import pytest
 from chat.config import Settings
 from chat.engine.remote.client import RemoteEngine
 from fakes import AppServer
+from helpers import NAMED_WEATHER as NAMED
+from helpers import TIME_TOOL as TIME
+from helpers import WEATHER_TOOL as WEATHER
 from helpers import WS, make_app, make_engine, wait_for
 
 openai = pytest.importorskip("openai")
 
 PAIR = {"type": "object", "properties": {"name": {"type": "string"}, "color": {"type": "string"}},
         "required": ["name", "color"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                          "required": ["city"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
-                                       "required": ["zone"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Rome?"}]
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
