@@ -1,9 +1,10 @@
 """The rows decoding together: joining the batch, one decode step a turn (drafts for a lone row), every row's
 next token sampled in one pass, rows ended (their KV kept in the prefix cache for the next turn).
 
-The engine's loop (``local.py``) joins each prefilled job (``join``) and runs one ``step`` an iteration; the
-rows and the batch's KV buffer are this object's alone. Every event a row emits goes through ``delta`` and
-``done`` below.
+The engine's loop (``local.py``) runs the scheduler's plan: one ``step`` an iteration (its cut rows, its drafts,
+every row's next token), then each prefilled job ``join``s. The rows' order is the KV buffer's (row i is row i
+of ``kv``), so the rows decoding and the buffer are this object's alone; the scheduler plans over them. Every
+event a row emits goes through ``delta`` and ``done`` below.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ..model.prefill import PrefillJob
 from ..model.runner import ModelRunner
 from ..model.sampling import sample_rows
 from . import drafts, grammar
+from .scheduler import Plan
 from .slot import Slot
 
 log = logging.getLogger(__name__)
@@ -43,8 +45,10 @@ class Batch:
     def loaded(self, runner: ModelRunner, grammars: grammar.Grammars, eos_ids: frozenset) -> None:
         self.runner, self.grammars, self.eos_ids = runner, grammars, eos_ids
 
-    def join(self, job: PrefillJob, logits: torch.Tensor) -> None:
+    def join(self, job: PrefillJob) -> None:
         """Move a prefilled job's rows into the batch (in place) and sample their first tokens."""
+        logits, job.logits = job.logits, None
+        assert logits is not None
         kept = []
         for r, slot in enumerate(job.slots):
             if slot.gen.cancel_reason:
@@ -62,14 +66,16 @@ class Batch:
         rows = logits[kept] if len(kept) < job.rows else logits
         self._accept_all(slots, rows)
 
-    def step(self, cut: list[tuple[Slot, str]]) -> None:
-        """One decode step for every row in the batch, once the rows the scheduler ``cut`` have ended."""
-        for slot, reason in cut:
-            self.finish(slot, reason)
+    def step(self, plan: Plan) -> None:
+        """The plan's decode step: its ``cut`` rows end, then every other row decodes one token, or a row of its
+        ``drafts`` several (when the drafter has a guess worth checking)."""
+        for slot, reason in plan.cut:
+            if slot in self.rows:  # (not already ended)
+                self.finish(slot, reason)
         if not self.rows:
             return
         assert self.kv is not None
-        if len(self.rows) == 1 and self.drafter.step(self.rows[0], self.kv, self.runner, self._take):
+        if plan.drafts == self.rows and self.drafter.step(self.rows[0], self.kv, self.runner, self._take):
             return
         started = time.monotonic()
         logits = self.runner.decode(self.kv, [s.last for s in self.rows], [s.pos for s in self.rows])

@@ -1,9 +1,9 @@
 """The local engine: the interface the web calls (``submit``, ``stats``, ``describe``...), the model's load, and
 its one OS thread's loop.
 
-Each iteration the scheduler (``scheduler.py``) plans who starts, who prefills how much and who is cut; the
-model runner (``model/runner.py``) runs those prefill chunks, and the batch (``batch.py``) runs one decode step
-for every row, samples and ends rows. A prompt is prepared (template, ids, grammar) before the scheduler sees it:
+Each iteration the scheduler (``scheduler.py``) makes one plan: who ends, starts or waits, who prefills how much,
+who is cut, who decodes and who drafts; the loop carries it out: the model runner (``model/runner.py``) runs
+the prefill chunks, and the batch (``batch.py``) runs the decode step, samples and ends rows. A prompt is prepared (template, ids, grammar) before the scheduler sees it:
 in ``submit``, on the submitting request's thread, or, while the model loads, once it is in. Idle, the loop
 warms shared preambles and runs the runner's chores a step at a time.
 """
@@ -192,24 +192,25 @@ class LocalEngine(Engine):
         self._fail_inbox(self.stopping)
 
     def _iterate(self) -> None:
-        """Carry out the scheduler's plan: its admissions, its prefill chunks, one decode step (or wait for work)."""
+        """Carry out the scheduler's plan for this iteration: its events, its prefill chunks, the decode step
+        (cut rows, drafts, every row's next token), the prefilled rows joining; or idle work, or wait."""
         queue = self.queue
         self.prefix.tidy()  # deleted conversations' entries out
         batch = self.batch
         plan = queue.plan(batch.rows, batch.step_s, lambda: self.stopping)
         announce(plan, done)
-        while (chunk := queue.chunk(plan)) is not None:
+        for chunk in queue.chunks(plan):
             started = time.monotonic()
-            logits = self.runner.prefill(chunk.job, chunk.columns)
-            queue.ran(plan, chunk, time.monotonic() - started, logits)
+            self.runner.prefill(chunk.job, chunk.columns)
+            chunk.spent = time.monotonic() - started
         announce(plan, done)  # prefills whose every prompt was cancelled
         if batch.rows:
-            batch.step(queue.cut(batch.rows))
+            batch.step(plan)
             self.trimmed = False
         # Prompts that finished prefilling join after the step: a long one's row makes every row's
         # attention longer, and the step of the running rows already waited for its last chunk.
-        for job, logits in queue.take_joining():
-            batch.join(job, logits)
+        for job in queue.take_joining():
+            batch.join(job)
         if not queue.busy(batch.rows):
             if self.prefix.disk is not None:
                 self.prefix.disk.idle.set()  # its writes wait for a moment like this

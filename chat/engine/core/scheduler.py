@@ -32,8 +32,6 @@ from ..model import sampling
 from ..model.prefill import MIN_CHUNK, PrefillJob
 from .slot import Slot
 
-Logits = Any  # a forward's logits (a torch tensor: the model room's)
-
 STALL = 2.0  # a prefill chunk between two decode steps takes at most about this many decode steps
 GATHER_S = 0.05  # the most an idle engine waits for requests being submitted along with the first
 PREFILL_TOKENS = 4096  # prompt tokens (rows x width) in prefill at once, at least (or 2 contexts)
@@ -57,24 +55,31 @@ class Request:
 
 @dataclass(eq=False)
 class Chunk:
-    """A prefill forward decided: ``columns`` more prompt positions of ``job``'s rows."""
+    """A prefill forward decided: ``columns`` more prompt positions of ``job``'s rows; the runner that carries
+    it out says what it cost (``spent``, seconds), from which the next chunk is sized."""
 
     job: PrefillJob
     columns: int
+    spent: float = 0.0
 
 
 @dataclass(eq=False)
 class Plan:
-    """One iteration as the scheduler decided it; the engine carries it out and tells what each event is.
+    """One iteration as the scheduler decided it; the engine carries it out (``LocalEngine._iterate``): who
+    ends, who starts and who waits (events), who prefills how much, who is cut, who decodes, who drafts.
 
     ``ended``: (generation, reason, slot or None) to end unstarted (cancelled while waiting or prefilling);
     ``refused``: (generation, error); ``started``: slots admitted (their prefill is under way);
-    ``queued``: (generation, position) whose queue position changed. Prefill chunks are decided one at a
-    time (``Scheduler.chunk``), each from what the last one cost (``Scheduler.ran``).
+    ``queued``: (generation, position) whose queue position changed. Prefill: the chunks
+    ``Scheduler.chunks`` hands out within ``budget`` tokens and ``target`` seconds, each sized from what the
+    last one cost. Then the decode step: ``cut`` rows end first (cancelled, out of time), every other row
+    decodes, and the rows in ``drafts`` may feed drafted tokens (``drafts.Drafter``) instead of one.
     """
 
-    decoding: int  # rows in the decode batch
+    decoding: int  # rows in the decode step
     step_s: float  # a decode step's measured cost
+    cut: list[tuple[Slot, str]] = field(default_factory=list)
+    drafts: list[Slot] = field(default_factory=list)
     ended: list[tuple[Generation, str, Slot | None]] = field(default_factory=list)
     refused: list[tuple[Generation, EngineError]] = field(default_factory=list)
     started: list[Slot] = field(default_factory=list)
@@ -89,8 +94,8 @@ class Plan:
 class Scheduler:
     """The queue of one ``LocalEngine`` and its prompts being prefilled: it decides, the engine runs.
 
-    Each iteration's ``plan`` takes new requests, admits what fits, and then hands out prefill chunks
-    within the iteration's budget; ``cut`` says which decoding rows end before the decode step. Requests
+    Each iteration's ``plan`` cuts the decoding rows that end, takes new requests, admits what fits, and then
+    hands out prefill chunks within the iteration's budget (``chunks``). Requests
     reach it prepared (prompt ids fitted, grammar compiled: ``LocalEngine.prepare``, off the engine thread);
     events and forwards are the engine's. It plans once ``loaded`` told it the model's KV shape.
     """
@@ -109,7 +114,7 @@ class Scheduler:
         self.inbox: collections.deque = collections.deque()  # producers append, the engine pops
         self.waiting: collections.deque = collections.deque()  # Requests; engine thread only
         self.jobs: collections.deque = collections.deque()  # prefills in progress; engine thread only
-        self.joining: collections.deque = collections.deque()  # (job, logits) prefilled, to join the batch
+        self.joining: collections.deque = collections.deque()  # jobs prefilled, to join the batch
         self.wake = Wakeup()
         self.arriving = Counter()  # submits still fitting their prompt: see gather
         self.prefilling = 0  # rows in jobs and joining, kept by the engine thread for other threads to read
@@ -146,9 +151,13 @@ class Scheduler:
     # ---- the engine thread
 
     def plan(self, rows: list[Slot], step_s: float, stopping: Callable[[], object]) -> Plan:
-        """This iteration: take new requests (gathering those sent together while idle), admit what fits,
-        and set the prefill budget beside the ``rows`` decoding (a step of them costs ``step_s``)."""
-        plan = Plan(len(rows), step_s)
+        """This iteration: cut the decoding ``rows`` that end (a step of them costs ``step_s``), say who drafts,
+        take new requests (gathering those sent together while idle), admit what fits, and set the prefill
+        budget beside the rows that go on decoding."""
+        cut = self.cut(rows)
+        decoding = [slot for slot in rows if all(slot is not c for c, _ in cut)] if cut else rows
+        # Drafted tokens are checked by one wider forward of the row alone: a lone decoding row's.
+        plan = Plan(len(decoding), step_s, cut, decoding if len(decoding) == 1 else [])
         self.take_inbox(plan)
         if self.waiting and not self.busy(rows):
             self.gather(plan, stopping)
@@ -171,7 +180,8 @@ class Scheduler:
         """Anything decoding (``rows``) or prefilling."""
         return bool(rows or self.jobs)
 
-    def cut(self, rows: list[Slot]) -> list[tuple[Slot, str]]:
+    @staticmethod
+    def cut(rows: list[Slot]) -> list[tuple[Slot, str]]:
         """Decoding rows to end before the next decode step, and why (cancelled, out of time)."""
         now = time.monotonic()
         return [(slot, slot.gen.cancel_reason or "timeout") for slot in rows
@@ -207,7 +217,7 @@ class Scheduler:
             self.take_inbox(plan)
 
     def count(self) -> None:
-        self.prefilling = sum(len(j.slots) for j in self.jobs) + sum(len(j.slots) for j, _ in self.joining)
+        self.prefilling = sum(len(j.slots) for j in self.jobs) + sum(len(j.slots) for j in self.joining)
 
     def _tokens(self) -> int:
         """Prompt tokens (rows x width) of the jobs prefilling: what their buffers and forwards hold."""
@@ -286,9 +296,11 @@ class Scheduler:
         self.jobs.append(job)
         self.count()
 
-    def chunk(self, plan: Plan) -> Chunk | None:
-        """The next prefill forward within the plan's budget, oldest job of the least-served owner first;
-        jobs whose every prompt was cancelled end here."""
+    def chunks(self, plan: Plan) -> Iterator[Chunk]:
+        """The plan's prefill forwards, one at a time within its budget, the oldest job of the least-served
+        owner first, each sized from what the last one cost (the runner sets ``Chunk.spent`` before asking for
+        the next); jobs whose every prompt was cancelled end here, finished ones wait to join the batch
+        (``take_joining``)."""
         decoding, step_s, target = plan.decoding, plan.step_s, plan.target
         while not plan.over and self.jobs and plan.budget > 0 and plan.seconds > 0:
             job = self._next_job()
@@ -309,12 +321,13 @@ class Scheduler:
                 # an owner's seven prompts in one job advance together no faster than one would.
                 allowed = max(MIN_CHUNK * plan.share, int((target - step_s) / self.token_s))
                 columns = min(columns, max(1, allowed // job.rows))
-            return Chunk(job, columns)
-        return None
+            chunk = Chunk(job, columns)
+            yield chunk
+            self._ran(plan, chunk)
 
-    def ran(self, plan: Plan, chunk: Chunk, spent: float, logits: Logits | None) -> None:
-        """``chunk`` ran in ``spent`` seconds; ``logits``: its job's last position's, once the job is done."""
-        job, columns = chunk.job, chunk.columns
+    def _ran(self, plan: Plan, chunk: Chunk) -> None:
+        """``chunk`` ran (in ``chunk.spent`` seconds): measure, move its job on to join once done."""
+        job, columns, spent = chunk.job, chunk.columns, chunk.spent
         if plan.decoding:
             plan.budget -= columns * job.rows
             plan.seconds -= spent
@@ -325,9 +338,9 @@ class Scheduler:
             self.token_s = max(spent - (plan.step_s if plan.decoding else 0), 1e-4) / (columns * job.rows)
         for slot in job.slots:
             self.spent[owner(slot.gen)] = self.spent.get(owner(slot.gen), 0) + columns
-        if logits is not None:
+        if job.logits is not None:
             self.jobs.remove(job)
-            self.joining.append((job, logits))
+            self.joining.append(job)
         if not plan.decoding or plan.seconds < plan.target / 2:
             # Decoding: another forward now would stall the running rows past the target. Not
             # decoding: look for newcomers (another owner's) before the next forward.
@@ -339,15 +352,15 @@ class Scheduler:
             return min(self.spent.get(owner(s.gen), 0) for s in job.slots)
         return min(self.jobs, key=served)  # min keeps the first (oldest) of equals
 
-    def take_joining(self) -> Iterator[tuple[PrefillJob, Logits]]:
-        """Prefilled jobs, oldest first, each with its last position's logits."""
+    def take_joining(self) -> Iterator[PrefillJob]:
+        """Prefilled jobs, oldest first (each with its last position's ``logits``)."""
         while self.joining:
             yield self.joining.popleft()
             self.count()
 
     def take_all(self) -> list:
         """Every job prefilling or joining (the engine ends them)."""
-        jobs = list(self.jobs) + [job for job, _ in self.joining]
+        jobs = list(self.jobs) + list(self.joining)
         self.jobs.clear()
         self.joining.clear()
         self.count()

@@ -1,8 +1,6 @@
 """Prompts being prefilled, a chunk at a time, in their own buffer until they join the batch."""
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..kv.buffer import KVBuffer
@@ -44,6 +42,8 @@ class PrefillJob:
         self.score: int | None = None  # set: score every prompt token (this many alternatives each)
         self.scores: list | None = None  # per row: (token id, logprob or None, [(id, logprob)...])
         self.columns = 0  # this job's next chunk size from its last chunk's cost (0: not measured yet)
+        self.end = 0  # the prompt position the open chunk ends at
+        self.logits: torch.Tensor | None = None  # the last position's, once done (until the rows join the batch)
 
     @property
     def rows(self) -> int:
@@ -66,24 +66,30 @@ class PrefillJob:
         over = max(spent - step_s, 1e-3)
         self.columns = max(MIN_CHUNK, int(columns * (target - step_s) / over))
 
-    def step(self, forward: Callable[..., torch.Tensor], columns: int) -> torch.Tensor | None:
-        """Prefill the next ``columns`` prompt positions; the last position's logits once finished, else None."""
-        kv, begin = self.kv, self.done
-        end = min(begin + columns, self.tokens.shape[1])
-        q = end - begin
-        kv.open(q, self.real[:, begin:end])
-        if self.score is None:
-            logits = forward(self.tokens[:, begin:end], kv, self.positions[:, begin:end])
-        else:
-            logits = forward(self.tokens[:, begin:end], kv, self.positions[:, begin:end], every=True)
+    def open(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next chunk's inputs, (token ids, positions) of ``columns`` more prompt positions per row, their
+        KV columns opened; the runner's forward over them goes to ``ran``."""
+        begin = self.done
+        self.end = min(begin + columns, self.tokens.shape[1])
+        self.kv.open(self.end - begin, self.real[:, begin:self.end])
+        return self.tokens[:, begin:self.end], self.positions[:, begin:self.end]
+
+    def ran(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The chunk ``open`` gave ran and made ``logits`` (its last column's; every column's when scoring):
+        the prompt's last position's logits once the job is done (kept as ``logits`` until it joins the
+        batch), else None."""
+        kv, begin, end = self.kv, self.done, self.end
+        if self.score is not None:
             self._score(logits, begin, end)
             logits = logits[:, -1]
         for r, pad in enumerate(self.pads):
             if pad > begin:  # padding attends to nothing; keep its never-read KV finite
                 kv.clear(r, min(pad, end) - begin)
-        kv.advance(q)
+        kv.advance(end - begin)
         self.done = end
-        return logits if self.done == self.tokens.shape[1] else None
+        if self.done == self.tokens.shape[1]:
+            self.logits = logits
+        return self.logits
 
     def _score(self, logits: torch.Tensor, begin: int, end: int) -> None:
         """Each prompt token's log probability given the ones before it (columns begin..end predict

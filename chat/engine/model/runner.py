@@ -120,7 +120,10 @@ class _Runner:
 
     def prefill(self, job: PrefillJob, columns: int) -> torch.Tensor | None:
         """The job's next ``columns`` prompt positions; its last position's logits once it is done."""
-        return job.step(self.forward, columns)
+        tokens, positions = job.open(columns)
+        if job.score is None:
+            return job.ran(self.forward(tokens, job.kv, positions))
+        return job.ran(self.forward(tokens, job.kv, positions, every=True))  # every position's, to score
 
     def decode(self, kv: KVBuffer, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One decode forward for every row of ``kv``: next-token logits."""
@@ -203,14 +206,11 @@ class DecoderRunner(_Runner):
         ``verifies``), not a prefill's other rounding. Those columns cost a decode step each (the products'
         one-row kernels), so a longer prompt is scored by the batched prefill like any other: a 1600-token
         prompt took 64 s of them."""
+        assert self.decoder is not None
         if job.score is not None and job.rows == 1 and self.native and job.tokens.shape[1] <= EXACT_SCORE:
-            return job.step(self._columns, columns)
-        return job.step(self.forward, columns)
-
-    def _columns(self, input_ids: torch.Tensor, kv: KVBuffer, position_ids: torch.Tensor, spans: list | None = None,
-                 every: bool = False) -> torch.Tensor:
-        assert self.decoder is not None and every
-        return self.decoder.verify(input_ids, kv, position_ids).view(*input_ids.shape, -1)
+            tokens, positions = job.open(columns)
+            return job.ran(self.decoder.verify(tokens, job.kv, positions).view(*tokens.shape, -1))
+        return super().prefill(job, columns)
 
     def verifies(self, columns: int) -> bool:
         """On the C++ step with products that take one path for any rows, once checked on this machine that
