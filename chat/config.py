@@ -321,7 +321,9 @@ class Settings:
         "CHAT_TITLES", True, read.boolean,
         doc="When on, the model writes a short title (2 to 6 words, in the chat's language) for each new "
             "conversation after its first answer: a greedy generation of at most 20 tokens and 15 s, after "
-            "the answer's `done`, never delaying it; the first words of the first message are the title "
+            "the answer's `done`, never delaying it, and in the background: the engine starts it only while no "
+            "other answer decodes or waits, so it never slows one (on a server busy for all of those 15 s the "
+            "first words stay); the first words of the first message are the title "
             "until then, and the page hears the new one in a `title` frame. That title is the "
             "conversation's one title whatever version of the first message is shown; a title the user "
             "sets always wins. Off: the first message's first words are the title, and editing the first "

@@ -1,8 +1,9 @@
 """A new conversation's title, written by the model after its first answer (CHAT_TITLES).
 
 Off the answer's path: the answer's ``done`` has gone out and its conversation is free before the
-title is asked for; the title is a short, greedy, bounded generation of its own, and a user's own
-title (a rename meanwhile) always wins.
+title is asked for; the title is a short, greedy, bounded generation of its own, in the background (the
+engine starts it only while no answer decodes or waits), and a user's own title (a rename meanwhile)
+always wins.
 """
 from __future__ import annotations
 
@@ -81,7 +82,9 @@ class Titler:
 
     def generate(self, question: str, answer: str, model: str | None, owner: str) -> str | None:
         """The model's title for this exchange, or None (refused, failed, too slow, nothing usable)."""
-        params = GenParams(temperature=0.0, max_new_tokens=TITLE_TOKENS, model=model)
+        # In the background: it starts only while no answer decodes or waits, so it never slows one (on a
+        # server busy past TITLE_TIMEOUT_S the first words stay the title).
+        params = GenParams(temperature=0.0, max_new_tokens=TITLE_TOKENS, model=model, background=True)
         try:
             gen = self.engine.submit(prompt(question, answer), params, owner=owner)
         except ChatError as exc:  # the queue is full, or the server stops: the first words stay

@@ -55,6 +55,31 @@ def test_request_joining_mid_batch(engine):
     assert [e for e in long if isinstance(e, Done)][0].reason == "cancelled"
 
 
+def test_background_work_waits_until_no_answer_decodes_or_waits(engine):
+    """A title (``background``) starts only once every answer has ended, one that arrived after it included;
+    alone it starts at once, and it gives the answer it would give in the foreground."""
+    title_params = GenParams(temperature=0, max_new_tokens=8, background=True)
+    expected = collect(engine.submit(ask("title this"), GenParams(temperature=0, max_new_tokens=8)))[0]
+    alone = engine.submit(ask("title this"), title_params)
+    assert collect(alone)[0] == expected  # nothing else to wait for
+    order = []  # the engine thread's lifecycle events, in the order it emitted them
+
+    def watched(name, gen):
+        gen.observers.append(lambda event: order.append((name, type(event).__name__)))
+        return gen
+
+    answer = watched("answer", engine.submit(ask("a long answer"), GenParams(temperature=0, max_new_tokens=80)))
+    next(e for e in answer if isinstance(e, Delta))
+    title = watched("title", engine.submit(ask("title this"), title_params))
+    later = watched("later", engine.submit(ask("another answer"), GenParams(temperature=0, max_new_tokens=20)))
+    collect(later)
+    collect(answer)
+    assert collect(title)[0] == expected
+    started = order.index(("title", "Started"))
+    assert order.index(("answer", "Done")) < started and order.index(("later", "Done")) < started, order
+    assert order.index(("later", "Started")) < started
+
+
 def test_cancel_mid_batch_leaves_the_others_intact(engine):
     expected = [collect(engine.submit(ask(q), GenParams(temperature=0, max_new_tokens=60)))[0] for q in QUESTIONS]
     gens = [engine.submit(ask(q), GenParams(temperature=0, max_new_tokens=60)) for q in QUESTIONS]

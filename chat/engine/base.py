@@ -35,6 +35,9 @@ class GenParams:
     # identity, hashed), as vLLM's per-tenant cache salt; None: the engine's public namespace.
     cache_salt: str | None = None
     tool_mode: str | None = None  # the grammar is tool calls (tool_choice auto, required or a name)
+    # Work for the server, not an answer someone waits on (a conversation's title): the local engine starts it
+    # only while no other answer decodes, prefills or waits, so it never slows one.
+    background: bool = False
     upstream: dict = field(default_factory=dict)  # those fields as a remote engine passes them on (remote/fields.py)
 
 

@@ -1,11 +1,12 @@
 """The local engine: the interface the web calls (``submit``, ``stats``, ``describe``...), the model's load, and
 its one OS thread's loop.
 
-Each iteration the scheduler (``scheduler.py``) makes one plan: who ends, starts or waits, who prefills how much,
-who is cut, who decodes and who drafts; the loop carries it out: the model runner (``model/runner.py``) runs
-the prefill chunks, and the batch (``batch.py``) runs the decode step, samples and ends rows. A prompt is prepared (template, ids, grammar) before the scheduler sees it:
-in ``submit``, on the submitting request's thread, or, while the model loads, once it is in. Idle, the loop
-warms shared preambles and runs the runner's chores a step at a time.
+Each iteration the scheduler (``scheduler.py``) makes one plan: who ends, starts or waits, who prefills how
+much, who is cut, who decodes and who drafts; the loop carries it out: the model runner (``model/runner.py``)
+runs the prefill chunks, and the batch (``batch.py``) runs the decode step, samples and ends rows. A prompt is
+prepared (template, ids, grammar) before the scheduler sees it: in ``submit``, on the submitting request's
+thread, or, while the model loads, once it is in. Idle, the loop warms shared preambles and runs the runner's
+chores a step at a time.
 """
 from __future__ import annotations
 

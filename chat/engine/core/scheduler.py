@@ -80,6 +80,7 @@ class Plan:
     step_s: float  # a decode step's measured cost
     cut: list[tuple[Slot, str]] = field(default_factory=list)
     drafts: list[Slot] = field(default_factory=list)
+    answering: bool = False  # an answer someone waits on decodes: background work waits (``_next_waiting``)
     ended: list[tuple[Generation, str, Slot | None]] = field(default_factory=list)
     refused: list[tuple[Generation, EngineError]] = field(default_factory=list)
     started: list[Slot] = field(default_factory=list)
@@ -157,7 +158,8 @@ class Scheduler:
         cut = self.cut(rows)
         decoding = [slot for slot in rows if all(slot is not c for c, _ in cut)] if cut else rows
         # Drafted tokens are checked by one wider forward of the row alone: a lone decoding row's.
-        plan = Plan(len(decoding), step_s, cut, decoding if len(decoding) == 1 else [])
+        plan = Plan(len(decoding), step_s, cut, decoding if len(decoding) == 1 else [],
+                    answering=any(not s.params.background for s in decoding))
         self.take_inbox(plan)
         if self.waiting and not self.busy(rows):
             self.gather(plan, stopping)
@@ -223,11 +225,21 @@ class Scheduler:
         """Prompt tokens (rows x width) of the jobs prefilling: what their buffers and forwards hold."""
         return sum(job.rows * job.tokens.shape[1] for job in self.jobs)
 
-    def _next_waiting(self, fresh: list) -> Request | None:
+    def _next_waiting(self, plan: Plan, fresh: list) -> Request | None:
         """The next waiter to start: the oldest of an owner with nothing in prefill, else the oldest;
-        None while the prefill memory budget is spent (someone is always let in)."""
+        None while the prefill memory budget is spent (someone is always let in). Background work (a title)
+        waits while any answer someone waits on decodes, prefills or waits to start."""
+        answers = [r for r in self.waiting if not r.gen.params.background]
+        if len(answers) < len(self.waiting) and (
+                answers or plan.answering or any(not s.params.background for s in fresh)
+                or any(not s.params.background for job in self.jobs for s in job.slots)):
+            if not answers:
+                return None
+            candidates = answers
+        else:
+            candidates = list(self.waiting)
         busy = {owner(s.gen) for job in self.jobs for s in job.slots} | {owner(s.gen) for s in fresh}
-        request = next((r for r in self.waiting if owner(r.gen) not in busy), self.waiting[0])
+        request = next((r for r in candidates if owner(r.gen) not in busy), candidates[0])
         size = len(request.prompt_ids or ())
         held = self._tokens() + sum(len(s.prompt_ids) for s in fresh)
         if (self.jobs or fresh) and held + size > self.budget_tokens:
@@ -241,7 +253,7 @@ class Scheduler:
         fresh: list[Slot] = []
         started = plan.started
         while self.waiting and room > 0:
-            request = self._next_waiting(started)
+            request = self._next_waiting(plan, started)
             if request is None:
                 break
             gen = request.gen
