@@ -175,6 +175,7 @@ class Engine:
     vocab_size: int | None = None  # the model's vocabulary (top_k's bound), when the engine knows it
     ready: bool = False
     error: str | None = None
+    loading: dict | None = None  # while not ready: a long load step's {"step", "done", "total"}, for /readyz
 
     def submit(self, messages: list, params: GenParams, key: str | None = None,
                owner: str | None = None) -> Generation:

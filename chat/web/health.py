@@ -33,7 +33,10 @@ def readyz() -> ResponseReturnValue:
         return jsonify(ready)
     if engine.error:  # the reason (paths, backend URL) is in the server log, not for anyone who asks
         return jsonify({"status": "failed"}), 503
-    return jsonify({"status": "loading"}), 503
+    loading: dict[str, object] = {"status": "loading"}
+    if engine.loading:  # a long step under way (a GGUF converted once): how far it is
+        loading["progress"] = engine.loading
+    return jsonify(loading), 503
 
 
 @bp.get("/metrics")

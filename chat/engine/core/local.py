@@ -63,6 +63,7 @@ class LocalEngine(Engine):
         self.stopping: str | None = None  # reason, once shutdown was asked
         self.closed = False  # the engine thread has ended
         self.trimmed = True
+        self.step_s = 0.0  # the warm-up's decode step (seconds), for the start-up line
         self.chores: Iterator[None] | None = None  # idle work after start-up (runner.chores): a step per idle turn
         self.batch = Batch(self.prefix, drafts.Drafter(settings.draft != "off"))  # the decoding rows
         start_real_thread(self._run, name="engine")
@@ -158,11 +159,22 @@ class LocalEngine(Engine):
         with self.early_lock:
             self.ready = True
             early, self.early = self.early, []
-        log.info("engine ready: %s, max batch %d, prefill chunk %d", self.model_name,
-                 self.settings.max_batch, self.settings.prefill_chunk)
+        log.info("engine ready: %s", self._ready_line())
         self._prepare_early(early)
         with torch.inference_mode():  # every tensor the engine makes is an inference tensor
             self._loop()
+
+    def _ready_line(self) -> str:
+        """The start-up line: the model, which path runs it, the warm-up's measured speed, the batch's limits."""
+        own = self.runner.decoder is not None
+        path = ("the own decoder" if own else
+                "transformers' forward (an architecture the own decoder does not run: slower, see docs/models.md)")
+        speed = ""
+        if self.step_s:
+            later = " until the C++ step is in" if own and self.chores is not None else ""
+            speed = f", a decode step {self.step_s * 1000:.0f} ms (~{1 / self.step_s:.0f} tokens/s one answer{later})"
+        return (f"{self.model_name} on {path}{speed}, max batch {self.settings.max_batch}, "
+                f"prefill chunk {self.settings.prefill_chunk}")
 
     def _prepare_early(self, early: list[Generation]) -> None:
         """Fit the generations submitted while the model loaded (refusing those that do not fit) and queue them
@@ -232,11 +244,12 @@ class LocalEngine(Engine):
 
     def _load(self) -> None:
         with torch.inference_mode():
-            self.loaded = model_loader.load(self.settings)
+            self.loaded = model_loader.load(self.settings, self._loading)
             self.model_name = self.loaded.name
             runner = self.runner = runner_for(self.loaded)
             if self.settings.warmup:
-                runner.warm_up(prompt.render(self.loaded.tokenizer, [{"role": "user", "content": "Hi"}]))
+                hi = prompt.render(self.loaded.tokenizer, [{"role": "user", "content": "Hi"}])
+                self.step_s = runner.warm_up(hi)
             self.weights, self.formats = runner.weights, runner.formats()
             self.cpu = cpu.detect(self.settings.cpu_isa).isa
             self.vocab_size = runner.vocab_size
@@ -259,6 +272,10 @@ class LocalEngine(Engine):
         gc.collect()
         gc.freeze()
         release_memory()  # loading's temporaries (a GGUF's unpacked blocks: hundreds of MB)
+
+    def _loading(self, step: str, done: int, total: int) -> None:
+        """How far a long step of the load is (a GGUF's conversion), for ``/readyz``."""
+        self.loading = {"step": step, "done": done, "total": total}
 
     def count_tokens(self, text: str) -> int | None:
         if not self.ready:

@@ -7,6 +7,7 @@ transformers' forward; a GGUF of another architecture is converted once to dense
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -14,7 +15,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,11 +100,47 @@ def _gguf_cache_dir(gguf: Path, cache_root: str) -> Path:
     return Path(cache_root) / f"{gguf.stem}-{digest}"
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize a GGUF once and keep the dense weights on disk, so later starts are fast."""
+Progress = Callable[[str, int, int], None]  # (what is under way, done, total): the load's steps, for /readyz
+
+
+@contextlib.contextmanager
+def _tensor_progress(step: str, progress: Progress | None, every_s: float = 5.0) -> Iterator[None]:
+    """Report transformers' GGUF de-quantization tensor by tensor (its loop is a ``tqdm`` over the file's
+    tensors, the only place it tells how far it is): to ``progress`` each tensor, to the log every
+    ``every_s`` seconds."""
+    from transformers import modeling_gguf_pytorch_utils as module
+    original = module.tqdm
+
+    def reporting(items: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        items = list(items)
+        last = time.monotonic()
+        for done, item in enumerate(items):
+            if progress is not None:
+                progress(step, done, len(items))
+            if time.monotonic() - last >= every_s:
+                last = time.monotonic()
+                log.info("%s: %d of %d tensors", step, done, len(items))
+            yield item
+        if progress is not None:
+            progress(step, len(items), len(items))
+
+    module.tqdm = reporting
+    try:
+        yield
+    finally:
+        module.tqdm = original
+
+
+def _convert_gguf(gguf: Path, target: Path, progress: Progress | None = None) -> None:
+    """De-quantize a GGUF once, tensor by tensor into bfloat16 (never a float32 copy of the model: the same
+    weights as the file's blocks give, at half the memory and disk), and keep the dense weights on disk, so
+    later starts are fast. Progress goes to the log and to ``progress`` (``/readyz``)."""
     started = time.monotonic()
+    step = f"converting {gguf.name} to dense bfloat16 weights (once: later starts reuse them)"
+    log.info("%s: the own decoder does not run its architecture; transformers' forward will", step)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with _tensor_progress(step, progress):
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
     # The GGUF quantizer marks the model unserializable even when it dequantized every weight.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -128,7 +165,7 @@ def gguf_source(model: str) -> tuple[Path, str] | None:
     return None
 
 
-def resolve_source(model: str, cache_root: str) -> tuple[str, str]:
+def resolve_source(model: str, cache_root: str, progress: Progress | None = None) -> tuple[str, str]:
     """(path or hub id for transformers to load, display name), converting a GGUF into the cache first."""
     found = gguf_source(model)
     if found is None:
@@ -142,7 +179,7 @@ def resolve_source(model: str, cache_root: str) -> tuple[str, str]:
     target = _gguf_cache_dir(file, cache_root)
     if not (target / "config.json").is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        _convert_gguf(file, target)
+        _convert_gguf(file, target, progress)
     return str(target), name
 
 
@@ -168,8 +205,9 @@ def eos_ids(tokenizer: Any, model: Any = None) -> frozenset:
     return frozenset(ids)
 
 
-def load(settings: Settings) -> LoadedModel:
-    """Load the model named by the settings on the calling thread (the engine's)."""
+def load(settings: Settings, progress: Progress | None = None) -> LoadedModel:
+    """Load the model named by the settings on the calling thread (the engine's); a long step (a GGUF's
+    conversion) tells ``progress`` how far it is."""
     started = time.monotonic()
     # With an attention mask (always, in the engine's batches), transformers copies every key/value
     # head once per query head it serves before calling SDPA, per layer and forward: ~10% of a
@@ -180,7 +218,7 @@ def load(settings: Settings) -> LoadedModel:
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device, settings.cpu_isa)
     tokenizer, model, decoder, name, source = (_load_direct(settings, device, dtype)
-                                               or _load_transformers(settings, device, dtype))
+                                               or _load_transformers(settings, device, dtype, progress))
     if decoder is not None:
         dtype = decoder.dtype
     template = templates.choose(tokenizer, settings.template)
@@ -294,11 +332,12 @@ def _crossovers(decoder: Decoder, source: Path, settings: Settings) -> Iterator[
             log.warning("could not keep the measured crossovers in %s: %s", store, exc)
 
 
-def _load_transformers(settings: Settings, device: torch.device, dtype: torch.dtype) -> tuple:
+def _load_transformers(settings: Settings, device: torch.device, dtype: torch.dtype,
+                       progress: Progress | None = None) -> tuple:
     """A hub id, a folder, or a GGUF the own decoder does not read. On the CPU a Llama-shaped model runs on the
     own decoder, its weights quantized on load to Q8_0 on the int4 kernel (``weights.quantize``) where the CPU
     class runs it and ``CHAT_QUANT`` is not ``off``; then the transformers model itself is let go."""
-    source, name = resolve_source(settings.model, settings.model_cache_dir)
+    source, name = resolve_source(settings.model, settings.model_cache_dir, progress)
     machine = cpu.detect(settings.cpu_isa)
     quantize = (device.type == "cpu" and settings.quant != "off" and settings.dtype != "float32"
                 and quant.quantized(machine.isa))

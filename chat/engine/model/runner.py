@@ -87,8 +87,9 @@ class ModelRunner(Protocol):
         """Idle work after start-up, a step per idle iteration of the engine."""
         ...
 
-    def warm_up(self, ids: list[int]) -> None:
-        """A tiny generation from prompt ``ids``, so the first user pays for no lazy initialisation."""
+    def warm_up(self, ids: list[int]) -> float:
+        """A tiny generation from prompt ``ids``, so the first user pays for no lazy initialisation; what its
+        last decode step took (seconds: the start-up line's measured speed)."""
         ...
 
 
@@ -153,19 +154,23 @@ class _Runner:
         """Idle work after start-up, a step per idle turn of the engine."""
         return iter(())
 
-    def warm_up(self, ids: list[int]) -> None:
+    def warm_up(self, ids: list[int]) -> float:
         """Run a tiny generation from prompt ``ids``, chunked and sampled, so the first user pays for no lazy
-        initialisation."""
+        initialisation; what its last decode step took."""
         started = time.monotonic()
         job = PrefillJob([ids], self.dims)
         logits = self.prefill(job, len(ids) // 2)
         logits = logits if logits is not None else self.prefill(job, len(ids))
         assert logits is not None
         params, generator = [GenParams(temperature=0.7, top_p=0.9)], [torch.Generator().manual_seed(0)]
+        step_s = 0.0
         for i in range(3):
             token = sample(logits, params, generator)[0]
+            stepped = time.monotonic()
             logits = self.decode(job.kv, [token], [len(ids) + i])
+            step_s = time.monotonic() - stepped
         log.info("warm-up took %.2f s", time.monotonic() - started)
+        return step_s
 
 
 class DecoderRunner(_Runner):
