@@ -84,10 +84,9 @@ def ours(path: Path, ctx: int) -> dict:
                 chunk[0] = bos
             kv = decoder.cache(1, ctx + 8)
             for j in range(ctx - 1):
-                kv.reserve(1)
-                kv.mask[0, kv.length] = 1
+                kv.open(1)
                 logits = decoder(torch.tensor([[chunk[j]]]), kv, torch.tensor([[j]]))
-                kv.length += 1
+                kv.advance(1)
                 if j >= first:
                     total -= float(torch.log_softmax(logits[0].double(), dim=-1)[chunk[j + 1]])
                     count += 1
@@ -116,6 +115,8 @@ def main(argv=None) -> int:
     parser.add_argument("--text", type=Path, help="a text file to score instead of the built-in paragraphs (more "
                         "tokens: a tighter comparison)")
     parser.add_argument("--models", type=Path, default=ROOT / "data" / "bench-models")
+    parser.add_argument("--file", type=Path, action="append", help="score this GGUF as it is instead of the "
+                        "re-quantized bundled model (repeatable: e.g. a real Qwen2.5 file)")
     args = parser.parse_args(argv)
     if args.text:
         global TEXT
@@ -126,8 +127,9 @@ def main(argv=None) -> int:
     tools = Path(server).parent
     args.models.mkdir(parents=True, exist_ok=True)
     rows = []
-    for kind in args.types.split(","):
-        path = quantize(str(tools / "llama-quantize"), kind, args.models)
+    files = [(file.name, file) for file in args.file or ()]
+    for kind, path in files or [(kind, None) for kind in args.types.split(",")]:
+        path = path or quantize(str(tools / "llama-quantize"), kind, args.models)
         mine: dict = {}
         worker = threading.Thread(target=lambda out=mine, file=path: out.update(ours(file, args.ctx)))  # not main
         worker.start()
