@@ -35,6 +35,7 @@ class GenParams:
     # identity, hashed), as vLLM's per-tenant cache salt; None: the engine's public namespace.
     cache_salt: str | None = None
     tool_mode: str | None = None  # the grammar is tool calls (tool_choice auto, required or a name)
+    enable_thinking: bool | None = None  # a thinking model's switch, passed to its template (None: its default)
     upstream: dict = field(default_factory=dict)  # those fields as a remote engine passes them on (remote/fields.py)
 
 

@@ -270,29 +270,29 @@ class Store(Versions, Options, Sharing, Presets, Trash):
         return liveness.owner_of(self._token)
 
     @_guarded
-    def save_partial(self, message_id: str, content: str) -> None:
-        """Checkpoint the text streamed so far, so a crash loses little of it."""
+    def save_partial(self, message_id: str, content: str, reasoning: str | None = None) -> None:
+        """Checkpoint the text (and a thinking model's thinking) streamed so far, so a crash loses little of it."""
         with self._conn() as db:
-            db.execute(f"UPDATE messages SET content = {db.mark} WHERE id = {db.mark} AND status = 'streaming'",
-                       (content, message_id))
+            db.execute(f"UPDATE messages SET content = {db.mark}, reasoning = {db.mark}"
+                       f" WHERE id = {db.mark} AND status = 'streaming'", (content, reasoning, message_id))
 
     @_guarded
     def finish_assistant(self, message_id: str, content: str, reason: str,
-                         usage: dict | None = None, timings: dict | None = None) -> None:
-        """Store the final text; 'complete' for stop/length, otherwise 'partial'."""
+                         usage: dict | None = None, timings: dict | None = None, reasoning: str | None = None) -> None:
+        """Store the final text (and a thinking model's thinking); 'complete' for stop/length, otherwise 'partial'."""
         now = time.time()
         with self._conn() as db, db.transaction():
             db.execute(
                 f"UPDATE messages SET content = {db.mark}, status = {db.mark}, reason = {db.mark}, usage = {db.mark},"
-                f" timings = {db.mark}, owner = NULL WHERE id = {db.mark}",
+                f" timings = {db.mark}, reasoning = {db.mark}, owner = NULL WHERE id = {db.mark}",
                 (content, "complete" if reason in FINISHED else "partial", reason,
                  json.dumps(usage) if usage is not None else None,
-                 json.dumps(timings) if timings is not None else None, message_id))
+                 json.dumps(timings) if timings is not None else None, reasoning or None, message_id))
             db.reindex(message_id)
             db.execute(
                 f"UPDATE conversations SET updated_at = {db.mark}, size = size + {db.mark}"
                 f" WHERE id = (SELECT conversation_id FROM messages WHERE id = {db.mark})",
-                (now, len(content), message_id))
+                (now, len(content) + len(reasoning or ""), message_id))
 
     @_guarded
     def forget_client(self, client_id: str) -> int:
@@ -320,6 +320,8 @@ class Store(Versions, Options, Sharing, Presets, Trash):
                 continue
             attached = json.loads(row["attachments"]) if row["attachments"] else None
             out.append({"role": row["role"], "content": files.with_attachments(row["content"], attached)})
+            if row["role"] == "assistant" and row["reasoning"]:  # the template decides whether the model sees it
+                out[-1]["reasoning_content"] = row["reasoning"]
         return out
 
     def search(self, client_id: str | None, text: str, deadline: float | None = None) -> list[dict]:
