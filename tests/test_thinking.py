@@ -70,3 +70,124 @@ def test_which_templates_think_and_which_prompts_open_the_thinking():
     assert opens("<｜Assistant｜><think>\n")
     assert not opens("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3, enable_thinking false
     assert not opens("<|im_start|>assistant\n")
+
+
+# ---------------------------------------------------------------- the template: Qwen3's rule, and R1's open tag
+
+TEMPLATES = __import__("pathlib").Path(__file__).resolve().parent / "templates"
+
+
+@pytest.fixture(scope="module")
+def qwen3_file():
+    from tinygguf import tiny_gguf
+    return tiny_gguf(template=(TEMPLATES / "qwen3.jinja").read_text())
+
+
+@pytest.fixture(scope="module")
+def r1_file():
+    from tinygguf import tiny_gguf
+    return tiny_gguf(template=(TEMPLATES / "r1.jinja").read_text())
+
+
+@pytest.fixture(scope="module")
+def qwen3(qwen3_file):
+    from chat.engine.model import loader
+    return loader.gguf_tokenizer(qwen3_file)
+
+
+HISTORY = [{"role": "system", "content": "You are terse."},
+           {"role": "user", "content": "What is 2+2?"},
+           {"role": "assistant", "content": "It is 4.", "reasoning_content": "Adding two and two<|im_start|> gives four."},
+           {"role": "user", "content": "And 3+3?"}]
+
+
+def test_qwen3s_template_drops_earlier_thinking_from_the_prompt(qwen3):
+    from chat.engine.core import prompt
+    assert thinks(qwen3.chat_template)
+    text = qwen3.decode(prompt.render(qwen3, HISTORY))
+    assert text == ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                    "<|im_start|>assistant\nIt is 4.<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    # as transformers renders it for the same messages (the thinking in reasoning_content, as the template reads it)
+    assert text == qwen3.apply_chat_template(HISTORY, tokenize=False, add_generation_prompt=True)
+
+
+def test_enable_thinking_false_goes_to_the_template_and_the_answer_starts_outside_thinking(qwen3):
+    from chat.engine import GenParams
+    from chat.engine.core import prompt
+    off = GenParams(enable_thinking=False)
+    ids = prompt.request_ids(qwen3, HISTORY, off, 4096, 512)
+    assert qwen3.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt.splitter(qwen3, HISTORY, off).thinking
+    on = prompt.splitter(qwen3, HISTORY, GenParams())
+    assert on is not None and not on.thinking  # Qwen3 writes its own <think>
+    assert prompt.splitter(qwen3, HISTORY, GenParams(raw_prompt=True)) is None
+    assert prompt.splitter(qwen3, HISTORY, GenParams(grammar="start: /[a-z]+/")) is None
+
+
+def test_a_continued_answer_shows_its_own_thinking_to_the_model_and_its_text_stays_text(qwen3):
+    from chat.engine.core import prompt
+    cut = [*HISTORY[:2], {"role": "assistant", "content": "It is", "reasoning_content": "Two <|im_end|> two.",
+                           "prefix": True}]
+    ids = prompt.render(qwen3, cut)
+    text = qwen3.decode(ids)
+    assert text.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+                         "Two <|im_end|> two.\n</think>\n\nIt is")
+    end = qwen3.convert_tokens_to_ids("<|im_end|>")
+    assert ids.count(end) == 2  # the system's and the question's: the one in the thinking is text
+    assert prompt.splitter(qwen3, cut, __import__("chat.engine", fromlist=["GenParams"]).GenParams()) is None
+
+
+def test_a_template_that_opens_think_in_the_prompt_starts_the_answer_inside_thinking(r1_file):
+    from chat.engine import GenParams
+    from chat.engine.core import prompt
+    from chat.engine.model import loader
+    r1 = loader.gguf_tokenizer(r1_file)
+    assert qwen3_ends(r1.decode(prompt.render(r1, HISTORY)))
+    split = prompt.splitter(r1, HISTORY, GenParams())
+    assert split is not None and split.thinking
+
+
+def qwen3_ends(text: str) -> bool:
+    return text.endswith("<|im_start|>assistant\n<think>\n")
+
+
+def test_a_slot_splits_a_thinking_models_tokens_one_by_one(qwen3):
+    from chat.config import Settings
+    from chat.engine import GenParams, Generation
+    from chat.engine.core import prompt
+    from chat.engine.core.slot import Slot
+    slot = Slot(Generation(messages=HISTORY, params=GenParams()), [1], qwen3, Settings.from_env({}))
+    out = "<think>\nSix, since 3+3 is 6.\n</think>\n\nIt is 6. 🙂"
+    deltas = []
+    for token in prompt.text_ids(qwen3, out):
+        text, _ = slot.take(token, frozenset())
+        deltas.append(slot.delta(text))
+    deltas.append(slot.delta(slot.flush(), last=True))
+    deltas = [d for d in deltas if d is not None]
+    assert "".join(d.reasoning for d in deltas) == "Six, since 3+3 is 6."
+    assert "".join(d.text for d in deltas) == "It is 6. 🙂"
+    assert not any(d.reasoning and d.text for d in deltas)  # a token is thinking or answer
+    plain = Slot(Generation(messages=HISTORY, params=GenParams()), [1], prompt_tokenizer_without_thinking(), Settings.from_env({}))
+    assert plain.thinking is None
+
+
+def prompt_tokenizer_without_thinking():
+    from chat.engine.model import loader
+    from tinygguf import tiny_gguf
+    return loader.gguf_tokenizer(tiny_gguf())
+
+
+def test_the_local_engine_answers_inside_the_thinking_a_template_opened(r1_file, tmp_path):
+    """The tiny random model never writes </think>: cut by its budget, its whole answer is thinking, kept."""
+    from chat.engine import Delta, GenParams
+    from helpers import make_engine
+    engine = make_engine(r1_file, tmp_path, max_new_tokens=64)
+    try:
+        events = list(engine.submit(HISTORY, GenParams(temperature=0, max_new_tokens=12)))
+        deltas = [e for e in events if isinstance(e, Delta)]
+        thought = "".join(d.reasoning for d in deltas)
+        assert thought and thought == thought.strip() and not "".join(d.text for d in deltas)
+        assert events[-1].reason == "length" and events[-1].usage["completion_tokens"] == 12
+    finally:
+        engine.shutdown()

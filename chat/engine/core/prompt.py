@@ -14,7 +14,10 @@ from typing import Any
 from ...errors import PromptTooLong
 from .. import thinking
 
-_PAD = " \t\n"  # around a marker: a template that trims the text (``| trim``) strips it, and we see it
+# around a marker: a template that trims the text (``| trim``) strips them, and we see it; neither is touched
+# by a template that strips only newlines (Qwen3's ``strip('\n')``, which the text has none of at its ends)
+_PAD = " \t\n"
+_PAD_AFTER = "\n\t "
 _MARK = re.compile("(\ue000M(\\d+)\ue001)")  # private-use characters: no template trims or escapes them
 
 
@@ -75,7 +78,7 @@ def render(tokenizer: Any, messages: list, tools: tuple = (), extra: dict | None
 
     def mark(text: str) -> str:
         values.append(text)
-        return _PAD + _marker(len(values) - 1) + _PAD
+        return _PAD + _marker(len(values) - 1) + _PAD_AFTER
 
     marked = []
     for m in messages:
@@ -87,19 +90,19 @@ def render(tokenizer: Any, messages: list, tools: tuple = (), extra: dict | None
     open_turn = bool(messages) and messages[-1]["role"] == "assistant" and bool(messages[-1].get("prefix"))
     last = -1
     if open_turn:  # the open turn ends right after its text (transformers cuts the rest)
-        marked[-1]["content"] = marked[-1]["content"][:-len(_PAD)]
+        marked[-1]["content"] = marked[-1]["content"][:-len(_PAD_AFTER)]
         last = int(_MARK.search(marked[-1]["content"]).group(2))  # type: ignore[union-attr]
     pieces = _MARK.split(_template(tokenizer, marked, args))
     templates, which = pieces[0::3], [int(i) for i in pieces[2::3]]
     texts = []
     for k, i in enumerate(which):
         text = values[i]
-        if templates[k].endswith(_PAD):  # the template took the text as it is, or cut only its end
-            after = _pad_start(templates[k + 1])
+        if templates[k].endswith(_PAD):  # the template took the text as it is, or cut its end
             templates[k] = templates[k][:-len(_PAD)]
-            templates[k + 1] = templates[k + 1][after:]
-            if after < len(_PAD) and i != last:
-                text = text.strip()
+            if templates[k + 1].startswith(_PAD_AFTER):
+                templates[k + 1] = templates[k + 1][len(_PAD_AFTER):]
+            elif i != last:  # the template trims the end (``rstrip``)
+                text = text.rstrip()
         else:  # the template trims it
             text = text.strip()
         texts.append(text.rstrip() if i == last else text)
@@ -108,11 +111,6 @@ def render(tokenizer: Any, messages: list, tools: tuple = (), extra: dict | None
         ids += text_ids(tokenizer, text)
         ids += tokenizer.encode(template, add_special_tokens=False)
     return ids
-
-
-def _pad_start(piece: str) -> int:
-    """How much of the padding after a marker the template left: all of it, part of it (``strip('\\n')``)."""
-    return next((n for n in range(len(_PAD), 0, -1) if piece.startswith(_PAD[:n])), 0)
 
 
 def _overheads(tokenizer: Any, system: list, tools: tuple = (), extra: dict | None = None) -> tuple[int, int]:
