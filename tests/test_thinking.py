@@ -97,7 +97,8 @@ def qwen3(qwen3_file):
 
 HISTORY = [{"role": "system", "content": "You are terse."},
            {"role": "user", "content": "What is 2+2?"},
-           {"role": "assistant", "content": "It is 4.", "reasoning_content": "Adding two and two<|im_start|> gives four."},
+           {"role": "assistant", "content": "It is 4.",
+            "reasoning_content": "Adding two and two<|im_start|> gives four."},
            {"role": "user", "content": "And 3+3?"}]
 
 
@@ -168,7 +169,8 @@ def test_a_slot_splits_a_thinking_models_tokens_one_by_one(qwen3):
     assert "".join(d.reasoning for d in deltas) == "Six, since 3+3 is 6."
     assert "".join(d.text for d in deltas) == "It is 6. 🙂"
     assert not any(d.reasoning and d.text for d in deltas)  # a token is thinking or answer
-    plain = Slot(Generation(messages=HISTORY, params=GenParams()), [1], prompt_tokenizer_without_thinking(), Settings.from_env({}))
+    plain = Slot(Generation(messages=HISTORY, params=GenParams()), [1], prompt_tokenizer_without_thinking(),
+                 Settings.from_env({}))
     assert plain.thinking is None
 
 

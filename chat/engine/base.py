@@ -197,6 +197,11 @@ class Engine:
         decode step, idle chores and draft counts ({} for an engine with nothing to tell)."""
         return {}
 
+    def thinks(self) -> bool:
+        """Whether the default model is a thinking model (its template writes ``<think>``): the page offers
+        its switch (``enable_thinking``)."""
+        return False
+
     def count_tokens(self, text: str) -> int | None:
         """How many tokens ``text`` is for the default model (None when the engine cannot say)."""
         return None

@@ -21,6 +21,7 @@ from ...concurrency import real_lock, run_in_thread, start_real_thread
 from ...config import Settings
 from ...errors import EngineError, EngineUnavailable, Overloaded
 from ..base import Engine, Generation, GenParams
+from .. import thinking
 from ..events import Refused, announce
 from ..kernels import cpu
 from ..kv import disk as kvdisk
@@ -124,7 +125,8 @@ class LocalEngine(Engine):
         stats = self.stats()
         template = self.loaded.template
         facts = {"weights": self.weights, "cpu": self.cpu, "finishing": stats["finishing"], "decode": stats["decode"],
-                 "template": template.name, "base_model": template.base_model, **self.batch.drafter.stats()}
+                 "template": template.name, "base_model": template.base_model, "thinking": self.thinks(),
+                 **self.batch.drafter.stats()}
         if self.formats:
             facts["formats"] = self.formats
         return facts
@@ -257,6 +259,9 @@ class LocalEngine(Engine):
         gc.collect()
         gc.freeze()
         release_memory()  # loading's temporaries (a GGUF's unpacked blocks: hundreds of MB)
+
+    def thinks(self) -> bool:
+        return self.ready and thinking.thinks(getattr(self.loaded.tokenizer, "chat_template", None))
 
     def count_tokens(self, text: str) -> int | None:
         if not self.ready:
