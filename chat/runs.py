@@ -175,7 +175,9 @@ class Run:
                  gen: Generation, subscriber: Subscriber | None, prefix: str = "", before: dict | None = None) -> None:
         self.owner, self.client, self.id = owner, client, rid
         self.prefix = prefix  # continue: the answer's text so far, which the deltas extend
-        self.thoughts = (before or {}).get("reasoning") or ""  # a thinking model's thinking (continue: the stored)
+        # a thinking model's thinking; a continued answer's stored one, unless it was cut inside it (no text
+        # yet: then it is answered afresh, thinking again)
+        self.thoughts = (before.get("reasoning") or "") if before and before.get("content") else ""
         self.thinking_at: float | None = None  # when its thinking began streaming
         self.thinking_ms: float | None = None  # how long it thought (until the answer's first text, or the end)
         self.reasoning: dict[int, str] = {}  # delta index -> the thinking that delta carries

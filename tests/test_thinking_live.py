@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 
 import pytest
 from helpers import WS, ThinkingUpstream, conv_of, cookie_for, start_upstream, text_of
@@ -139,3 +140,19 @@ def test_v1_returns_reasoning_content_that_the_openai_sdk_reads(thinker):
                                                      {"role": "user", "content": "Sure?"}])
     assert handler.asked[-1]["messages"][-2] == {"role": "assistant", "content": "Yes.",
                                                  "reasoning_content": "Small numbers."}
+
+
+def test_the_cli_shows_the_thinking_apart_and_pipes_only_the_answer(thinker):
+    import subprocess
+    import sys
+    srv, handler = thinker
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "chat.client", "--url", srv.ws_url, "Is 2 < 3?"], cwd=root,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == ANSWER + "\n"  # a pipe gets the answer alone
+    assert f"Thinking…\n{THOUGHT}\n…done thinking." in run.stderr
+    hidden = subprocess.run([sys.executable, "-m", "chat.client", "--url", srv.ws_url, "--hide-thinking",
+                             "--thinking", "off", "Is 2 < 3?"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert hidden.returncode == 0 and hidden.stdout == "Plainly: true.\n" and "Thinking" not in hidden.stderr
+    assert handler.asked[-1]["chat_template_kwargs"] == {"enable_thinking": False}

@@ -10,6 +10,7 @@ import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
 import * as tabs from './tabs.js';
+import * as thinking from './thinking.js';
 import * as thread from './thread.js';
 import * as tokens from './tokens.js';
 import { REASONS, setContextTokens, wholeAnswer } from './message.js';
@@ -71,6 +72,8 @@ export function showServer(waiting) {
   setContextTokens(socket.limits().context_tokens);
   models.setModels(socket.models(), socket.model());
   models.showFor(chat.shownRecord());
+  thinking.setOffered(socket.thinks());
+  thinking.showFor(chat.shownRecord());
 }
 
 function onReady() {

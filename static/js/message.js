@@ -310,6 +310,7 @@ export class AssistantMessage {
     box.querySelector('.thinking-text').textContent = text;
     const label = box.querySelector('.thinking-label');
     if (live) {
+      if (box.dataset.state !== 'thinking') box.open = true;
       this.status.hidden = true;
       this.el.dataset.state = 'streaming';
       box.dataset.state = 'thinking';
@@ -341,7 +342,7 @@ export class AssistantMessage {
     if (this.thinkingBox && Number.isFinite(timings?.thinking_ms)) { // the server's measure of how long it thought
       this.thinkingMs = timings.thinking_ms;
       this.thinkingBox.querySelector('.thinking-label').textContent = `Thought for ${formatSeconds(this.thinkingMs)}`;
-      if (this.text) this.thinkingBox.dataset.state = 'done';
+      this.thinkingBox.dataset.state = this.text ? 'done' : 'cut'; // stopped inside it: stays open
     }
     this.el.dataset.reason = reason || '';
     this.done = { reason, timings, usage, status };
