@@ -9,7 +9,7 @@ from werkzeug.serving import make_server
 from chat import app_state
 from chat.concurrency import real_sleep, start_real_thread
 from chat.engine import Delta, Done, Engine, Generation, Queued, Refused, Started
-from chat.engine.thinking import Splitter
+from chat.engine.events import Splitter
 from chat.errors import Overloaded, PromptTooLong
 
 WORDS = [f"w{i} " for i in range(40)]

@@ -1,4 +1,4 @@
-"""Thinking models: the thinking split from the answer as it streams (chat/engine/thinking.py), in every
+"""Thinking models: the thinking split from the answer as it streams (chat/engine/events.py), in every
 awkward split; the template's rule for what the model sees of earlier thinking; the local engine's slot."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from chat.engine.thinking import Splitter, opens, thinks
+from chat.engine.events import Splitter, opens, thinks
 
 
 def run(pieces, inside=False):

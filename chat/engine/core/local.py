@@ -21,7 +21,7 @@ from ...concurrency import real_lock, run_in_thread, start_real_thread
 from ...config import Settings
 from ...errors import EngineError, EngineUnavailable, Overloaded
 from ..base import Engine, Generation, GenParams
-from .. import thinking
+from .. import events as thinking
 from ..events import Refused, announce
 from ..kernels import cpu
 from ..kv import disk as kvdisk

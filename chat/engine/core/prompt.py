@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from ...errors import PromptTooLong
-from .. import thinking
+from .. import events as thinking
 
 # around a marker: a template that trims the text (``| trim``) strips them, and we see it; neither is touched
 # by a template that strips only newlines (Qwen3's ``strip('\n')``, which the text has none of at its ends)

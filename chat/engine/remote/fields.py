@@ -13,8 +13,7 @@ import json
 from typing import Any
 
 from ..base import GenParams
-from ..events import Delta
-from ..thinking import Splitter
+from ..events import Delta, Splitter
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "}\n</tool_call>"
 
