@@ -186,6 +186,7 @@ def test_the_local_engine_answers_inside_the_thinking_a_template_opened(r1_file,
     from helpers import make_engine
     engine = make_engine(r1_file, tmp_path, max_new_tokens=64)
     try:
+        assert engine.thinks() and engine.describe()["thinking"] is True  # /readyz and ready.thinking say so
         events = list(engine.submit(HISTORY, GenParams(temperature=0, max_new_tokens=12)))
         deltas = [e for e in events if isinstance(e, Delta)]
         thought = "".join(d.reasoning for d in deltas)
