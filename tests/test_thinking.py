@@ -194,3 +194,27 @@ def test_the_local_engine_answers_inside_the_thinking_a_template_opened(r1_file,
         assert events[-1].reason == "length" and events[-1].usage["completion_tokens"] == 12
     finally:
         engine.shutdown()
+
+
+# ---------------------------------------------------------------- the store: SQLite and PostgreSQL
+
+def test_the_store_keeps_thinking_with_the_answer_through_export_import_and_branch(store):
+    import json
+
+    from helpers import ALICE
+    conv = store.create_conversation(ALICE)
+    store.add_user_message(ALICE, conv["id"], "2+2?")
+    mid = store.start_assistant(conv["id"])
+    store.save_partial(mid, "", "Two and")  # a checkpoint while it still thinks
+    assert store.get_conversation(ALICE, conv["id"])["messages"][1]["reasoning"] == "Two and"
+    store.finish_assistant(mid, "4.", "stop", {"completion_tokens": 9}, {"thinking_ms": 120.5}, "Two and two.")
+    answer = store.get_conversation(ALICE, conv["id"])["messages"][1]
+    assert (answer["content"], answer["reasoning"], answer["timings"]["thinking_ms"]) == ("4.", "Two and two.", 120.5)
+    assert store.history(conv["id"])[-1] == {"role": "assistant", "content": "4.", "reasoning_content": "Two and two."}
+    assert "reasoning" not in store.get_conversation(ALICE, conv["id"])["messages"][0]  # only where there is some
+    body = json.loads(store.export(ALICE, conv["id"], "json")[0])
+    copy = store.import_conversation(ALICE, body, 10_000)
+    assert store.get_conversation(ALICE, copy)["messages"][1]["reasoning"] == "Two and two."
+    branch = store.branch(ALICE, conv["id"], mid, 10_000)
+    assert store.get_conversation(ALICE, branch)["messages"][1]["reasoning"] == "Two and two."
+    assert "> **Thinking:**\n> Two and two.\n\n4." in store.export(ALICE, conv["id"], "md")[0]

@@ -44,8 +44,9 @@ def _title_from(content: str) -> str:
 
 
 def _size(message: dict) -> int:
-    """The characters a message adds to its conversation's size: its text and its attachments."""
-    return len(message.get("content") or "") + files.chars(message.get("attachments") or [])
+    """The characters a message adds to its conversation's size: its text, its thinking and its attachments."""
+    return (len(message.get("content") or "") + len(message.get("reasoning") or "")
+            + files.chars(message.get("attachments") or []))
 
 
 def backend_for(target: str, max_mb: int = 0) -> StoreBackend:
@@ -211,13 +212,13 @@ class Store(Versions, Options, Sharing, Presets, Trash):
         message_id = new_id()
         db.execute(
             "INSERT INTO messages (id, conversation_id, parent_id, role, content, attachments, status, reason,"
-            f" usage, timings, owner, created_at) VALUES ({marks(db, 12)})",
+            f" usage, timings, owner, created_at, reasoning) VALUES ({marks(db, 13)})",
             (message_id, conv_id, parent_id, fields["role"], fields.get("content", ""),
              json.dumps(fields["attachments"], ensure_ascii=False) if fields.get("attachments") else None,
              fields["status"], fields.get("reason"),
              json.dumps(fields["usage"]) if fields.get("usage") is not None else None,
              json.dumps(fields["timings"]) if fields.get("timings") is not None else None,
-             fields.get("owner"), fields.get("created_at") or time.time()))
+             fields.get("owner"), fields.get("created_at") or time.time(), fields.get("reasoning") or None))
         if fields["status"] != "streaming" and cjk.has_cjk(fields.get("content", "")):
             db.reindex(message_id)
         db.execute(f"UPDATE conversations SET active_id = {db.mark}, size = size + {db.mark} WHERE id = {db.mark}",
@@ -375,7 +376,7 @@ class Store(Versions, Options, Sharing, Presets, Trash):
             path = [_message(r) for r in tree.path(db, conv_id, message_id)]
         body = {"title": conv["title"], "system": conv["system"], "params": conv["params"], "model": conv["model"],
                 "messages": [{k: m[k] for k in ("role", "content", "attachments", "status", "reason", "usage",
-                                                "timings", "created_at")} for m in path]}
+                                                "timings", "created_at", "reasoning") if k in m} for m in path]}
         return self.import_conversation(cast(str, client_id), body, max_content_chars, address, mark=" (branch)")
 
     def export(self, client_id: str | None, conv_id: str, fmt: str) -> tuple[str, str, str] | None:
