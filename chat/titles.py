@@ -81,7 +81,8 @@ class Titler:
 
     def generate(self, question: str, answer: str, model: str | None, owner: str) -> str | None:
         """The model's title for this exchange, or None (refused, failed, too slow, nothing usable)."""
-        params = GenParams(temperature=0.0, max_new_tokens=TITLE_TOKENS, model=model)
+        # a thinking model answers a title at once: its few tokens are not spent thinking
+        params = GenParams(temperature=0.0, max_new_tokens=TITLE_TOKENS, model=model, enable_thinking=False)
         try:
             gen = self.engine.submit(prompt(question, answer), params, owner=owner)
         except ChatError as exc:  # the queue is full, or the server stops: the first words stay

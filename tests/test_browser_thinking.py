@@ -111,3 +111,11 @@ def test_the_switch_is_offered_for_a_thinking_model_per_new_chat_and_per_convers
         assert c.errors == []
     finally:
         c.close()
+    phone = Chat(browser, qwen3_server.url, width=375, height=740).open()
+    try:  # on a phone the switch fits the top bar beside the title and the menu
+        phone.page.wait_for_selector(toggle)
+        box = phone.page.locator(toggle).bounding_box()
+        assert box is not None and box["x"] + box["width"] <= 375
+        phone.shot("thinking-switch-phone")
+    finally:
+        phone.close()

@@ -113,6 +113,7 @@ async function watchModel(token) {
         server.models = [name, ...server.models.filter((m) => m !== server.model && m !== name)];
         server.model = name;
       }
+      if (waiting) server.thinking = answer.body?.thinking === true;
       if (waiting) listener.changed();
       return;
     }
