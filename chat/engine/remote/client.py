@@ -397,6 +397,9 @@ class RemoteEngine(Engine):
         for choice in chunk.get("choices") or ():
             for delta in relay.legacy(choice) if "text" in choice else relay.chat(choice):
                 if not delta.text:
+                    if delta.reasoning:  # thinking is the answer's too: its first token, its count (no usage)
+                        state["first"] = state["first"] or time.monotonic()
+                        state["deltas"] += 1
                     gen.emit(delta)
                     continue
                 text = delta.text
