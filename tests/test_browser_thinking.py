@@ -41,7 +41,7 @@ def test_the_thinking_block_opens_while_thinking_and_closes_with_its_duration(br
         c.wait_until(f"() => {{ const b = {BLOCK}; return b && b.open && b.dataset.state === 'thinking'"
                      " && b.textContent.includes('let me'); }")
         live = block(c)
-        assert live["label"] == "Thinking…" and c.answer() == ""
+        assert live["label"].startswith("Thinking…") and c.answer() == ""
         c.shot("thinking-open")
         assert c.wait_done() == "stop"
         done = block(c)

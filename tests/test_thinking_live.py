@@ -156,3 +156,30 @@ def test_the_cli_shows_the_thinking_apart_and_pipes_only_the_answer(thinker):
                              "--thinking", "off", "Is 2 < 3?"], cwd=root, capture_output=True, text=True, timeout=60)
     assert hidden.returncode == 0 and hidden.stdout == "Plainly: true.\n" and "Thinking" not in hidden.stderr
     assert handler.asked[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_the_local_engine_through_gunicorn_answers_inside_the_thinking_its_template_opened(server_factory):
+    """The own decoder on a tiny GGUF with an R1-style template (its prompt opens <think>): the tiny random
+    model never closes it, so its whole answer, cut by its budget, is thinking: on the WebSocket, stored, and on
+    /v1 as reasoning_content the SDK reads."""
+    from tinygguf import tiny_gguf
+    template = (Path(__file__).resolve().parent / "templates" / "r1.jinja").read_text()
+    srv = server_factory("r1-local", CHAT_MODEL=str(tiny_gguf(template=template)), CHAT_MAX_NEW_TOKENS=16)
+    cookie = cookie_for(srv)
+    ws = WS(srv.ws_url, header=[f"Cookie: {cookie}"])
+    try:
+        assert ws.ready["thinking"] is True
+        frames = ws.chat("Hello", params={"temperature": 0, "max_new_tokens": 10})
+        done = frames[-1]
+        assert done["reason"] == "length" and done["usage"]["completion_tokens"] == 10
+        thought = thought_of(frames)
+        assert thought and text_of(frames) == ""
+        answer = stored(srv, cookie, conv_of(frames))["messages"][1]
+        assert answer["reasoning"] == thought and answer["content"] == ""
+    finally:
+        ws.close()
+    sdk = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    whole = sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hello"}], max_tokens=10,
+                                        temperature=0)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 10
+    assert whole.choices[0].message.reasoning_content and not whole.choices[0].message.content  # type: ignore[attr-defined]

@@ -314,7 +314,8 @@ export class AssistantMessage {
       this.status.hidden = true;
       this.el.dataset.state = 'streaming';
       box.dataset.state = 'thinking';
-      label.textContent = 'Thinking…';
+      const seconds = Math.floor((performance.now() - this.thinkingFrom) / 1000); // as each piece arrives
+      label.textContent = seconds >= 1 ? `Thinking… ${seconds} s` : 'Thinking…';
       return;
     }
     if (box.dataset.state !== 'done') {
