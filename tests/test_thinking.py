@@ -218,3 +218,32 @@ def test_the_store_keeps_thinking_with_the_answer_through_export_import_and_bran
     branch = store.branch(ALICE, conv["id"], mid, 10_000)
     assert store.get_conversation(ALICE, branch)["messages"][1]["reasoning"] == "Two and two."
     assert "> **Thinking:**\n> Two and two.\n\n4." in store.export(ALICE, conv["id"], "md")[0]
+
+
+@pytest.mark.parametrize("body,expected", [
+    ({"chat_template_kwargs": {"enable_thinking": False}}, False),
+    ({"chat_template_kwargs": {"enable_thinking": True, "other": 1}}, True),  # other keys ignored
+    ({"enable_thinking": False}, False),  # top level, as Qwen's cloud API takes it
+    ({"enable_thinking": True, "chat_template_kwargs": {"enable_thinking": False}}, False),  # the kwargs win
+    ({"chat_template_kwargs": {}}, None),
+    ({}, None),
+])
+def test_v1_reads_the_switch_as_vllm_and_qwen_send_it(body, expected):
+    from chat.config import Settings
+    from chat.web.openai_api import gen_params, parse_request
+    values = parse_request({"messages": [{"role": "user", "content": "hi"}], **body}, Settings())
+    assert gen_params(values).get("enable_thinking") == expected
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs.enable_thinking"),
+    ({"chat_template_kwargs": [True]}, "chat_template_kwargs"),
+    ({"enable_thinking": 0}, "enable_thinking"),
+])
+def test_v1_refuses_a_switch_that_is_not_a_boolean(body, field):
+    from chat.config import Settings
+    from chat.errors import RequestError
+    from chat.web.openai_api import parse_request
+    with pytest.raises(RequestError) as err:
+        parse_request({"messages": [{"role": "user", "content": "hi"}], **body}, Settings())
+    assert err.value.status == 400 and f"'{field}'" in err.value.message

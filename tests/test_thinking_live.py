@@ -134,6 +134,8 @@ def test_v1_returns_reasoning_content_that_the_openai_sdk_reads(thinker):
         sdk.chat.completions.create(model="m", messages=ask,
                                     extra_body={"chat_template_kwargs": {"enable_thinking": 1}})
     assert "chat_template_kwargs.enable_thinking" in str(err.value)
+    sdk.chat.completions.create(model="m", messages=ask, extra_body={"enable_thinking": False})  # top level too
+    assert handler.asked[-1]["chat_template_kwargs"] == {"enable_thinking": False}
     # an assistant turn's reasoning_content goes back to the model as the client sent it
     sdk.chat.completions.create(model="m", messages=[*ask, {"role": "assistant", "content": "Yes.",
                                                             "reasoning_content": "Small numbers."},

@@ -207,7 +207,7 @@ FIELDS = {
     "functions": _unsupported("use 'tools'"),
     "cache_salt": _salt,
     "chat_template_kwargs": _template_kwargs,
-    "enable_thinking": _boolean,  # the same switch at the top level, as llama.cpp's server also takes it
+    "enable_thinking": _boolean,  # the same switch at the top level, as Qwen's own cloud API (DashScope) takes it
 }
 # checked together, by openai_tools.plan: tools, tool_choice, parallel_tool_calls, response_format,
 # logprobs, top_logprobs
