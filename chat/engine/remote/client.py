@@ -320,6 +320,8 @@ class RemoteEngine(Engine):
                 self._active.pop(gen.serial, None)
         if message:
             log.warning("remote generation %s ended with error: %s", gen.serial, message)
+        for delta in state["relay"].held():  # cut short (cancel, a dropped stream): what the split held
+            gen.emit(delta)
         usage = state["usage"] or {}
         gen.emit(Done.build(reason, usage.get("prompt_tokens", 0), usage.get("completion_tokens", state["deltas"]),
                             t0, state["first"], message=message))

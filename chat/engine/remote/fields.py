@@ -111,9 +111,12 @@ class Relay:
 
     def end(self) -> list[Delta]:
         """The answer ended: thinking or text still held comes out, a call still open is closed."""
+        return self.held() + ([Delta(self._close())] if self.call is not None else [])
+
+    def held(self) -> list[Delta]:
+        """Thinking or text the split still holds (a tag that may have been coming), however the answer ended."""
         thought, text = self.thinking.flush()
-        out = [Delta(text, reasoning=thought)] if thought or text else []
-        return out + ([Delta(self._close())] if self.call is not None else [])
+        return [Delta(text, reasoning=thought)] if thought or text else []
 
     def legacy(self, choice: dict) -> list[Delta]:
         """A ``text_completion`` choice: its text; with ``echo``, the prompt's part split off as the
