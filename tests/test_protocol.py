@@ -292,7 +292,8 @@ def test_delta_frames_written_directly_are_what_json_and_wsproto_write():
 
 # ---------------------------------------------------------------- a thinking model (protocol.md, "Thinking")
 
-THINKING_WORDS = ["<", "think", ">\nHm", ", two", " and two.\n<", "/think", ">", "\n", "\nFour", "."]
+# the last thinking and the first answer in one piece: the engine's one delta becomes two frames
+THINKING_WORDS = ["<", "think", ">\nHm", ", two", " and two.\n</think>\n\nFour", "."]
 
 
 def test_a_thinking_models_thinking_comes_on_delta_frames_of_its_own(app_factory):

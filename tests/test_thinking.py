@@ -247,3 +247,42 @@ def test_v1_refuses_a_switch_that_is_not_a_boolean(body, field):
     with pytest.raises(RequestError) as err:
         parse_request({"messages": [{"role": "user", "content": "hi"}], **body}, Settings())
     assert err.value.status == 400 and f"'{field}'" in err.value.message
+
+
+def test_v1_sends_thinking_and_answer_in_chunks_of_their_own_through_the_sdk(app_factory):
+    """The in-process app and the fake engine thinking in awkward pieces (one piece ends the thinking and
+    starts the answer): the OpenAI SDK reads reasoning_content whole and streamed."""
+    openai = pytest.importorskip("openai")
+    from fakes import FakeEngine
+    words = ["<thi", "nk>\nSmall", " numbers.\n</think>\n\nYes", ", 2 < 3."]
+    srv = app_factory(FakeEngine(words=words, thinking=True))
+    sdk = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    ask = [{"role": "user", "content": "2 < 3?"}]
+    whole = sdk.chat.completions.create(model="m", messages=ask).choices[0].message
+    assert (whole.reasoning_content, whole.content) == ("Small numbers.", "Yes, 2 < 3.")  # type: ignore[attr-defined]
+    chunks = [c.choices[0].delta for c in sdk.chat.completions.create(model="m", messages=ask, stream=True)
+              if c.choices]
+    thinking = [getattr(d, "reasoning_content", None) or "" for d in chunks]
+    assert "".join(thinking) == "Small numbers." and "".join(d.content or "" for d in chunks) == "Yes, 2 < 3."
+    assert not any(t and d.content for t, d in zip(thinking, chunks))
+
+
+def test_the_cli_dims_thinking_on_a_terminal_and_hides_it_when_asked(monkeypatch):
+    import io
+
+    from chat.client import cli
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for hide, expected in ((False, "\033[2mThinking…\nSmall numbers.\n…done thinking.\033[0m\n\nYes.\n"),
+                           (True, "Yes.\n")):
+        out = Terminal()
+        monkeypatch.setattr("sys.stdout", out)
+        printer = cli._Printer(raw=False, hide_thinking=hide)
+        for piece in ("Small", " numbers."):
+            printer.thought(piece)
+        printer.text("Yes.")
+        printer.end()
+        assert out.getvalue() == expected
