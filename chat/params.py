@@ -33,6 +33,8 @@ def rules(max_new_tokens: int | None = None, vocab: int | None = None) -> dict:
                            f"an integer from 1 to {most}" if max_new_tokens else "an integer of at least 1"),
         "seed": (lambda v: _is_int(v) and SEED_RANGE[0] <= v < SEED_RANGE[1],
                  f"an integer from {SEED_RANGE[0]} to {SEED_RANGE[1] - 1}"),
+        # a thinking model's switch (its template's ``enable_thinking``); other models ignore it
+        "enable_thinking": (lambda v: isinstance(v, bool), "true or false"),
     }
 
 

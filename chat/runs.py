@@ -138,12 +138,12 @@ def whole_answer(before: dict, usage: dict, timings: dict) -> tuple[dict, dict]:
 class RunStore(Protocol):
     """The two store writes a run makes (``chat.store.Store`` has them)."""
 
-    def save_partial(self, message_id: str, content: str) -> None:
-        """Checkpoint a streaming answer's text so far."""
+    def save_partial(self, message_id: str, content: str, reasoning: str | None = None) -> None:
+        """Checkpoint a streaming answer's text (and a thinking model's thinking) so far."""
 
     def finish_assistant(self, message_id: str, content: str, reason: str,
-                         usage: dict | None = None, timings: dict | None = None) -> None:
-        """Store the answer's final text and how it ended."""
+                         usage: dict | None = None, timings: dict | None = None, reasoning: str | None = None) -> None:
+        """Store the answer's final text (and thinking) and how it ended."""
 
 
 class RunOwner(Protocol):
@@ -175,6 +175,12 @@ class Run:
                  gen: Generation, subscriber: Subscriber | None, prefix: str = "", before: dict | None = None) -> None:
         self.owner, self.client, self.id = owner, client, rid
         self.prefix = prefix  # continue: the answer's text so far, which the deltas extend
+        # a thinking model's thinking; a continued answer's stored one, unless it was cut inside it (no text
+        # yet: then it is answered afresh, thinking again)
+        self.thoughts = (before.get("reasoning") or "") if before and before.get("content") else ""
+        self.thinking_at: float | None = None  # when its thinking began streaming
+        self.thinking_ms: float | None = None  # how long it thought (until the answer's first text, or the end)
+        self.reasoning: dict[int, str] = {}  # delta index -> the thinking that delta carries
         self.before = before  # continue: the stored answer (its usage and timings, for the whole answer's)
         self.conversation_id, self.message_id, self.gen = conversation_id, message_id, gen
         self.deltas: list[str] = []
@@ -215,7 +221,11 @@ class Run:
     def handle(self, event: Event) -> None:
         """One engine event (in the pump's greenlet, or in the remote engine's that emitted it)."""
         if type(event) is Delta:  # nearly every event
-            self.on_delta(event.text, event.tokens, event.logprobs, event.reasoning)
+            if event.reasoning:  # a thinking model's thinking: frames of its own, before the text that follows
+                self.on_delta("", event.tokens if not event.text else 0, (), event.reasoning)
+                if not event.text and not event.logprobs:
+                    return
+            self.on_delta(event.text, event.tokens, event.logprobs)
             return
         match event:
             case Queued(position=position):
@@ -241,7 +251,14 @@ class Run:
         with self.lock:
             index = len(self.deltas)
             self.deltas.append(text)
-            self.tokens = tokens
+            self.tokens = tokens or self.tokens
+            if reasoning:
+                self.reasoning[index] = reasoning
+                self.thoughts += reasoning
+                if self.thinking_at is None:
+                    self.thinking_at = time.monotonic()
+            elif text and self.thinking_at is not None and self.thinking_ms is None:
+                self.thinking_ms = round((time.monotonic() - self.thinking_at) * 1000, 1)
             frame = {"type": "delta", "id": self.id, "index": index, "text": text}
             if tokens:
                 frame["tokens"] = tokens
@@ -253,7 +270,8 @@ class Run:
         now = time.monotonic()
         if now - self.last_checkpoint >= CHECKPOINT_EVERY_S:
             self.last_checkpoint = now
-            self.write(self.store.save_partial, self.message_id, self.prefix + "".join(self.deltas))
+            self.write(self.store.save_partial, self.message_id, self.prefix + "".join(self.deltas),
+                       self.thoughts or None)
 
     def write(self, method: Callable[..., object], *args) -> None:
         """A store write the answer goes on without: a full store is logged there, the client still gets it."""
@@ -264,10 +282,11 @@ class Run:
 
     def save(self, text: str, reason: str, usage: dict, timings: dict) -> bool:
         """The answer's final write; whether it is stored (a full store: kept in memory, saved later)."""
+        reasoning = self.thoughts or None
         try:
-            self.store.finish_assistant(self.message_id, text, reason, usage, timings)
+            self.store.finish_assistant(self.message_id, text, reason, usage, timings, reasoning)
         except StorageFull:
-            self.owner.unsaved.keep(self.message_id, text, reason, usage, timings)
+            self.owner.unsaved.keep(self.message_id, text, reason, usage, timings, reasoning)
             return False
         return True
 
@@ -282,13 +301,20 @@ class Run:
         self.send_start()  # a request cancelled while queued still gets start, then done
         text = self.prefix + "".join(self.deltas)
         usage, timings = event.usage, event.timings
+        if self.thinking_at is not None:  # how long it thought: the page shows it, now and on reload
+            if self.thinking_ms is None:
+                self.thinking_ms = round((time.monotonic() - self.thinking_at) * 1000, 1)
+            timings = {**timings, "thinking_ms": self.thinking_ms}
+        elif self.before is not None and (self.before.get("timings") or {}).get("thinking_ms") is not None:
+            timings = {**timings, "thinking_ms": self.before["timings"]["thinking_ms"]}
         if self.before is not None:  # the stored answer's figures cover all of it; done, the new part
             usage, timings = whole_answer(self.before, usage, timings)
         stored = self.save(text, event.reason, usage, timings)
         self.owner.record(event, "ws", self.id, self.conversation_id,
                             prompt=self.gen.messages[-1]["content"], text=text)
         frame: dict = {"type": "done", "id": self.id, "reason": event.reason, "usage": event.usage,
-                 "timings": event.timings}
+                 "timings": event.timings if self.thinking_ms is None else {**event.timings,
+                                                                             "thinking_ms": self.thinking_ms}}
         if event.notice:
             frame["message"] = event.notice
         if not stored:  # the client has all of it; the store will once it has space
@@ -340,6 +366,8 @@ class Run:
             last = len(self.deltas) - 1
             for index in range(start, len(self.deltas)):
                 frame = {"type": "delta", "id": self.id, "index": index, "text": self.deltas[index]}
+                if index in self.reasoning:
+                    frame["reasoning"] = self.reasoning[index]
                 if index == last and self.tokens:  # the count so far rides on the last replayed delta
                     frame["tokens"] = self.tokens
                 if not subscriber.send(frame):

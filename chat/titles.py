@@ -83,8 +83,10 @@ class Titler:
     def generate(self, question: str, answer: str, model: str | None, owner: str) -> str | None:
         """The model's title for this exchange, or None (refused, failed, too slow, nothing usable)."""
         # In the background: it starts only while no answer decodes or waits, so it never slows one (on a
-        # server busy past TITLE_TIMEOUT_S the first words stay the title).
-        params = GenParams(temperature=0.0, max_new_tokens=TITLE_TOKENS, model=model, background=True)
+        # server busy past TITLE_TIMEOUT_S the first words stay the title); a thinking model answers a title at
+        # once: its few tokens are not spent thinking.
+        params = GenParams(temperature=0.0, max_new_tokens=TITLE_TOKENS, model=model, background=True,
+                           enable_thinking=False)
         try:
             gen = self.engine.submit(prompt(question, answer), params, owner=owner)
         except ChatError as exc:  # the queue is full, or the server stops: the first words stay

@@ -99,7 +99,8 @@ class TurnService:
                          grammar=given.get("grammar"), logprobs=given.get("logprobs"),
                          prompt_logprobs=given.get("prompt_logprobs"), raw_prompt=given.get("raw_prompt", False),
                          tools=tuple(given.get("tools", ())), cache_salt=given.get("cache_salt"),
-                         tool_mode=given.get("tool_mode"), upstream=given.get("upstream", {}))
+                         tool_mode=given.get("tool_mode"), upstream=given.get("upstream", {}),
+                         enable_thinking=given.get("enable_thinking"))
 
     def model(self, wanted: str | None, rid: str | None = None) -> str | None:
         """``wanted`` when the engine serves it (None: its default); bad_message when it does not."""

@@ -9,6 +9,7 @@ from werkzeug.serving import make_server
 from chat import app_state
 from chat.concurrency import real_sleep, start_real_thread
 from chat.engine import Delta, Done, Engine, Generation, Queued, Refused, Started
+from chat.engine.events import Splitter
 from chat.errors import Overloaded, PromptTooLong
 
 WORDS = [f"w{i} " for i in range(40)]
@@ -25,12 +26,13 @@ class FakeEngine(Engine):
     model_name = "fake-model"
 
     def __init__(self, words=WORDS, delay=0.0, fail_after=None, ready=True, answer_words=None,
-                 slots=None, max_queue=0, timeout_s=None, context_words=None, seeded=False):
+                 slots=None, max_queue=0, timeout_s=None, context_words=None, seeded=False, thinking=False):
         self.words, self.delay, self.fail_after = list(words), delay, fail_after
         self.answer_words = len(self.words) if answer_words is None else answer_words
         self.ready = ready
         self.slots, self.max_queue, self.timeout_s = slots, max_queue, timeout_s
         self.context_words, self.seeded = context_words, seeded
+        self.thinking = thinking  # a thinking model: its words split by thinking.Splitter, as the engines split them
         self.refuse = None  # an EngineError that submit raises
         self.reject = None  # an EngineError sent as a Refused event instead of Started
         self.history: list[Generation] = []
@@ -102,6 +104,7 @@ class FakeEngine(Engine):
         gen.emit(Started(prompt))
         text, first, reason, message = "", None, None, None
         answer = self._answer(gen)
+        split = Splitter() if self.thinking else None
         for i, word in enumerate(answer[:gen.params.max_new_tokens]):
             real_sleep(self.delay)
             if gen.cancel_reason:
@@ -114,7 +117,12 @@ class FakeEngine(Engine):
                 break
             cut = [(text + word).find(s) for s in gen.params.stop if s in text + word]
             piece = (text + word)[:min(cut)][len(text):] if cut else word
-            if piece:
+            if piece and split is not None:
+                first = first or time.monotonic()
+                thought, said = split.push(piece)
+                if thought or said:
+                    gen.emit(Delta(said, reasoning=thought))
+            elif piece:
                 first = first or time.monotonic()
                 gen.emit(Delta(piece))
             text += piece
@@ -123,6 +131,10 @@ class FakeEngine(Engine):
                 break
         else:
             reason = "stop" if gen.params.max_new_tokens >= len(answer) else "length"
+        if split is not None:
+            thought, said = split.flush()
+            if thought or said:
+                gen.emit(Delta(said, reasoning=thought))
         return Done.build(reason, prompt, len(text.split()), gen.submitted_at, first, message=message)
 
     def stats(self):

@@ -438,6 +438,51 @@ class Upstream(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
 
 
+class ThinkingUpstream(Upstream):
+    """An OpenAI-compatible backend whose model thinks as Qwen3 does, and whose server leaves the
+    ``<think>`` block in the content (llama.cpp's with ``--reasoning-format none``), cut in awkward places.
+    ``enable_thinking`` false (``chat_template_kwargs``) or ``/no_think`` in the question: an empty block, as
+    Qwen3 writes then; "long" in the question: thinking that goes on (for Stop). Each body is kept in ``asked``."""
+
+    delay: float = 0.05
+    THOUGHT = ["<th", "ink>", "\nThe user", " asks; let me", " think. 2 <", " 3 is true.\n</", "thi", "nk>\n",
+               "\nIt is", " **true**: 2 < 3."]
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.asked.append(body)
+        question = body["messages"][-1]["content"]
+        off = (body.get("chat_template_kwargs") or {}).get("enable_thinking") is False or "/no_think" in question
+        if off:
+            pieces = ["<think>\n\n</think>\n\n", "Plainly: ", "true."]
+        elif "long" in question:
+            pieces = ["<think>\nStep"] + [f" {i}." for i in range(2000)] + ["</think>never"]
+        else:
+            pieces = self.THOUGHT
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        try:
+            for piece in pieces:
+                choice = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
+                self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(self.delay)
+            choice = {"index": 0, "delta": {}, "finish_reason": "stop"}
+            self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\ndata: [DONE]\n\n".encode())
+        except OSError:  # the server hung up (Stop)
+            pass
+
+
+def start_upstream(handler):
+    """Serve ``handler`` (an ``Upstream`` class) on a free port in a thread; the server."""
+    from http.server import ThreadingHTTPServer
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    upstream.daemon_threads = True
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    return upstream
+
+
 # ---------------------------------------------------------------- the store's fixtures' helpers
 
 ALICE = "alice-client-0123456789"

@@ -74,6 +74,7 @@ BAD_INPUTS = [
     ('{"type": "chat", "id": "a", "content": "hi", "params": {"top_k": -1}}', "bad_message"),
     ('{"type": "chat", "id": "a", "content": "hi", "params": {"top_k": 2.5}}', "bad_message"),
     ('{"type": "chat", "id": "a", "content": "hi", "params": {"min_p": 1.5}}', "bad_message"),
+    ('{"type": "chat", "id": "a", "content": "hi", "params": {"enable_thinking": "yes"}}', "bad_message"),
     ('{"type": "chat", "id": "a", "content": "hi", "conversation_id": 7}', "bad_message"),
     ('{"type": "chat", "id": "a", "content": "hi", "model": 7}', "bad_message"),
     ('{"type": "chat", "id": "a", "content": "hi", "model": ""}', "bad_message"),
@@ -287,3 +288,27 @@ def test_delta_frames_written_directly_are_what_json_and_wsproto_write():
             assert text_frame(encode(frame)) == Connection(ConnectionType.SERVER).send(TextMessage(data=encode(frame)))
     done = {"type": "done", "id": "r-1", "reason": "stop", "usage": {"prompt_tokens": 1}, "timings": {}}
     assert encode(done) == json.dumps(done, ensure_ascii=False)
+
+
+# ---------------------------------------------------------------- a thinking model (protocol.md, "Thinking")
+
+# the last thinking and the first answer in one piece: the engine's one delta becomes two frames
+THINKING_WORDS = ["<", "think", ">\nHm", ", two", " and two.\n</think>\n\nFour", "."]
+
+
+def test_a_thinking_models_thinking_comes_on_delta_frames_of_its_own(app_factory):
+    srv = app_factory(FakeEngine(words=THINKING_WORDS, thinking=True, delay=0.002))
+    ws = WS(srv.ws_url)
+    try:
+        frames = ws.chat("2+2?", params={"enable_thinking": True})
+        deltas = [f for f in frames if f["type"] == "delta"]
+        assert "".join(f.get("reasoning", "") for f in deltas) == "Hm, two and two."
+        assert text_of(frames) == "Four."
+        assert all(f["text"] == "" for f in deltas if f.get("reasoning"))
+        assert frames[-1]["timings"]["thinking_ms"] >= 0
+        assert srv.state.engine.history[-1].params.enable_thinking is True
+        other = WS(srv.ws_url)  # the fake engine does not say it thinks: no switch offered
+        assert "thinking" not in other.ready
+        other.close()
+    finally:
+        ws.close()

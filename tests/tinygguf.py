@@ -22,19 +22,23 @@ MIX = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_
 
 def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, qtype: str = "Q4_1",
               seed: int = 0, arch: str = "llama", head: str = "Q8_0", head_dim: int | None = None,
-              rope_scaling: dict | None = None, template: bool = True, window: int = 0) -> Path:
+              rope_scaling: dict | None = None, template: bool | str = True, window: int = 0) -> Path:
     """A .gguf file, built once and cached: every attention and MLP matrix in ``qtype`` (Q4_0, Q4_1, Q5_0,
     Q5_1, Q8_0, or "mix": ``MIX``), the token table (shared with the output layer) in ``head``. Weights
     are wide (std 0.2), so greedy answers have no near-ties. ``arch`` qwen2 adds q/k/v biases, qwen3 per-head
     q/k norms; ``head_dim`` other than hidden / heads sets the heads' size apart (Qwen3's are wider);
     ``rope_scaling`` (transformers' llama3 rope parameters) writes its factors as llama.cpp's converter does
-    (rope_freqs.weight); ``template`` False leaves the chat template out (a base model). ``arch`` gemma3 has
+    (rope_freqs.weight); ``template`` False leaves the chat template out (a base model), a string is the chat
+    template written instead of the bundled model's (a thinking model's, tests/templates/). ``arch`` gemma3 has
     q/k norms, norms after the attention and the MLP, a GELU MLP and ``window``-wide attention on five layers of
     six (its norms stored as 1 + w, as llama.cpp's converter writes them)."""
     sized = f"-d{head_dim}" if head_dim else ""
     if rope_scaling:
         sized += "-rope" + "-".join(str(rope_scaling[k]) for k in sorted(rope_scaling) if k != "rope_type")
     sized += ("" if template else "-base") + (f"-w{window}" if window else "")
+    if isinstance(template, str):
+        import hashlib
+        sized += "-t" + hashlib.sha256(template.encode()).hexdigest()[:10]
     target = CACHE / f"tiny-{arch}-{qtype}-{head}-h{hidden}{sized}-l{layers}-s{seed}.gguf"
     if target.is_file():
         return target
@@ -67,6 +71,9 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
         w.add_value_length(head_dim)
     for key in TOKENIZER_KEYS:
         if key == "tokenizer.chat_template" and not template:
+            continue
+        if key == "tokenizer.chat_template" and isinstance(template, str):
+            w.add_string(key, template)
             continue
         field = source.fields[key]
         value = field.contents()

@@ -52,6 +52,8 @@ def _params(args: argparse.Namespace) -> dict:
         params["max_new_tokens"] = args.max_tokens
     if args.seed is not None:
         params["seed"] = args.seed
+    if args.thinking is not None:
+        params["enable_thinking"] = args.thinking == "on"
     return params
 
 
@@ -92,6 +94,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, help="nucleus sampling, (0, 1]")
     parser.add_argument("--max-tokens", type=int, help="most new tokens in the answer")
     parser.add_argument("--seed", type=int, help="sampling seed, for repeatable answers")
+    parser.add_argument("--thinking", choices=("on", "off"),
+                        help="a thinking model thinks before answering (on) or not (off); default: the model's own")
+    parser.add_argument("--hide-thinking", action="store_true",
+                        help="print only the answer, not a thinking model's thinking")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,11 +140,41 @@ def build_load_parser() -> argparse.ArgumentParser:
 
 
 class _Printer:
-    """Writes answers (or raw frames with --json) to stdout, flushing every piece."""
+    """Writes answers (or raw frames with --json) to stdout, flushing every piece. A thinking model's thinking
+    comes first, set apart: dimmed between "Thinking…" and "…done thinking" on a terminal; on stderr when
+    stdout is not one (so a pipe gets only the answer); not at all with --hide-thinking."""
 
-    def __init__(self, raw: bool) -> None:
+    def __init__(self, raw: bool, hide_thinking: bool = False) -> None:
         self.raw = raw
+        self.hide_thinking = hide_thinking
         self.at_line_start = True
+        self.thinking = False  # inside a thinking block now
+        self.tty = sys.stdout.isatty()
+
+    def thought(self, text: str) -> None:
+        if self.raw or self.hide_thinking or not text:
+            return
+        if not self.tty:
+            if not self.thinking:
+                sys.stderr.write("Thinking…\n")
+            self.thinking = True
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            return
+        if not self.thinking:
+            _write(("" if self.at_line_start else "\n") + "\033[2mThinking…\n")
+            self.thinking = True
+        _write(text)
+
+    def _end_thinking(self) -> None:
+        if self.thinking:
+            self.thinking = False
+            if self.tty:
+                _write("\n…done thinking.\033[0m\n\n")
+            else:
+                sys.stderr.write("\n…done thinking.\n")
+                sys.stderr.flush()
+            self.at_line_start = True
 
     def frame(self, direction: str, text: str) -> None:
         if self.raw and direction == "<":
@@ -146,10 +182,12 @@ class _Printer:
 
     def text(self, text: str) -> None:
         if not self.raw and text:
+            self._end_thinking()
             _write(text)
             self.at_line_start = text.endswith("\n")
 
     def end(self) -> None:
+        self._end_thinking()
         if not self.raw and not self.at_line_start:
             _write("\n")
         self.at_line_start = True
@@ -174,7 +212,7 @@ def _stream(session: Session, printer: _Printer, interrupts: _Interrupts, reques
     with interrupts.armed() as cancel:
         answer = Answer()
         try:
-            answer = collect(session.request(request, cancel), on_delta=printer.text)
+            answer = collect(session.request(request, cancel), on_delta=printer.text, on_thought=printer.thought)
         except ChatTimeout:
             if not cancel.is_set():
                 raise
@@ -332,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt = sys.stdin.read().strip()
             if not prompt:
                 parser.error("the prompt read from stdin is empty")
-        printer = _Printer(args.json)
+        printer = _Printer(args.json, args.hide_thinking)
         session = Session(args.url, api_key=args.api_key, client_id=args.client_id,
                           timeout=args.timeout, on_frame=printer.frame)
         if args.interactive or prompt is None:

@@ -296,6 +296,7 @@ class Answer:
     start: dict | None = None
     done: dict | None = None
     pieces: list = field(default_factory=list)
+    thoughts: list = field(default_factory=list)  # a thinking model's thinking, apart from the answer
     first_delta_at: float | None = None
     done_at: float | None = None
 
@@ -303,9 +304,15 @@ class Answer:
     def text(self) -> str:
         return "".join(self.pieces)
 
+    @property
+    def thinking(self) -> str:
+        return "".join(self.thoughts)
 
-def collect(frames: Iterable[dict], on_delta: Callable[[str], None] | None = None) -> Answer:
-    """The one loop over a request's frames (from ``Session.chat``); an ``error`` frame raises ServerError."""
+
+def collect(frames: Iterable[dict], on_delta: Callable[[str], None] | None = None,
+            on_thought: Callable[[str], None] | None = None) -> Answer:
+    """The one loop over a request's frames (from ``Session.chat``); an ``error`` frame raises ServerError.
+    ``on_thought``: each piece of a thinking model's thinking (a delta's ``reasoning``)."""
     answer = Answer()
     for frame in frames:
         kind = frame.get("type")
@@ -316,6 +323,11 @@ def collect(frames: Iterable[dict], on_delta: Callable[[str], None] | None = Non
         elif kind == "delta":
             text = frame.get("text", "")
             answer.first_delta_at = answer.first_delta_at or time.perf_counter()
+            thought = frame.get("reasoning")
+            if isinstance(thought, str) and thought:
+                answer.thoughts.append(thought)
+                if on_thought is not None:
+                    on_thought(thought)
             answer.pieces.append(text)
             if on_delta is not None:
                 on_delta(text)

@@ -38,6 +38,7 @@ class GenParams:
     # Work for the server, not an answer someone waits on (a conversation's title): the local engine starts it
     # only while no other answer decodes, prefills or waits, so it never slows one.
     background: bool = False
+    enable_thinking: bool | None = None  # a thinking model's switch, passed to its template (None: its default)
     upstream: dict = field(default_factory=dict)  # those fields as a remote engine passes them on (remote/fields.py)
 
 
@@ -199,6 +200,11 @@ class Engine:
         decode step multiplies by: "int4", "blocks", "bfloat16"...), CPU class, formats per class of product,
         decode step, idle chores and draft counts ({} for an engine with nothing to tell)."""
         return {}
+
+    def thinks(self) -> bool:
+        """Whether the default model is a thinking model (its template writes ``<think>``): the page offers
+        its switch (``enable_thinking``)."""
+        return False
 
     def count_tokens(self, text: str) -> int | None:
         """How many tokens ``text`` is for the default model (None when the engine cannot say)."""

@@ -44,8 +44,9 @@ def _title_from(content: str) -> str:
 
 
 def _size(message: dict) -> int:
-    """The characters a message adds to its conversation's size: its text and its attachments."""
-    return len(message.get("content") or "") + files.chars(message.get("attachments") or [])
+    """The characters a message adds to its conversation's size: its text, its thinking and its attachments."""
+    return (len(message.get("content") or "") + len(message.get("reasoning") or "")
+            + files.chars(message.get("attachments") or []))
 
 
 def backend_for(target: str, max_mb: int = 0) -> StoreBackend:
@@ -211,13 +212,13 @@ class Store(Versions, Options, Sharing, Presets, Trash):
         message_id = new_id()
         db.execute(
             "INSERT INTO messages (id, conversation_id, parent_id, role, content, attachments, status, reason,"
-            f" usage, timings, owner, created_at) VALUES ({marks(db, 12)})",
+            f" usage, timings, owner, created_at, reasoning) VALUES ({marks(db, 13)})",
             (message_id, conv_id, parent_id, fields["role"], fields.get("content", ""),
              json.dumps(fields["attachments"], ensure_ascii=False) if fields.get("attachments") else None,
              fields["status"], fields.get("reason"),
              json.dumps(fields["usage"]) if fields.get("usage") is not None else None,
              json.dumps(fields["timings"]) if fields.get("timings") is not None else None,
-             fields.get("owner"), fields.get("created_at") or time.time()))
+             fields.get("owner"), fields.get("created_at") or time.time(), fields.get("reasoning") or None))
         if fields["status"] != "streaming" and cjk.has_cjk(fields.get("content", "")):
             db.reindex(message_id)
         db.execute(f"UPDATE conversations SET active_id = {db.mark}, size = size + {db.mark} WHERE id = {db.mark}",
@@ -270,29 +271,29 @@ class Store(Versions, Options, Sharing, Presets, Trash):
         return liveness.owner_of(self._token)
 
     @_guarded
-    def save_partial(self, message_id: str, content: str) -> None:
-        """Checkpoint the text streamed so far, so a crash loses little of it."""
+    def save_partial(self, message_id: str, content: str, reasoning: str | None = None) -> None:
+        """Checkpoint the text (and a thinking model's thinking) streamed so far, so a crash loses little of it."""
         with self._conn() as db:
-            db.execute(f"UPDATE messages SET content = {db.mark} WHERE id = {db.mark} AND status = 'streaming'",
-                       (content, message_id))
+            db.execute(f"UPDATE messages SET content = {db.mark}, reasoning = {db.mark}"
+                       f" WHERE id = {db.mark} AND status = 'streaming'", (content, reasoning, message_id))
 
     @_guarded
     def finish_assistant(self, message_id: str, content: str, reason: str,
-                         usage: dict | None = None, timings: dict | None = None) -> None:
-        """Store the final text; 'complete' for stop/length, otherwise 'partial'."""
+                         usage: dict | None = None, timings: dict | None = None, reasoning: str | None = None) -> None:
+        """Store the final text (and a thinking model's thinking); 'complete' for stop/length, otherwise 'partial'."""
         now = time.time()
         with self._conn() as db, db.transaction():
             db.execute(
                 f"UPDATE messages SET content = {db.mark}, status = {db.mark}, reason = {db.mark}, usage = {db.mark},"
-                f" timings = {db.mark}, owner = NULL WHERE id = {db.mark}",
+                f" timings = {db.mark}, reasoning = {db.mark}, owner = NULL WHERE id = {db.mark}",
                 (content, "complete" if reason in FINISHED else "partial", reason,
                  json.dumps(usage) if usage is not None else None,
-                 json.dumps(timings) if timings is not None else None, message_id))
+                 json.dumps(timings) if timings is not None else None, reasoning or None, message_id))
             db.reindex(message_id)
             db.execute(
                 f"UPDATE conversations SET updated_at = {db.mark}, size = size + {db.mark}"
                 f" WHERE id = (SELECT conversation_id FROM messages WHERE id = {db.mark})",
-                (now, len(content), message_id))
+                (now, len(content) + len(reasoning or ""), message_id))
 
     @_guarded
     def forget_client(self, client_id: str) -> int:
@@ -320,6 +321,8 @@ class Store(Versions, Options, Sharing, Presets, Trash):
                 continue
             attached = json.loads(row["attachments"]) if row["attachments"] else None
             out.append({"role": row["role"], "content": files.with_attachments(row["content"], attached)})
+            if row["role"] == "assistant" and row["reasoning"]:  # the template decides whether the model sees it
+                out[-1]["reasoning_content"] = row["reasoning"]
         return out
 
     def search(self, client_id: str | None, text: str, deadline: float | None = None) -> list[dict]:
@@ -373,7 +376,7 @@ class Store(Versions, Options, Sharing, Presets, Trash):
             path = [_message(r) for r in tree.path(db, conv_id, message_id)]
         body = {"title": conv["title"], "system": conv["system"], "params": conv["params"], "model": conv["model"],
                 "messages": [{k: m[k] for k in ("role", "content", "attachments", "status", "reason", "usage",
-                                                "timings", "created_at")} for m in path]}
+                                                "timings", "created_at", "reasoning") if k in m} for m in path]}
         return self.import_conversation(cast(str, client_id), body, max_content_chars, address, mark=" (branch)")
 
     def export(self, client_id: str | None, conv_id: str, fmt: str) -> tuple[str, str, str] | None:

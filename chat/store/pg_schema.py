@@ -108,6 +108,10 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "ALTER TABLE conversations ADD COLUMN deleted_at DOUBLE PRECISION",
         "CREATE INDEX conversations_in_trash ON conversations (deleted_at) WHERE deleted_at IS NOT NULL",
     ),
+    (
+        # A thinking model's thinking (schema.py's ninth migration).
+        "ALTER TABLE messages ADD COLUMN reasoning TEXT",
+    ),
 ]
 
 

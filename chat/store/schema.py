@@ -148,6 +148,10 @@ MIGRATIONS: list[tuple[Step, ...]] = [
         "ALTER TABLE conversations ADD COLUMN deleted_at REAL",
         "CREATE INDEX conversations_in_trash ON conversations (deleted_at) WHERE deleted_at IS NOT NULL",
     ),
+    (
+        # A thinking model's thinking, kept apart from its answer (NULL: none).
+        "ALTER TABLE messages ADD COLUMN reasoning TEXT",
+    ),
 ]
 
 

@@ -41,7 +41,10 @@ def markdown(conv: dict) -> str:
     if conv["system"]:
         parts.append(f"**System:** {conv['system']}")
     for msg in conv["messages"]:
-        parts += [f"## {msg['role'].capitalize()}", files.with_attachments(msg["content"], msg.get("attachments"))]
+        parts.append(f"## {msg['role'].capitalize()}")
+        if msg.get("reasoning"):  # a thinking model's thinking, quoted before its answer
+            parts.append("> **Thinking:**\n" + "\n".join(f"> {line}" for line in msg["reasoning"].split("\n")))
+        parts.append(files.with_attachments(msg["content"], msg.get("attachments")))
         if msg["role"] == "assistant" and msg["status"] != "complete":
             parts.append(f"_(incomplete answer: {msg['reason'] or msg['status']})_")
     return "\n\n".join(parts) + "\n"
@@ -110,6 +113,9 @@ def _message(msg: Any, i: int, max_content_chars: int, where: str | None = None)
         "usage": _optional(msg, "usage", _figures, where),
         "timings": _optional(msg, "timings", _figures, where),
         "created_at": created,
+        # a thinking model's thinking (an answer's only)
+        "reasoning": (_optional(msg, "reasoning", lambda v: isinstance(v, str), where) or None)
+        if msg["role"] == "assistant" else None,
     }
 
 

@@ -10,7 +10,7 @@ from ..errors import ProtocolError
 from .backend import Connection, Row
 
 MESSAGE_COLUMNS = ("m.id, m.conversation_id, m.parent_id, m.role, m.content, m.attachments, m.status,"
-                   " m.reason, m.usage, m.timings, m.created_at")
+                   " m.reason, m.usage, m.timings, m.created_at, m.reasoning")
 _DEEPEST = 2 ** 62
 _ID = re.compile(r"[0-9a-f]{32}")
 
@@ -34,6 +34,8 @@ def message(row: Row) -> dict:
     for key in ("usage", "timings"):
         out[key] = json.loads(out[key]) if out[key] else None
     out["attachments"] = json.loads(out["attachments"]) if out.get("attachments") else []
+    if not out.get("reasoning"):  # a thinking model's thinking, only where there is some
+        out.pop("reasoning", None)
     return out
 
 

@@ -20,6 +20,8 @@ def healthz() -> ResponseReturnValue:
     body: dict[str, object] = {"status": "ok", "model": model}
     if model == "ready":
         body["name"] = engine.model_name
+        if engine.thinks():  # a page that connected while the model loaded learns it here
+            body["thinking"] = True
     return jsonify(body)
 
 

@@ -152,6 +152,15 @@ def _messages(value: Any, name: str, settings: Settings) -> Any:
         if chars > settings.max_request_chars:
             raise _too_large(name, f"hold more than {settings.max_request_chars} characters in all")
         out.append({"role": _ROLES[role], "content": text})
+        thought = message.get("reasoning_content")
+        if _ROLES[role] == "assistant" and thought is not None:  # a thinking model's earlier thinking
+            if not isinstance(thought, str):
+                raise _bad(f"{where}.reasoning_content", "must be a string")
+            chars += len(thought)
+            if chars > settings.max_request_chars:
+                raise _too_large(name, f"hold more than {settings.max_request_chars} characters in all")
+            if thought:
+                out[-1]["reasoning_content"] = thought
     return out
 
 
@@ -160,6 +169,17 @@ def _salt(value: Any, name: str, settings: Settings) -> Any:
     if not isinstance(value, str) or not 0 < len(value) <= 64:
         raise _bad(name, "must be a string of 1-64 characters")
     return "salt:" + value  # never one of this server's own namespaces
+
+
+def _template_kwargs(value: Any, name: str, settings: Settings) -> Any:
+    """vLLM's (and llama.cpp's server's) ``chat_template_kwargs``: of them, ``enable_thinking`` (a thinking
+    model's switch) is read; other keys are ignored, as a template without them would."""
+    if not isinstance(value, dict):
+        raise _bad(name, "must be an object")
+    flag = value.get("enable_thinking")
+    if flag is not None and not isinstance(flag, bool):
+        raise _bad(f"{name}.enable_thinking", "must be a boolean")
+    return {"enable_thinking": flag} if flag is not None else {}
 
 
 def _unsupported(message: str):
@@ -186,6 +206,8 @@ FIELDS = {
     "stream_options": _stream_options,
     "functions": _unsupported("use 'tools'"),
     "cache_salt": _salt,
+    "chat_template_kwargs": _template_kwargs,
+    "enable_thinking": _boolean,  # the same switch at the top level, as Qwen's own cloud API (DashScope) takes it
 }
 # checked together, by openai_tools.plan: tools, tool_choice, parallel_tool_calls, response_format,
 # logprobs, top_logprobs
@@ -213,6 +235,9 @@ def gen_params(values: dict) -> dict:
     """The request's sampling values under the engine's names (the service fills in defaults)."""
     out = {k: values[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "cache_salt")
            if k in values}
+    thinking = values.get("chat_template_kwargs", {}).get("enable_thinking", values.get("enable_thinking"))
+    if thinking is not None:
+        out["enable_thinking"] = thinking
     wanted = values.get("max_completion_tokens", values.get("max_tokens"))
     if wanted is not None:
         out["max_new_tokens"] = wanted
@@ -330,7 +355,7 @@ def _complete(gen: Generation, meta: dict, turns: TurnService, tool_mode: str | 
     if not isinstance(end, Done) or end.reason not in _FINISH:
         raise _failure(end, meta["id"])
     message, called = openai_tools.message("".join(texts), tool_mode, meta["id"])
-    if reasoning:  # a remote model's reasoning, as vLLM and SGLang name it
+    if reasoning:  # a thinking model's thinking, as vLLM, llama.cpp's server and DeepSeek's API name it
         message["reasoning_content"] = "".join(reasoning)
     return jsonify({**meta, "object": "chat.completion",
                     "choices": [{"index": 0, "message": message,
@@ -366,6 +391,9 @@ def _stream(gen: Generation, meta: dict, include_usage: bool, turns: TurnService
                     yield ": keep-alive\n\n"
                 case Delta(reasoning=reasoning) if reasoning:
                     yield chunk({"reasoning_content": reasoning})
+                    if event.text or event.logprobs:  # the answer's text that came with it, in its own chunk
+                        yield chunk({"content": event.text}, None,
+                                    {"content": list(event.logprobs)} if event.logprobs else None)
                 case Delta(text=text) if calls is not None:
                     for delta in calls.push(text):
                         yield chunk(delta)

@@ -149,6 +149,8 @@ class Session:
                   "trash_days": s.trash_days}
         ready: dict[str, object] = {"type": "ready", "protocol": PROTOCOL, "model": engine.model_name,
                                     "models": engine.models(), "limits": limits}
+        if engine.thinks():  # a thinking model: the page offers its switch
+            ready["thinking"] = True
         if self.state.stopping:  # accepted just as the server began to stop: said at once, and as a frame
             ready["draining"] = True
         self.send(ready)

@@ -5,6 +5,7 @@ import * as attachments from './attachments.js';
 import * as composer from './composer.js';
 import { els } from './dom.js';
 import * as models from './models.js';
+import * as thinking from './thinking.js';
 import * as requests from './requests.js';
 import * as router from './router.js';
 import * as settings from './settings.js';
@@ -205,6 +206,7 @@ function showRecord(conversation) {
   els.chatInfo.textContent = line;
   els.chatInfo.title = line ? 'This chat’s own settings: click to change them' : '';
   models.showFor(record);
+  thinking.showFor(record);
 }
 
 /** Copy the open conversation, as its Markdown export, to the clipboard. */
@@ -254,6 +256,27 @@ export async function pickModel(model) {
   }
 }
 
+/** The thinking switch was pressed: a new chat's (kept in the browser), or the open conversation's own setting. */
+export async function toggleThinking() {
+  const id = sidebar.currentId();
+  const on = !thinking.isOn(id ? shown : null);
+  if (!id) {
+    thinking.rememberForNewChat(on);
+    thinking.showFor(null);
+    announce(on ? 'New chats think before they answer.' : 'New chats answer without thinking.');
+    return;
+  }
+  try {
+    const params = { ...(shown?.params || settings.params(socket.limits()) || {}), enable_thinking: on };
+    const record = await api.updateConversation(id, { params });
+    if (sidebar.currentId() === id) showRecord(record);
+    announce(on ? 'This chat thinks before it answers.' : 'This chat answers without thinking.');
+  } catch (err) {
+    composer.showError(`Could not switch thinking: ${err.message}`);
+    thinking.showFor(shown);
+  }
+}
+
 /** Answer the last user message again: a new version beside the last answer. The old answer
  * stays in view until the new one's first words arrive; the new version's number shows at once. */
 export function regenerate() {
@@ -281,7 +304,7 @@ export function regenerate() {
  * them), else the defaults from Settings. */
 function turnParams(conversationId) {
   const own = conversationId && shown?.id === conversationId && Object.keys(shown.params || {}).length;
-  return own ? null : settings.params(socket.limits());
+  return own ? null : thinking.withSwitch(settings.params(socket.limits()), conversationId ? shown : null);
 }
 
 /** Show a waiting answer, track the request and send it (or leave it for the next `ready`). */
@@ -326,6 +349,7 @@ export async function openConversation(id, { keepError = false, reveal = null, a
   shown = null;
   els.chatInfo.hidden = true;
   models.showFor(null);
+  thinking.showFor(null);
   refreshControls();
   if (!id) return;
   let conversation;

@@ -14,6 +14,8 @@ export const els = {
   title: $('chat-title'),
   modelName: $('model-name'),
   modelPicker: $('model-picker'),
+  thinkingToggle: $('thinking-toggle'),
+  thinkingText: $('thinking-text'),
   conn: $('conn'),
   connText: $('conn-text'),
   connRetry: $('conn-retry'),

@@ -10,6 +10,7 @@ import * as settings from './settings.js';
 import * as sidebar from './sidebar.js';
 import * as socket from './socket.js';
 import * as tabs from './tabs.js';
+import * as thinking from './thinking.js';
 import * as thread from './thread.js';
 import * as tokens from './tokens.js';
 import { REASONS, setContextTokens, wholeAnswer } from './message.js';
@@ -61,6 +62,7 @@ function settle(req) {
   swapIn(req);
   thread.cancelRender(req.view);
   req.view.setText(req.prefix + req.text, true);
+  if (req.reasoning) req.view.setReasoning(req.reasoning, false);
 }
 
 /** What the server said about itself (`ready`; then /readyz while the model loads: ``waiting``
@@ -70,6 +72,8 @@ export function showServer(waiting) {
   setContextTokens(socket.limits().context_tokens);
   models.setModels(socket.models(), socket.model());
   models.showFor(chat.shownRecord());
+  thinking.setOffered(socket.thinks());
+  thinking.showFor(chat.shownRecord());
 }
 
 function onReady() {
@@ -129,8 +133,10 @@ const LIVE_EVERY_MS = 250;
 
 function onDelta(msg) {
   const req = requests.get(msg.id);
-  if (!req || !requests.addDelta(req, msg.index, msg.text)) return;
+  if (!req || !requests.addDelta(req, msg.index, msg.text, typeof msg.reasoning === 'string' ? msg.reasoning : '')) return;
   if (Number.isInteger(msg.tokens)) req.tokens = msg.tokens; // the engine's count, where it gives one
+  // A thinking model's thinking: its own block, open while it thinks, closed once the answer begins.
+  if (req.reasoning) req.view.setReasoning(req.reasoning, !(req.prefix + req.text));
   tokens.add(req.view, msg.logprobs);
   swapIn(req);
   thread.scheduleRender(req.view, req.prefix + req.text);

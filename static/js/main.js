@@ -161,6 +161,7 @@ els.share.addEventListener('click', (e) => {
 });
 els.chatInfo.addEventListener('click', chat.openChatSettings);
 els.modelPicker.addEventListener('change', () => chat.pickModel(els.modelPicker.value));
+els.thinkingToggle.addEventListener('click', chat.toggleThinking);
 
 // ---------------------------------------------------------------- the sidebar
 

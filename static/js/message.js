@@ -190,6 +190,14 @@ export function setUserText(article, content) {
   article.querySelector('.msg-body').textContent = content;
 }
 
+/** A duration for people: "0.8 s", "12 s", "2 min 5 s". */
+function formatSeconds(ms) {
+  const s = ms / 1000;
+  if (s < 10) return `${s.toFixed(1)} s`;
+  if (s < 60) return `${Math.round(s)} s`;
+  return `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+}
+
 function span(className, text, testid) {
   const el = document.createElement('span');
   el.className = className;
@@ -284,6 +292,42 @@ export class AssistantMessage {
     if (this.pendingVersions) showVersions(this.el, this.pendingVersions, true);
   }
 
+  /** A thinking model's thinking (plain text), in a collapsible "Thinking" block above the answer: open
+   * while ``live`` (it is thinking), closed once the answer begins, saying how long it thought
+   * (``ms``: the stored duration; else measured here from its first piece). */
+  setReasoning(text, live, ms) {
+    let box = this.thinkingBox;
+    if (!box) {
+      box = this.thinkingBox = document.createElement('details');
+      box.className = 'msg-thinking';
+      box.dataset.testid = 'thinking-block';
+      box.innerHTML = '<summary><span class="thinking-label" data-testid="thinking-label"></span></summary>'
+        + '<div class="thinking-text" data-testid="thinking-text"></div>';
+      box.open = live;
+      this.thinkingFrom = performance.now();
+      this.body.before(box);
+    }
+    box.querySelector('.thinking-text').textContent = text;
+    const label = box.querySelector('.thinking-label');
+    if (live) {
+      if (box.dataset.state !== 'thinking') box.open = true;
+      this.status.hidden = true;
+      this.el.dataset.state = 'streaming';
+      box.dataset.state = 'thinking';
+      const seconds = Math.floor((performance.now() - this.thinkingFrom) / 1000); // as each piece arrives
+      label.textContent = seconds >= 1 ? `Thinking… ${seconds} s` : 'Thinking…';
+      return;
+    }
+    if (box.dataset.state !== 'done') {
+      if (box.dataset.state === 'thinking' && this.text === '' && ms === undefined) return; // stopped while thinking: stays open
+      box.open = false;
+      box.dataset.state = 'done';
+    }
+    if (ms === undefined && this.thinkingMs === undefined) this.thinkingMs = performance.now() - this.thinkingFrom;
+    if (ms !== undefined) this.thinkingMs = ms;
+    label.textContent = `Thought for ${formatSeconds(this.thinkingMs)}`;
+  }
+
   setText(text, final) {
     this.text = text;
     if (text) {
@@ -296,6 +340,11 @@ export class AssistantMessage {
   /** Mark the answer finished: reason, stats and the Copy/Regenerate/Continue actions. */
   finish({ reason, timings, usage, status, stored } = {}) {
     this.settle('done');
+    if (this.thinkingBox && Number.isFinite(timings?.thinking_ms)) { // the server's measure of how long it thought
+      this.thinkingMs = timings.thinking_ms;
+      this.thinkingBox.querySelector('.thinking-label').textContent = `Thought for ${formatSeconds(this.thinkingMs)}`;
+      this.thinkingBox.dataset.state = this.text ? 'done' : 'cut'; // stopped inside it: stays open
+    }
     this.el.dataset.reason = reason || '';
     this.done = { reason, timings, usage, status };
     this.meta.replaceChildren();

@@ -18,7 +18,7 @@ export function add({
 }) {
   const req = {
     id, conversationId, view, content, files, userEl, oldView, prefix, reload, started, sent, keepFocus,
-    text: '', nextIndex: 0, pending: new Map(), done: false, resuming: false, cancelRequested: false,
+    text: '', reasoning: '', nextIndex: 0, pending: new Map(), done: false, resuming: false, cancelRequested: false,
   };
   requests.set(id, req);
   return req;
@@ -38,16 +38,19 @@ export function finish(req) {
 }
 
 /** Add the delta at ``index``; true when the text grew (deltas may arrive out of order after a resume). */
-export function addDelta(req, index, text) {
+export function addDelta(req, index, text, reasoning = '') {
   if (index < req.nextIndex) return false;
   if (index > req.nextIndex) {
-    req.pending.set(index, text);
+    req.pending.set(index, [text, reasoning]);
     return false;
   }
   req.text += text;
+  req.reasoning += reasoning;
   req.nextIndex += 1;
   while (req.pending.has(req.nextIndex)) {
-    req.text += req.pending.get(req.nextIndex);
+    const [more, thought] = req.pending.get(req.nextIndex);
+    req.text += more;
+    req.reasoning += thought;
     req.pending.delete(req.nextIndex);
     req.nextIndex += 1;
   }

@@ -210,5 +210,6 @@ export function summary(conversation) {
   if (Number.isFinite(p.top_p)) parts.push(`top p ${p.top_p}`);
   if (Number.isInteger(p.max_new_tokens)) parts.push(`${p.max_new_tokens} tokens`);
   if (Number.isInteger(p.seed)) parts.push(`seed ${p.seed}`);
+  if (p.enable_thinking === false) parts.push('thinking off');
   return parts.join(' · ');
 }

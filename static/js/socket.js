@@ -31,6 +31,8 @@ export const model = () => server.model;
 export const models = () => server.models;
 /** The server's limits from `ready` ({} before the first). */
 export const limits = () => server.limits;
+/** Whether the model thinks (`ready.thinking`): the page offers its switch. */
+export const thinks = () => Boolean(server.thinking);
 
 /** Send one frame; false when there is no open socket (the caller resumes after `ready`). */
 export function send(message) {
@@ -78,7 +80,8 @@ function onDraining() {
 
 function onReady(msg) {
   attempt = 0;
-  server = { model: msg.model || '', models: Array.isArray(msg.models) ? msg.models : [], limits: msg.limits || {} };
+  server = { model: msg.model || '', models: Array.isArray(msg.models) ? msg.models : [], limits: msg.limits || {},
+    thinking: msg.thinking === true };
   everReady = true;
   if (msg.draining) { // a server that is stopping accepted this socket: still restarting
     onDraining();
@@ -110,6 +113,7 @@ async function watchModel(token) {
         server.models = [name, ...server.models.filter((m) => m !== server.model && m !== name)];
         server.model = name;
       }
+      if (waiting) server.thinking = answer.body?.thinking === true;
       if (waiting) listener.changed();
       return;
     }

@@ -51,6 +51,7 @@ function storedEl(m) {
     el.versions = m.versions;
     el.dataset.id = m.id;
     view.setText(m.content, true);
+    if (m.reasoning) view.setReasoning(m.reasoning, false, m.timings?.thinking_ms);
     view.finish(m);
   }
   setIdentity(el, m);

@@ -22,6 +22,7 @@ from ...concurrency import real_lock, run_in_thread, start_real_thread
 from ...config import Settings
 from ...errors import EngineError, EngineUnavailable, Overloaded
 from ..base import Engine, Generation, GenParams
+from .. import events as thinking
 from ..events import Refused, announce
 from ..kernels import cpu
 from ..kv import disk as kvdisk
@@ -126,7 +127,8 @@ class LocalEngine(Engine):
         stats = self.stats()
         template = self.loaded.template
         facts = {"weights": self.weights, "cpu": self.cpu, "finishing": stats["finishing"], "decode": stats["decode"],
-                 "template": template.name, "base_model": template.base_model, **self.batch.drafter.stats()}
+                 "template": template.name, "base_model": template.base_model, "thinking": self.thinks(),
+                 **self.batch.drafter.stats()}
         if self.formats:
             facts["formats"] = self.formats
         return facts
@@ -276,6 +278,10 @@ class LocalEngine(Engine):
     def _loading(self, step: str, done: int, total: int) -> None:
         """How far a long step of the load is (a GGUF's conversion), for ``/readyz``."""
         self.loading = {"step": step, "done": done, "total": total}
+
+    def thinks(self) -> bool:
+        """Whether the loaded model thinks (its template writes ``<think>``)."""
+        return self.ready and thinking.thinks(getattr(self.loaded.tokenizer, "chat_template", None))
 
     def count_tokens(self, text: str) -> int | None:
         if not self.ready:

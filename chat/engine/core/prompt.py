@@ -12,8 +12,12 @@ import re
 from typing import Any
 
 from ...errors import PromptTooLong
+from .. import events as thinking
 
-_PAD = " \t\n"  # around a marker: a template that trims the text (``| trim``) strips it, and we see it
+# around a marker: a template that trims the text (``| trim``) strips them, and we see it; neither is touched
+# by a template that strips only newlines (Qwen3's ``strip('\n')``, which the text has none of at its ends)
+_PAD = " \t\n"
+_PAD_AFTER = "\n\t "
 _MARK = re.compile("(\ue000M(\\d+)\ue001)")  # private-use characters: no template trims or escapes them
 
 
@@ -55,27 +59,53 @@ def with_tools(tokenizer: Any, messages: list, tools: tuple) -> tuple[list, dict
     return [{"role": "system", "content": head}, *messages], {}
 
 
-def render(tokenizer: Any, messages: list, tools: tuple = ()) -> list[int]:
+def options(params: Any) -> dict:
+    """The template's own arguments a request sets (``GenParams``): ``enable_thinking`` when it says."""
+    flag = getattr(params, "enable_thinking", None)
+    return {} if flag is None else {"enable_thinking": flag}
+
+
+def render(tokenizer: Any, messages: list, tools: tuple = (), extra: dict | None = None) -> list[int]:
     """Token ids of ``messages`` in the model's chat template, ready for the answer; when the
     last message is an assistant message marked ``"prefix": True`` (``continue``), its turn is
-    left open so the model extends that text instead of starting a new answer."""
-    messages, extra = with_tools(tokenizer, messages, tools)
-    marked = [{**m, "content": _PAD + _marker(i) + _PAD} if isinstance(m.get("content"), str) else m
-              for i, m in enumerate(messages)]
+    left open so the model extends that text instead of starting a new answer. An assistant message's
+    ``reasoning_content`` (a thinking model's thinking) goes to the template, which decides whether the
+    model sees it (Qwen3's shows it only after the last question); ``extra``: template arguments
+    (``enable_thinking``)."""
+    messages, args = with_tools(tokenizer, messages, tools)
+    args = {**args, **(extra or {})}
+    values: list[str] = []  # each marker's text, by its number
+
+    def mark(text: str) -> str:
+        values.append(text)
+        return _PAD + _marker(len(values) - 1) + _PAD_AFTER
+
+    marked = []
+    for m in messages:
+        copy = dict(m)
+        for key in ("content", "reasoning_content"):
+            if isinstance(m.get(key), str):
+                copy[key] = mark(m[key])
+        marked.append(copy)
     open_turn = bool(messages) and messages[-1]["role"] == "assistant" and bool(messages[-1].get("prefix"))
+    last = -1
     if open_turn:  # the open turn ends right after its text (transformers cuts the rest)
-        marked[-1]["content"] = _PAD + _marker(len(messages) - 1)
-    pieces = _MARK.split(_template(tokenizer, marked, extra))
+        marked[-1]["content"] = marked[-1]["content"][:-len(_PAD_AFTER)]
+        last = int(_MARK.search(marked[-1]["content"]).group(2))  # type: ignore[union-attr]
+    pieces = _MARK.split(_template(tokenizer, marked, args))
     templates, which = pieces[0::3], [int(i) for i in pieces[2::3]]
     texts = []
     for k, i in enumerate(which):
-        text = messages[i]["content"]
-        if templates[k].endswith(_PAD):  # the template took the text as it is
+        text = values[i]
+        if templates[k].endswith(_PAD):  # the template took the text as it is, or cut its end
             templates[k] = templates[k][:-len(_PAD)]
-            templates[k + 1] = templates[k + 1].removeprefix(_PAD)
+            if templates[k + 1].startswith(_PAD_AFTER):
+                templates[k + 1] = templates[k + 1][len(_PAD_AFTER):]
+            elif i != last:  # the template trims the end (``rstrip``)
+                text = text.rstrip()
         else:  # the template trims it
             text = text.strip()
-        texts.append(text.rstrip() if open_turn and i == len(messages) - 1 else text)
+        texts.append(text.rstrip() if i == last else text)
     ids = tokenizer.encode(templates[0], add_special_tokens=False)
     for text, template in zip(texts, templates[1:]):
         ids += text_ids(tokenizer, text)
@@ -83,15 +113,16 @@ def render(tokenizer: Any, messages: list, tools: tuple = ()) -> list[int]:
     return ids
 
 
-def _overheads(tokenizer: Any, system: list, tools: tuple = ()) -> tuple[int, int]:
+def _overheads(tokenizer: Any, system: list, tools: tuple = (), extra: dict | None = None) -> tuple[int, int]:
     """(tokens of the system part plus the answer prompt, template tokens around one message)."""
     empty = [{"role": "user", "content": ""}]
-    fixed = len(render(tokenizer, system + empty, tools))
-    three = len(render(tokenizer, system + empty + [{"role": "assistant", "content": ""}] + empty, tools))
+    fixed = len(render(tokenizer, system + empty, tools, extra))
+    three = len(render(tokenizer, system + empty + [{"role": "assistant", "content": ""}] + empty, tools, extra))
     return fixed, -(-(three - fixed) // 2)
 
 
-def fit(tokenizer: Any, messages: list, budget: int, tools: tuple = ()) -> tuple[list[int], int]:
+def fit(tokenizer: Any, messages: list, budget: int, tools: tuple = (), extra: dict | None = None
+        ) -> tuple[list[int], int]:
     """(prompt ids, turns dropped): the system prompt and the newest turn are kept, whole turns go oldest first.
 
     Linear in the history: each message is tokenized at most once, newest first,
@@ -102,7 +133,7 @@ def fit(tokenizer: Any, messages: list, budget: int, tools: tuple = ()) -> tuple
     turns = messages[len(system):]
     # Start each candidate at a user message so the template always sees user/assistant pairs.
     starts = [i for i, m in enumerate(turns) if m["role"] == "user"] or [0]
-    fixed, per_message = _overheads(tokenizer, system, tools)
+    fixed, per_message = _overheads(tokenizer, system, tools, extra)
     used, counted = fixed, len(turns)
     for i in range(len(turns) - 1, -1, -1):
         used += per_message + len(text_ids(tokenizer, turns[i]["content"]))
@@ -112,7 +143,7 @@ def fit(tokenizer: Any, messages: list, budget: int, tools: tuple = ()) -> tuple
     # The oldest turn start whose messages were all counted; the newest turn is always tried.
     candidates = [s for s in starts if s >= counted] or starts[-1:]
     for start in candidates:  # counting is an estimate; the rendered length decides
-        ids = render(tokenizer, system + turns[start:], tools)
+        ids = render(tokenizer, system + turns[start:], tools, extra)
         if len(ids) <= budget:
             return ids, start
     raise PromptTooLong(f"the message does not fit in the model's context of {budget} tokens")
@@ -130,7 +161,37 @@ def request_ids(tokenizer: Any, messages: list, params: Any, context: int, most_
         if len(ids) > budget:
             raise PromptTooLong(f"the prompt does not fit in the model's context of {budget} tokens")
         return ids
-    return fit(tokenizer, messages, budget, params.tools)[0]
+    return fit(tokenizer, messages, budget, params.tools, options(params))[0]
+
+
+_SUFFIXES: dict = {}  # (tokenizer id, template, its arguments) -> what the template writes after the last message
+
+
+def _suffix(tokenizer: Any, extra: dict) -> str:
+    """The generation prompt the template writes after the last message (with ``extra``, its arguments)."""
+    key = (id(tokenizer), getattr(tokenizer, "chat_template", None), tuple(sorted(extra.items())))
+    found = _SUFFIXES.get(key)
+    if found is None:
+        try:
+            found = _template(tokenizer, [{"role": "user", "content": _marker(0)}], extra).rpartition(_marker(0))[2]
+        except Exception:  # a template that cannot render one question alone: nothing opened
+            found = ""
+        _SUFFIXES[key] = found
+        if len(_SUFFIXES) > 64:
+            _SUFFIXES.pop(next(iter(_SUFFIXES)))
+    return found
+
+
+def splitter(tokenizer: Any, messages: list, params: Any) -> thinking.Splitter | None:
+    """How a request's answer is split into thinking and answer (``thinking.Splitter``), or None: a model
+    that does not think (its template never mentions ``<think>``), a raw prompt, an answer a grammar
+    shapes, a ``continue`` (its thinking, if any, is over: the answer goes on)."""
+    if params.raw_prompt or params.grammar or not thinking.thinks(getattr(tokenizer, "chat_template", None)):
+        return None
+    last = messages[-1] if messages else {}
+    if last.get("role") == "assistant" and last.get("prefix"):
+        return None
+    return thinking.Splitter(inside=thinking.opens(_suffix(tokenizer, options(params))))
 
 
 def preamble_salt(messages: list, server_system: str, salt: str | None) -> str | None:

@@ -13,6 +13,7 @@ from ..events import Delta, Done
 from .budget import Guard
 from .decoding import IncrementalDecoder, StopMatcher
 from .grammar import failure_message
+from .prompt import splitter
 
 
 class Slot:
@@ -44,6 +45,7 @@ class Slot:
         self.guard: Guard | None = None  # its budget and runaway guards (budget.py)
         self.pending: list = []  # log probability entries of tokens whose text is not out yet
         self.drafts: Any = None  # drafts.Row, once the row runs alone with drafts on
+        self.thinking = splitter(tokenizer, gen.messages, self.params)  # a thinking model's: thinking apart
 
     def constrain(self, matcher: Any, grammars: Any) -> None:
         """Follow a grammar (``matcher``: llguidance's, or None), with its budget and guards."""
@@ -89,13 +91,19 @@ class Slot:
     def delta(self, text: str, last: bool = False) -> Delta | None:
         """A piece of text to emit (with the log probabilities of the tokens it covers), or None; ``last``:
         the answer's end, where entries of tokens that made no text go out too."""
-        if not text and not (last and self.pending):
-            return None
         if self.first_delta_at is None and text:
             self.first_delta_at = time.monotonic()
+        reasoning = ""
+        if self.thinking is not None:  # a thinking model: its thinking apart from its answer
+            reasoning, text = self.thinking.push(text)
+            if last:
+                more = self.thinking.flush()
+                reasoning, text = reasoning + more[0], text + more[1]
+        if not text and not reasoning and not (last and self.pending):
+            return None
         entries = tuple(self.pending)
         self.pending.clear()
-        return Delta(text, entries, tokens=len(self.out_ids))
+        return Delta(text, entries, tokens=len(self.out_ids), reasoning=reasoning)
 
     def done(self, reason: str, message: str | None = None) -> Done:
         """The answer's end: its usage and timings."""

@@ -320,6 +320,8 @@ class RemoteEngine(Engine):
                 self._active.pop(gen.serial, None)
         if message:
             log.warning("remote generation %s ended with error: %s", gen.serial, message)
+        for delta in state["relay"].held():  # cut short (cancel, a dropped stream): what the split held
+            gen.emit(delta)
         usage = state["usage"] or {}
         gen.emit(Done.build(reason, usage.get("prompt_tokens", 0), usage.get("completion_tokens", state["deltas"]),
                             t0, state["first"], message=message))
@@ -397,6 +399,9 @@ class RemoteEngine(Engine):
         for choice in chunk.get("choices") or ():
             for delta in relay.legacy(choice) if "text" in choice else relay.chat(choice):
                 if not delta.text:
+                    if delta.reasoning:  # thinking is the answer's too: its first token, its count (no usage)
+                        state["first"] = state["first"] or time.monotonic()
+                        state["deltas"] += 1
                     gen.emit(delta)
                     continue
                 text = delta.text

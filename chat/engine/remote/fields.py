@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from ..base import GenParams
-from ..events import Delta
+from ..events import Delta, Splitter
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "}\n</tool_call>"
 
@@ -21,7 +21,9 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "}\n</tool_call>"
 def messages(given: list, p: GenParams) -> list:
     """The messages upstream: as the turn has them, or a history with tool calls and results as the client
     wrote it (after the server's system prompt, when the turn added one)."""
-    plain = [{"role": m["role"], "content": m["content"]} for m in given]
+    plain = [{"role": m["role"], "content": m["content"],
+              **({"reasoning_content": m["reasoning_content"]} if m.get("reasoning_content") else {})}
+             for m in given]
     native = p.upstream.get("messages")
     if not native:
         return plain
@@ -32,6 +34,8 @@ def messages(given: list, p: GenParams) -> list:
 def chat_fields(p: GenParams) -> dict:
     """The structured fields of a chat request, as the upstream takes them."""
     out = {k: v for k, v in p.upstream.items() if k != "messages"}
+    if p.enable_thinking is not None:  # as vLLM, SGLang and llama.cpp's server take it
+        out["chat_template_kwargs"] = {"enable_thinking": p.enable_thinking}
     if p.logprobs is not None:
         out["logprobs"] = True
         if p.logprobs:
@@ -65,6 +69,9 @@ class Relay:
         self.echo: str | None = echo  # a raw prompt echoed back: its text and log probabilities come first
         self.prompt_len = len(echo or "")
         self.prompt_entries: list[dict] = []
+        # an upstream that leaves a thinking model's <think> block in the content (llama.cpp's server with
+        # --reasoning-format none): split here as the local engine splits it
+        self.thinking = Splitter()
 
     def chat(self, choice: dict) -> list[Delta]:
         """A ``chat.completion.chunk`` choice: its text, reasoning, tool calls and log probabilities."""
@@ -74,7 +81,9 @@ class Relay:
         if isinstance(reasoning, str) and reasoning:
             out.append(Delta("", reasoning=reasoning))
         content = delta.get("content")
-        text: str = content if isinstance(content, str) else ""
+        thought, text = self.thinking.push(content) if isinstance(content, str) and content else ("", "")
+        if thought:
+            out.append(Delta("", reasoning=thought))
         if text and self.call is not None:
             text = self._close() + text
         for call in delta.get("tool_calls") or ():
@@ -101,8 +110,13 @@ class Relay:
         return CALL_CLOSE
 
     def end(self) -> list[Delta]:
-        """The answer ended: a call still open is closed."""
-        return [Delta(self._close())] if self.call is not None else []
+        """The answer ended: thinking or text still held comes out, a call still open is closed."""
+        return self.held() + ([Delta(self._close())] if self.call is not None else [])
+
+    def held(self) -> list[Delta]:
+        """Thinking or text the split still holds (a tag that may have been coming), however the answer ended."""
+        thought, text = self.thinking.flush()
+        return [Delta(text, reasoning=thought)] if thought or text else []
 
     def legacy(self, choice: dict) -> list[Delta]:
         """A ``text_completion`` choice: its text; with ``echo``, the prompt's part split off as the
