@@ -8,7 +8,7 @@ import threading
 import pytest
 from helpers import ask, events_of, make_engine
 
-from chat.engine import Delta, GenParams
+from chat.engine import Delta, Done, GenParams
 from chat.engine.core.scheduler import PREFILL_FORWARD_TOKENS
 
 CHUNK = 32
@@ -67,15 +67,10 @@ def test_one_address_gets_one_share_between_decode_steps(engine, forwards):
 def test_another_address_is_not_queued_behind_every_long_prompt(engine):
     flood = [engine.submit(long_prompt(i), GenParams(temperature=0, max_new_tokens=1), owner="A") for i in range(7)]
     other = engine.submit(long_prompt(99), GenParams(temperature=0, max_new_tokens=1), owner="C")
-    order: list[str] = []
-    lock = threading.Lock()
-
-    def watch(name, gen):
-        events_of(gen, 300)
-        with lock:
-            order.append(name)
-    threads = [threading.Thread(target=watch, args=(f"A{i}", g)) for i, g in enumerate(flood)]
-    threads.append(threading.Thread(target=watch, args=("C", other)))
+    order: list[str] = []  # as the engine thread ended them (a consumer thread may be scheduled late)
+    for name, gen in [*((f"A{i}", g) for i, g in enumerate(flood)), ("C", other)]:
+        gen.observers.append(lambda event, name=name: order.append(name) if isinstance(event, Done) else None)
+    threads = [threading.Thread(target=events_of, args=(g, 300)) for g in [*flood, other]]
     for t in threads:
         t.start()
     for t in threads:
