@@ -18,7 +18,7 @@ from chat.engine.model.architecture import ARCHITECTURES
 from helpers import QUESTIONS, ask, collect, make_engine
 from test_native import SHARED, library  # noqa: F401  (the library fixture)
 from test_quant import on_thread
-from tinygguf import tiny_gguf
+from tinygguf import LONGROPE, longrope_attention, longrope_factors, tiny_gguf
 
 # arch -> tiny_gguf's arguments, and what transformers must be told that its GGUF reader does not take from
 # the file (Qwen3's head size: its reader keeps the config's default of 128). Llama is here for the engine test.
@@ -30,12 +30,33 @@ TINY = {"qwen3": ({"arch": "qwen3", "head_dim": 32}, {"head_dim": 32}),
         # q/k norms, norms after attention and MLP, GELU, a window of 8 on five layers of six; transformers' query
         # scale is told the head size, as llama.cpp scales Gemma 3's attention
         "gemma3": ({"arch": "gemma3", "head_dim": 32, "layers": 6, "window": 8}, {"query_pre_attn_scalar": 32}),
+        # a layer in four without rotary positions (4 layers: the last); transformers' GGUF reader has no smollm3,
+        # so its SmolLM3 takes the weights of the same file written as llama (``_transformers``)
+        "smollm3": ({"arch": "smollm3", "layers": 4}, {}),
+        # fused q/k/v and gate/up, rotary positions over 3/4 of each head (Phi-4-mini's), LongRoPE's factors: its
+        # reader takes neither the rotary part nor the factors from the file
+        "phi3": ({"arch": "phi3", "hidden": 128, "rotary": 24, "longrope": True},
+                 {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                      "short_factor": longrope_factors(24, "short"),
+                                      "long_factor": longrope_factors(24, "long"),
+                                      "attention_factor": longrope_attention(), **LONGROPE},
+                  "max_position_embeddings": LONGROPE["max_position_embeddings"]}),
         "llama": ({}, {})}
 PROMPT = "hello there, how are you today? I am fine, thank you, and I hope that you are well too."
 
 
 def _transformers(path, overrides: dict, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
+    if "-smollm3-" in path.name:  # the same weights written as llama (tiny_gguf draws them in the same order)
+        from transformers import SmolLM3Config, SmolLM3ForCausalLM
+        llama = _transformers(path.with_name(path.name.replace("-smollm3-", "-llama-")), overrides, dtype)
+        assert llama.config.model_type == "llama"
+        config = SmolLM3Config(**{k: v for k, v in llama.config.to_dict().items()
+                                  if k not in ("model_type", "architectures")})
+        assert config.no_rope_layers == [1, 1, 1, 0]  # transformers' default: every fourth without
+        model = SmolLM3ForCausalLM(config).to(dtype)
+        model.load_state_dict(llama.state_dict())
+        return model.eval()
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     for key, value in overrides.items():
         setattr(config, key, value)
@@ -58,7 +79,7 @@ def _greedy(decoder, ids: list[int], steps: int) -> list[int]:
     return out
 
 
-MATCHED = ["qwen3", "llama3", "gemma3"]  # the files compared with transformers' implementation
+MATCHED = ["qwen3", "llama3", "gemma3", "smollm3", "phi3"]  # the files compared with transformers' implementation
 # (the prompt is longer than Gemma's window of 8: the windowed layers see part of it)
 
 
@@ -66,6 +87,8 @@ MATCHED = ["qwen3", "llama3", "gemma3"]  # the files compared with transformers'
 def test_the_prefill_logits_are_transformers(arch):
     args, overrides = TINY[arch]
     path = tiny_gguf(**args)
+    if arch == "smollm3":
+        tiny_gguf(**{**args, "arch": "llama"})
 
     def both():
         ids = loader.gguf_tokenizer(path).encode(PROMPT)
@@ -86,6 +109,8 @@ def test_the_prefill_logits_are_transformers(arch):
 def test_64_greedy_tokens_are_transformers_generate(arch):
     args, overrides = TINY[arch]
     path = tiny_gguf(**args)
+    if arch == "smollm3":
+        tiny_gguf(**{**args, "arch": "llama"})
 
     def both():
         ids = loader.gguf_tokenizer(path).encode(PROMPT)
@@ -111,6 +136,30 @@ def test_llama3_scaling_changes_the_answer():
         return _greedy(scaled, ids, 8), _greedy(plain, ids, 8)
     scaled, plain = on_thread(both)
     assert scaled != plain
+
+
+def test_smollm3s_layers_without_rotary_positions_and_phi3s_longrope_change_the_answer():
+    """What makes SmolLM3 and Phi-3 more than llama is used: without it (the same weights) the answer differs."""
+    def both(arch: str, drop) -> tuple[list[int], list[int]]:
+        path = tiny_gguf(**TINY[arch][0])
+        ids = loader.gguf_tokenizer(path).encode(PROMPT)
+        f = gguf.read(path)
+        decoder = weights.from_gguf(f, "off", dtype=torch.float32)
+        return _greedy(decoder, ids, 8), _greedy(drop(f, decoder), ids, 8)
+
+    def smollm3(f, decoder):
+        assert decoder.shape.no_rope == (3,)
+        decoder.shape.no_rope = ()  # rotary positions on every layer, as llama
+        return decoder
+
+    def phi3(f, decoder):
+        assert decoder.shape.rotary == 24 and decoder.shape.rope_attention > 1
+        assert decoder.shape.rope_factors == pytest.approx(longrope_factors(24, "short"))
+        del f.tensors["rope_factors_short.weight"], f.tensors["rope_factors_long.weight"]
+        return weights.from_gguf(f, "off", dtype=torch.float32)
+    for arch, drop in (("smollm3", smollm3), ("phi3", phi3)):
+        kept, dropped = on_thread(lambda arch=arch, drop=drop: both(arch, drop))
+        assert kept != dropped, arch
 
 
 def test_a_qwen3_gguf_loads_onto_the_own_decoder(tmp_path):
