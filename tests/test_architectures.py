@@ -162,6 +162,40 @@ def test_smollm3s_layers_without_rotary_positions_and_phi3s_longrope_change_the_
         assert kept != dropped, arch
 
 
+def test_a_windowed_layer_attends_over_its_window_only(monkeypatch):
+    """Gemma 3's windowed layers: a long prompt prefilled in chunks and decode steps after it give the logits of a
+    prefill in one piece, while each windowed layer's attention reads at most its window and the new columns
+    (its cost bounded by the window, not the context); the global layer reads everything."""
+    from chat.engine.model import decoder as decoder_module
+    path = tiny_gguf(**TINY["gemma3"][0])  # a window of 8, layer 6 global
+    window, chunk = 8, 4
+    real, read = decoder_module._attend, []
+    monkeypatch.setattr(decoder_module, "_attend", lambda q, keys, *a: read.append((q.shape[2], keys.shape[2]))
+                        or real(q, keys, *a))
+
+    def run():
+        ids = loader.gguf_tokenizer(path).encode(PROMPT + " " + PROMPT)[:32]
+        decoder = weights.from_gguf(gguf.read(path), "off", dtype=torch.float32)
+        whole = decoder.cache(1, len(ids))
+        whole.open(len(ids))
+        want = decoder.forward(torch.tensor([ids]), whole, torch.arange(len(ids))[None])
+        read.clear()
+        kv = decoder.cache(1, len(ids))
+        for at in range(0, len(ids), chunk):
+            kv.open(chunk)
+            got = decoder.forward(torch.tensor([ids[at:at + chunk]]), kv, torch.arange(at, at + chunk)[None])
+            kv.advance(chunk)
+        return want, got
+    want, got = on_thread(run)
+    assert torch.allclose(want, got, atol=1e-4 * float(want.abs().max()))
+    calls = [read[i:i + 6] for i in range(0, len(read), 6)]  # each chunk's six layers
+    assert len(calls) == 8 and all(len(c) == 6 for c in calls)
+    for n, layers in enumerate(calls):
+        assert layers[5][1] == (n + 1) * chunk  # the global layer: every key so far
+        assert all(keys <= min(window - 1 + chunk, (n + 1) * chunk) for _, keys in layers[:5])
+    assert max(keys for layers in calls for _, keys in layers[:5]) == window - 1 + chunk
+
+
 def test_a_qwen3_gguf_loads_onto_the_own_decoder(tmp_path):
     path = tiny_gguf(**TINY["qwen3"][0])
     settings = Settings.from_env({}, model=str(path), data_dir=str(tmp_path))
@@ -224,8 +258,7 @@ def test_the_engine_serves_it_on_the_cxx_step_with_the_prefix_cache_and_kv_from_
     warm = start("warm")  # turn 2 from the prefix cache in memory
     try:
         facts = warm.describe()
-        # the C++ step does not cover Gemma 3's block yet (post-norms, GELU, windows): torch's decode steps
-        assert facts["decode"] == ("torch" if arch == "gemma3" else "native") and facts["weights"] != "float32", facts
+        assert facts["decode"] == "native" and facts["weights"] != "float32", facts
         first = collect(warm.submit(turn1, params, key="c1"))[0]
         turn2 = turn1 + [{"role": "assistant", "content": first}, {"role": "user", "content": "And the boats?"}]
         expected, events = collect(warm.submit(turn2, params, key="c1"))

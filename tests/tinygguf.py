@@ -59,7 +59,8 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
     if rope_scaling:
         sized += "-rope" + "-".join(str(rope_scaling[k]) for k in sorted(rope_scaling) if k != "rope_type")
     sized += ("" if template else "-base") + (f"-w{window}" if window else "")
-    sized += (f"-r{rotary}" if rotary else "") + (f"-longrope{LONGROPE['original_max_position_embeddings']}" if longrope else "")
+    sized += (f"-r{rotary}" if rotary else "")
+    sized += f"-longrope{LONGROPE['original_max_position_embeddings']}" if longrope else ""
     target = CACHE / f"tiny-{arch}-{qtype}-{head}-h{hidden}{sized}-l{layers}-s{seed}.gguf"
     if target.is_file():
         return target

@@ -198,7 +198,15 @@ class Decoder:
             qk = qk.transpose(1, 2)
             q, k = qk[:, :s.heads], qk[:, s.heads:]
             keys, values = kv.write(i, k, qkv[:, :, s.heads + s.kv_heads:].transpose(1, 2))
-            a = _attend(q, keys, values, layer_mask, spans)
+            layer_spans = spans
+            if sliding and layer_mask is not None and windowed is not mask:
+                # the columns before every new column's window left out: a windowed layer's attention costs its
+                # window, not the whole context (a row's columns advance with its positions)
+                lo = kv.length - s.window + 1 - kv.start
+                if lo > 0:
+                    keys, values, layer_mask = keys[:, :, lo:], values[:, :, lo:], layer_mask[..., lo:]
+                    layer_spans = [(b, e, max(c - lo, 0)) for b, e, c in spans] if spans is not None else None
+            a = _attend(q, keys, values, layer_mask, layer_spans)
             out = layer.o(a.transpose(1, 2).reshape(rows * cols, -1), decode)
             h = h + (self._norm(out, layer.post_attn_norm) if layer.post_attn_norm is not None else out)
             gate, up = layer.gate_up(self._norm(h, layer.mlp_norm), decode).chunk(2, dim=-1)

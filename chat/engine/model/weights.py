@@ -65,7 +65,7 @@ def gguf_shape(f: gguf.GGUFFile) -> Shape:
     # a divisor per frequency
     freqs = f.tensors.get("rope_freqs.weight", f.tensors.get("rope_factors_short.weight"))
     factors = tuple(gguf.dequantize(freqs).reshape(-1).tolist()) if freqs is not None else None
-    if factors is not None and len(factors) != rotary // 2:
+    if freqs is not None and factors is not None and len(factors) != rotary // 2:
         raise Unsupported(f"{freqs.name} of {len(factors)} values for rotary positions over {rotary}")
     layers = f.meta("block_count")
     return Shape(layers=layers, hidden=hidden, heads=heads,
