@@ -282,3 +282,41 @@ def test_the_engine_serves_it_on_the_cxx_step_with_the_prefix_cache_and_kv_from_
         assert again.prefix.disk is not None and again.prefix.disk.reads == 1
     finally:
         _stopped(again)
+
+
+def test_gemma3_on_torchs_decode_steps_answers_the_same_in_a_batch_as_alone(tmp_path):
+    """Before the C++ step (or without it), torch's decode steps run the windowed layers over each run of rows' own
+    columns, cut to the window: a seeded answer beside others (longer and shorter rows, past the window of 8) is
+    the one it gives alone."""
+    path = tiny_gguf(**TINY["gemma3"][0])
+    engine = make_engine(path, tmp_path, dtype="bfloat16", native=False, draft="off")
+    try:
+        assert engine.describe()["decode"] == "torch"
+        seeded = GenParams(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=24)
+        questions = [PROMPT, *QUESTIONS]
+        alone = {q: collect(engine.submit(ask(q), seeded))[0] for q in questions}
+        together = [engine.submit(ask(q), seeded) for q in questions]
+        assert [collect(g)[0] for g in together] == [alone[q] for q in questions]
+    finally:
+        _stopped(engine)
+
+
+def test_a_smollm3_checkpoint_runs_on_the_own_decoder_with_its_no_rope_layers():
+    """A transformers SmolLM3 (a hub or folder model) is read onto the own decoder with its config's no_rope_layers
+    (here not the default interval), and answers as transformers' generate does, 32 greedy tokens in float32."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    def both():
+        torch.manual_seed(0)
+        config = SmolLM3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 0, 1],
+                               tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = SmolLM3ForCausalLM(config).float().eval()
+        for p in model.parameters():  # wide weights: no near ties
+            p.data.normal_(0, 0.2)
+        ids = list(range(3, 40))
+        want = model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        decoder = weights.from_hf(model)
+        return decoder.shape.no_rope, _greedy(decoder, ids, 32), want[0, len(ids):].tolist()
+    no_rope, mine, theirs = on_thread(both)
+    assert no_rope == (1,) and mine == theirs

@@ -2,8 +2,8 @@
 (``weights.py``: names, row order, shape), the torch decoder and the C++ step (``native.COVERS``: the
 block features it computes, checked once before it is used).
 
-Every architecture here is Llama-shaped: RMSNorm, rotary positions over the whole head, grouped-query
-attention, SwiGLU. What differs is named, not branched on: GGUF's tensor names, whether llama.cpp's
+Every architecture here is Llama-shaped: RMSNorm, rotary positions, grouped-query attention, a gated MLP.
+What differs is named, not branched on: GGUF's tensor names, whether llama.cpp's
 converter interleaved the q/k rows, which transformers ``model_type`` values map here, and ``features``
 beyond that core. Adding an architecture is one more ``Architecture`` in ``ARCHITECTURES`` plus tests
 (docs/development.md); one whose block computes something else runs on transformers' forward.
@@ -137,7 +137,7 @@ ARCHITECTURES = {
         # positions (transformers' default no_rope_layer_interval); the GGUF carries no list of them
         Architecture("smollm3", ("smollm3",), frozenset({"no_rope"}), interleaved_qk=True, no_rope_every=4),
         # fused q/k/v and gate/up, rotary positions over part of a head where the file says (Phi-4-mini: 3/4), and
-        # LongRoPE's factors where the file has them
+        # LongRoPE's factors where the file has them; its sliding_window metadata is not used (nor by llama.cpp)
         Architecture("phi3", (), frozenset({"fused"}),
                      limits=Limits(rope_scaling=("none", "longrope"), partial_rotary=True)),
         # GGUF only (llama.cpp's converter stores its norms as 1 + w); attention scaled by 1/sqrt(head size), as
