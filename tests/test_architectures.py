@@ -13,6 +13,7 @@ import torch
 from chat.config import Settings
 from chat.engine import GenParams
 from chat.engine.kernels import gguf
+from chat.engine.kv.buffer import TRIM_SLACK
 from chat.engine.model import loader, weights
 from chat.engine.model.architecture import ARCHITECTURES
 from helpers import QUESTIONS, ask, collect, make_engine
@@ -320,3 +321,50 @@ def test_a_smollm3_checkpoint_runs_on_the_own_decoder_with_its_no_rope_layers():
         return decoder.shape.no_rope, _greedy(decoder, ids, 32), want[0, len(ids):].tolist()
     no_rope, mine, theirs = on_thread(both)
     assert no_rope == (1,) and mine == theirs
+
+
+def test_gemma3s_windowed_layers_keep_only_their_window_between_turns(tmp_path, library):  # noqa: F811
+    """A conversation longer than the window: its entry in the prefix cache and on disk keeps the windowed layers'
+    last columns only (their window and TRIM_SLACK more; the global layer all of them), and the next turn goes on
+    from it, in memory and after a restart from disk, with the answer a full prefill gives."""
+    path = tiny_gguf(**TINY["gemma3"][0])  # a window of 8 on layers 1-5, layer 6 global
+    params = GenParams(temperature=0, max_new_tokens=24)
+    turn1 = ask("Tell me about the sea, the wind and the long grey harbour walls, the gulls over the fish market, "
+                "the ferry that leaves at dawn, the lighthouse keeper and his dog, and the storms of last winter "
+                "that broke the old pier in two.")
+    kept = 8 - 1 + TRIM_SLACK
+
+    def start(name: str):
+        cache = tmp_path / name / "cache"
+        if not cache.exists():
+            cache.mkdir(parents=True)
+            (cache / "native").symlink_to(SHARED / "native", target_is_directory=True)
+        return _native(make_engine(path, tmp_path / name / "data", dtype="bfloat16", native=True,
+                                   cache_dir=str(cache), kv_disk_mb=64, draft="off"))
+    engine = start("warm")
+    try:
+        first = collect(engine.submit(turn1, params, key="c1"))[0]
+        _, keys, values, _, _ = engine.prefix.entries["c1"]
+        total = keys[5].shape[2]
+        assert total > kept + 8 and [k.shape[2] for k in keys[:5]] == [kept] * 5 == [v.shape[2] for v in values[:5]]
+        turn2 = turn1 + [{"role": "assistant", "content": first}, {"role": "user", "content": "And the boats?"}]
+        warm_answer, events = collect(engine.submit(turn2, params, key="c1"))
+        reused = events[-1].reused_tokens
+        assert reused > total - TRIM_SLACK
+        engine.prefix.disk.flush()
+        ids, keys, _ = engine.prefix.disk.load("c1")
+        assert [k.shape[2] for k in keys] == [kept] * 5 + [len(ids)]  # trimmed on disk too
+    finally:
+        _stopped(engine)
+    again = start("warm")  # the same cache folder: c1 from disk
+    try:
+        answer, events = collect(again.submit(turn2, params, key="c1"))
+        assert again.prefix.disk.reads >= 1 and events[-1].reused_tokens > 0 and answer == warm_answer
+    finally:
+        _stopped(again)
+    cold = start("cold")  # nothing held: the whole prompt prefilled
+    try:
+        answer, events = collect(cold.submit(turn2, params, key="c1"))
+        assert events[-1].reused_tokens == 0 and answer == warm_answer
+    finally:
+        _stopped(cold)

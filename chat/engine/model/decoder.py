@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..kernels import quant
 from ..kernels.quant import Linear
-from ..kv.buffer import KVBuffer
+from ..kv.buffer import KVBuffer, windows_kept
 from .architecture import ARCHITECTURES, Architecture
 
 
@@ -111,12 +111,15 @@ class Decoder:
         self.local_inv_freq = 1.0 / (self.architecture.local_rope_theta ** (
             torch.arange(0, rot, 2, dtype=torch.float) / rot))
         self._angles: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # local or not -> (cos, sin) by position
+        # the columns a row taken out of a KV buffer keeps per layer: a windowed layer's window and a few more
+        self.keep = windows_kept([shape.window if self.architecture.sliding(i) else 0 for i in range(shape.layers)]) \
+            if shape.window else ()
 
     def cache(self, rows: int, capacity: int) -> KVBuffer:
         """An empty KV buffer of ``rows`` rows for this decoder (outside the engine: benchmarks, checks)."""
         s = self.shape
         return KVBuffer(s.layers, s.kv_heads, s.head_dim, self.dtype, torch.device("cpu"), rows=rows,
-                        capacity=capacity, active=rows)
+                        capacity=capacity, active=rows, keep=self.keep)
 
     def formats(self) -> dict[str, str]:
         """What each class of product multiplies by at decode: ``int4`` (4-bit weights), ``int4x2`` (5 to 8
