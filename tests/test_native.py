@@ -39,16 +39,22 @@ def library():
 
 # The tiny llama (Q4_1 layers, Q8_0 table), a Qwen2 (q/k/v biases) whose layers mix K-quants, 5-bit and
 # 8-bit types and a dense Q6_K part, with a dense Q6_K output layer: every form the step multiplies by; and a
-# Qwen3 (q/k head norms).
+# Qwen3 (q/k head norms); a SmolLM3 (a layer in four without rotary positions), a Phi-3 (fused products, rotary
+# positions over 3/4 of a head, LongRoPE) and a Gemma 3 (its norms, GELU, a window of 4 on five layers of six).
 FILES = {"llama": {}, "qwen2-mix": {"hidden": 256, "qtype": "mix", "arch": "qwen2", "head": "Q6_K"},
-         "qwen3": {"arch": "qwen3", "head_dim": 32}}  # per-head q/k norms, heads wider than hidden / heads
+         "qwen3": {"arch": "qwen3", "head_dim": 32},  # per-head q/k norms, heads wider than hidden / heads
+         "smollm3": {"arch": "smollm3", "layers": 4}, "phi3": {"arch": "phi3", "hidden": 128, "rotary": 24,
+                                                                "longrope": True},
+         "gemma3": {"arch": "gemma3", "head_dim": 32, "layers": 6, "window": 4}}
 
 
 @pytest.fixture(scope="module", params=[("off", "llama"), pytest.param(("int4", "llama"), marks=int4_cpu),
                                         pytest.param(("int4", "qwen2-mix"), marks=int4_cpu),
                                         pytest.param(("blocks", "llama"), marks=int4_cpu),
                                         pytest.param(("blocks", "qwen2-mix"), marks=int4_cpu),
-                                        ("off", "qwen3"), pytest.param(("blocks", "qwen3"), marks=int4_cpu)],
+                                        ("off", "qwen3"), pytest.param(("blocks", "qwen3"), marks=int4_cpu),
+                                        *(m for arch in ("smollm3", "phi3", "gemma3") for m in (
+                                            ("off", arch), pytest.param(("blocks", arch), marks=int4_cpu)))],
                 ids="-".join)
 def decoder(request, library):
     mode, file = request.param  # blocks: the library's block products (int4 everywhere else)
@@ -122,7 +128,7 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds(decoder):
         h = decoder.embed(torch.tensor([1]))
         cos, sin = decoder._rope(torch.tensor([[7]]))
         good = dict(embedded=h, keys=kv.keys, values=kv.values, starts=torch.tensor([0]), col=kv.length,
-                    cos=cos[:, 0, 0], sin=sin[:, 0, 0])
+                    cos=cos[:, 0, 0], sin=sin[:, 0, 0], local_cos=torch.empty(0), local_sin=torch.empty(0))
         for bad in (dict(starts=torch.tensor([9])),  # a row starting after the column it writes
                     dict(col=kv.capacity),  # past the buffer
                     dict(keys=kv.keys[:1], values=kv.values[:1]),  # a buffer per layer
@@ -180,7 +186,7 @@ def test_a_model_shape_the_step_does_not_cover_leaves_torch_ops(library, caplog)
 def test_a_step_that_disagrees_with_torch_is_not_used(library, monkeypatch, caplog):
     decoder = on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf()), "off"))
     real = native.Step.__call__
-    monkeypatch.setattr(native.Step, "__call__", lambda self, h, kv, cos, sin: real(self, h, kv, cos, sin).roll(1, -1))
+    monkeypatch.setattr(native.Step, "__call__", lambda self, *args: real(self, *args).roll(1, -1))
     with caplog.at_level(logging.WARNING, logger="chat.engine.model.native"):
         on_thread(lambda: drain(native.attach(decoder, SHARED)))
     assert decoder.native is None and "disagrees" in caplog.text
@@ -273,16 +279,18 @@ def test_a_long_prompt_joining_running_rows_changes_no_answer(native_engine, mon
     assert late_head + collect(second)[0]
 
 
-def test_an_architecture_needing_what_the_step_does_not_compute_stays_on_torch(library):
+def test_an_architecture_needing_what_the_step_does_not_compute_stays_on_torch(library, monkeypatch):
     from dataclasses import replace
 
-    from chat.engine.model.architecture import FEATURES
+    from chat.engine.model.architecture import ARCHITECTURES, FEATURES
 
     def run():
         decoder = weights.from_gguf(gguf.read(tiny_gguf()), "off")
         assert decoder.architecture.name == "llama" and decoder.architecture.features <= native.COVERS
-        # the features a description may name that the step does not compute yet: Gemma 3's (torch's steps)
-        assert set(FEATURES) - set(native.COVERS) == {"embed_scale", "gemma_norms", "gelu", "sliding_window"}
+        # every feature a description names is computed, so every architecture runs its decode steps in C++
+        assert set(FEATURES) <= native.COVERS and all(a.features <= native.COVERS for a in ARCHITECTURES.values())
+        # one that is not (as a new feature would be before the step computes it) keeps torch's steps
+        monkeypatch.setattr(native, "COVERS", native.COVERS - {"sliding_window"})
         decoder.architecture = replace(decoder.architecture, features=frozenset({"qkv_bias", "sliding_window"}))
         with pytest.raises(RuntimeError, match="sliding_window"):
             native.Step(decoder)

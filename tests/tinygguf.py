@@ -15,6 +15,26 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.
                   "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
 
 
+# LongRoPE as Phi-3.5/4-mini's config has it, shortened: a context 8 times the original one (the tests stay within
+# the original: transformers switches a sequence past it to the long factors, the engine keeps the short ones)
+LONGROPE = {"original_max_position_embeddings": 256, "max_position_embeddings": 2048}
+
+
+def longrope_factors(rotary: int, which: str) -> list[float]:
+    """Made-up factors of LongRoPE's shape: 1 at the high frequencies, growing towards the low ones (the long ones
+    further)."""
+    top = 6.0 if which == "long" else 2.0
+    n = rotary // 2
+    return [1.0 + (top - 1.0) * i / max(n - 1, 1) for i in range(n)]
+
+
+def longrope_attention() -> float:
+    """The attention factor llama.cpp's converter writes (and transformers computes): sqrt(1 + ln(s) / ln(orig))."""
+    import math
+    orig, longest = LONGROPE["original_max_position_embeddings"], LONGROPE["max_position_embeddings"]
+    return math.sqrt(1 + math.log(longest / orig) / math.log(orig))
+
+
 # qtype "mix": each matrix of a layer in its own type (K-quants need 256 columns: hidden 256).
 MIX = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q5_1",
        "ffn_up": "Q8_0", "ffn_down": "Q4_K"}
@@ -22,7 +42,8 @@ MIX = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_
 
 def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, qtype: str = "Q4_1",
               seed: int = 0, arch: str = "llama", head: str = "Q8_0", head_dim: int | None = None,
-              rope_scaling: dict | None = None, template: bool | str = True, window: int = 0) -> Path:
+              rope_scaling: dict | None = None, template: bool | str = True, window: int = 0, rotary: int = 0,
+              longrope: bool = False) -> Path:
     """A .gguf file, built once and cached: every attention and MLP matrix in ``qtype`` (Q4_0, Q4_1, Q5_0,
     Q5_1, Q8_0, or "mix": ``MIX``), the token table (shared with the output layer) in ``head``. Weights
     are wide (std 0.2), so greedy answers have no near-ties. ``arch`` qwen2 adds q/k/v biases, qwen3 per-head
@@ -31,7 +52,10 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
     (rope_freqs.weight); ``template`` False leaves the chat template out (a base model), a string is the chat
     template written instead of the bundled model's (a thinking model's, tests/templates/). ``arch`` gemma3 has
     q/k norms, norms after the attention and the MLP, a GELU MLP and ``window``-wide attention on five layers of
-    six (its norms stored as 1 + w, as llama.cpp's converter writes them)."""
+    six (its norms stored as 1 + w, as llama.cpp's converter writes them). ``arch`` smollm3 is llama's layout (the
+    engine leaves every fourth layer without rotary positions, as llama.cpp does); phi3 fuses q/k/v (attn_qkv)
+    and gate/up (ffn_up), with rotary positions over ``rotary`` of each head (0: all) and, with ``longrope``,
+    LongRoPE's factors (rope_factors_long/short, ``LONGROPE``) and attention factor as llama.cpp writes them."""
     sized = f"-d{head_dim}" if head_dim else ""
     if rope_scaling:
         sized += "-rope" + "-".join(str(rope_scaling[k]) for k in sorted(rope_scaling) if k != "rope_type")
@@ -39,6 +63,8 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
     if isinstance(template, str):
         import hashlib
         sized += "-t" + hashlib.sha256(template.encode()).hexdigest()[:10]
+    sized += (f"-r{rotary}" if rotary else "")
+    sized += f"-longrope{LONGROPE['original_max_position_embeddings']}" if longrope else ""
     target = CACHE / f"tiny-{arch}-{qtype}-{head}-h{hidden}{sized}-l{layers}-s{seed}.gguf"
     if target.is_file():
         return target
@@ -65,7 +91,10 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
     if window:
         w.add_sliding_window(window)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    w.add_uint32(f"{arch}.rope.dimension_count", rotary or head_dim)
+    if longrope:
+        w.add_rope_scaling_orig_ctx_len(LONGROPE["original_max_position_embeddings"])
+        w.add_rope_scaling_attn_factors(longrope_attention())
     if head_dim != hidden // heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -122,14 +151,21 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
         w.add_tensor("rope_freqs.weight", np.array(llama3_factors(
             10000.0, head_dim, r["factor"], r["low_freq_factor"], r["high_freq_factor"],
             r["original_max_position_embeddings"]), dtype=np.float32))
+    if longrope:
+        for which in ("long", "short"):
+            w.add_tensor(f"rope_factors_{which}.weight", np.array(longrope_factors(rotary or head_dim, which),
+                                                                 dtype=np.float32))
     norm("output_norm.weight")
     for i in range(layers):
         p = f"blk.{i}."
         norm(p + "attn_norm.weight")
         norm(p + "ffn_norm.weight")
-        matrix(p + "attn_q.weight", heads * head_dim, hidden)
-        matrix(p + "attn_k.weight", kv_heads * head_dim, hidden)
-        matrix(p + "attn_v.weight", kv_heads * head_dim, hidden)
+        if arch == "phi3":  # fused, as llama.cpp's converter keeps Phi-3's own matrices
+            matrix(p + "attn_qkv.weight", (heads + 2 * kv_heads) * head_dim, hidden)
+        else:
+            matrix(p + "attn_q.weight", heads * head_dim, hidden)
+            matrix(p + "attn_k.weight", kv_heads * head_dim, hidden)
+            matrix(p + "attn_v.weight", kv_heads * head_dim, hidden)
         if arch == "qwen2":
             bias(p + "attn_q.bias", heads * head_dim)
             bias(p + "attn_k.bias", kv_heads * head_dim)
@@ -141,8 +177,11 @@ def tiny_gguf(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int =
             norm(p + "post_attention_norm.weight")
             norm(p + "post_ffw_norm.weight")
         matrix(p + "attn_output.weight", hidden, heads * head_dim)
-        matrix(p + "ffn_gate.weight", hidden * 2, hidden)
-        matrix(p + "ffn_up.weight", hidden * 2, hidden)
+        if arch == "phi3":
+            matrix(p + "ffn_up.weight", hidden * 4, hidden)  # gate rows, then up rows
+        else:
+            matrix(p + "ffn_gate.weight", hidden * 2, hidden)
+            matrix(p + "ffn_up.weight", hidden * 2, hidden)
         matrix(p + "ffn_down.weight", hidden, hidden * 2)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -141,7 +141,8 @@ class Batch:
             if slot.gen.key and reason != "error":
                 keys, values = self.kv.row(r)
                 fed = slot.prompt_ids + slot.out_ids
-                self.prefix.put(slot.gen.key, fed[:keys[0].shape[2]], keys, values, slot.params.cache_salt)
+                self.prefix.put(slot.gen.key, fed[:max(k.shape[2] for k in keys)], keys, values,  # windowed: fewer
+                                slot.params.cache_salt)
             self._remove_row(r)
         done(slot.gen, reason, slot, message)
 

@@ -1,6 +1,9 @@
 // The engine's decode step in one call: every layer of a Llama-shaped decoder for one new
 // column per row, with the norms, rotary positions, key/value writes, attention and SwiGLU as
 // plain loops and the products on ATen's kernels (int4 or dense, as the Python side picks).
+// Beyond Llama's block: q/k head norms, rotary positions over part of a head or none on some layers,
+// Gemma's norms (float32 weights, after the attention and the MLP too), GELU, windowed layers with
+// rotary angles of their own.
 //
 // Built by chat/engine/model/native.py with the C++ compiler it finds, loaded with
 // torch.ops.load_library. Eager torch spends ~40 operator calls a layer on vectors of a few
@@ -61,6 +64,15 @@ inline float silu(float x) {
   return x >= 0.f ? x / (1.f + e) : x * e / (1.f + e);
 }
 
+// GELU's tanh form, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as torch's gelu(approximate="tanh");
+// tanh(u) = sign(u) (1 - e^-2|u|) / (1 + e^-2|u|).
+inline float gelu_tanh(float x) {
+  const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  const float e = exp_neg(-2.f * std::fabs(u));
+  const float t = (1.f - e) / (1.f + e);
+  return 0.5f * x * (1.f + (u >= 0.f ? t : -t));
+}
+
 constexpr int64_t LANES = 16;  // partial sums: a fixed summation order the compiler can vectorize
 
 // sum of a[i] * b[i] over n (a multiple of LANES) floats, in LANES partial sums added in order
@@ -117,45 +129,60 @@ struct Product {  // one of the decoder's matrices: int4 segments side by side, 
   }
 };
 
+// A layer's kind (``keep``'s kinds): bits of what it does beyond the Llama core.
+constexpr int64_t NO_ROPE = 1;  // no rotary positions (SmolLM3's every fourth layer)
+constexpr int64_t SLIDING = 2;  // attention over the model's window of latest columns, the local rotary angles
+
+// The model's style (``keep``'s style): bits.
+constexpr int64_t GEMMA_NORMS = 1;  // each norm's weight applied in float32 before one rounding (Gemma's)
+constexpr int64_t GELU = 2;         // a GELU (tanh) gated MLP instead of SwiGLU
+
 struct Layer {
   at::Tensor attn_norm, mlp_norm;
   at::Tensor q_norm, k_norm;  // per-head RMSNorms of the queries and keys (qk_norm), or undefined
+  at::Tensor post_attn_norm, post_mlp_norm;  // norms of the attention's and the MLP's outputs (Gemma's), or undefined
   Product qkv, o, gate_up, down;
+  int64_t kind = 0;
 };
 
 struct Model {
   std::vector<Layer> layers;
   int64_t heads = 0, kv_heads = 0, dim = 0;
+  int64_t window = 0;  // SLIDING layers' span in columns
+  bool gemma_norms = false, gelu = false;
   double eps = 1e-6;
 };
 
 blocks::Kept<Model> models;
 
-// weight * bf16(x * rsqrt(mean(x^2) + eps)), row by row, as decoder._norm rounds it.
-at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const int64_t rows = x.size(0), n = x.size(1);
-  at::Tensor out = at::empty_like(x);
-  const uint16_t* w = bits(weight);
-  std::vector<float> row(n);
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* in = bits(x) + r * n;
-    uint16_t* o = bits(out) + r * n;
-    widen(in, row.data(), n);
-    const float sum = dot(row.data(), row.data(), n);
-    const float scale = 1.f / std::sqrt(sum / n + static_cast<float>(eps));
-    for (int64_t i = 0; i < n; ++i) o[i] = to_bf(bf(w[i]) * bf(to_bf(bf(in[i]) * scale)));
-  }
-  return out;
-}
-
-// One head's n values normed as ``norm`` rounds a row: weight * bf16(x * rsqrt(mean(x^2) + eps)), into ``out``.
-void norm_head(const uint16_t* in, const at::Tensor& weight, double eps, int64_t n, uint16_t* out) {
-  const uint16_t* w = bits(weight);
-  float row[512];
+// weight * bf16(x * rsqrt(mean(x^2) + eps)) over n values, as decoder._norm rounds it; with ``gemma``,
+// bf16(x * rsqrt(...) * weight) (one rounding, Gemma's).
+inline void norm_into(const uint16_t* in, const uint16_t* w, double eps, int64_t n, float* row, uint16_t* out,
+                      bool gemma) {
   widen(in, row, n);
   const float sum = dot(row, row, n);
   const float scale = 1.f / std::sqrt(sum / n + static_cast<float>(eps));
-  for (int64_t i = 0; i < n; ++i) out[i] = to_bf(bf(w[i]) * bf(to_bf(bf(in[i]) * scale)));
+  if (gemma) {
+    for (int64_t i = 0; i < n; ++i) out[i] = to_bf(row[i] * scale * bf(w[i]));
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = to_bf(bf(w[i]) * bf(to_bf(row[i] * scale)));
+  }
+}
+
+// ``norm_into`` row by row.
+at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  std::vector<float> row(n);
+  for (int64_t r = 0; r < rows; ++r) norm_into(bits(x) + r * n, bits(weight), eps, n, row.data(), bits(out) + r * n,
+                                               gemma);
+  return out;
+}
+
+// One head's n values normed as ``norm`` rounds a row, into ``out``.
+void norm_head(const uint16_t* in, const at::Tensor& weight, double eps, int64_t n, uint16_t* out, bool gemma) {
+  float row[512];
+  norm_into(in, bits(weight), eps, n, row, out, gemma);
 }
 
 // h += y, rounded to bf16 (in place).
@@ -165,45 +192,54 @@ void add_into(at::Tensor& h, const at::Tensor& y) {
   for (int64_t i = 0, n = h.numel(); i < n; ++i) a[i] = to_bf(bf(a[i]) + bf(b[i]));
 }
 
-// silu(gate) * up for a (rows, 2F) gate/up product -> (rows, F), rounded as eager torch does.
-at::Tensor swiglu(const at::Tensor& gu) {
+// silu(gate) * up (``gelu``: gelu_tanh(gate) * up) for a (rows, 2F) gate/up product -> (rows, F), rounded as
+// eager torch does.
+at::Tensor swiglu(const at::Tensor& gu, bool gelu) {
   const int64_t rows = gu.size(0), f = gu.size(1) / 2;
   at::Tensor out = at::empty({rows, f}, gu.options());
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* g = bits(gu) + r * 2 * f;
     const uint16_t* u = g + f;
     uint16_t* o = bits(out) + r * f;
-    for (int64_t i = 0; i < f; ++i) o[i] = to_bf(bf(to_bf(silu(bf(g[i])))) * bf(u[i]));
+    if (gelu) {
+      for (int64_t i = 0; i < f; ++i) o[i] = to_bf(bf(to_bf(gelu_tanh(bf(g[i])))) * bf(u[i]));
+    } else {
+      for (int64_t i = 0; i < f; ++i) o[i] = to_bf(bf(to_bf(silu(bf(g[i])))) * bf(u[i]));
+    }
   }
   return out;
 }
 
 // Rotary positions for the query and key heads of a (rows x cols, (heads + 2 kv_heads) * dim) q/k/v
-// product (each head normed first where the layer has q/k norms); queries go to ``q`` (float), keys and
-// values into the layer's buffers: query i is column col + i % cols of buffer row i / cols.
+// product (each head normed first where the layer has q/k norms; over the first cos.size(1) values of a
+// head, the rest passed on; none on a NO_ROPE layer); queries go to ``q`` (float), keys and values into
+// the layer's buffers: query i is column col + i % cols of buffer row i / cols.
 void rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const Model& m,
                     const Layer& layer, at::Tensor& q, at::Tensor& keys, at::Tensor& values, int64_t col,
                     int64_t cols) {
-  const int64_t queries = qkv.size(0), d = m.dim, half = d / 2, width = qkv.size(1);
+  const int64_t queries = qkv.size(0), d = m.dim, rot = cos.size(1), half = rot / 2, width = qkv.size(1);
+  const bool rotate = !(layer.kind & NO_ROPE);
   const auto ks = keys.strides(), vs = values.strides();
   for (int64_t r = 0; r < queries; ++r) {
     const int64_t b = r / cols, at_col = col + r % cols;  // its buffer row and column
     const uint16_t* row = bits(qkv) + r * width;
-    const uint16_t* c = bits(cos) + r * d;
-    const uint16_t* s = bits(sin) + r * d;
+    const uint16_t* c = bits(cos) + r * rot;
+    const uint16_t* s = bits(sin) + r * rot;
     for (int64_t h = 0; h < m.heads + m.kv_heads; ++h) {
       const uint16_t* x = row + h * d;
       uint16_t normed[512], rotated[512];
       const at::Tensor& head_norm = h < m.heads ? layer.q_norm : layer.k_norm;
       if (head_norm.defined()) {
-        norm_head(x, head_norm, m.eps, d, normed);
+        norm_head(x, head_norm, m.eps, d, normed, m.gemma_norms);
         x = normed;
       }
-      for (int64_t i = 0; i < d; ++i) {
+      const int64_t turns = rotate ? rot : 0;
+      for (int64_t i = 0; i < turns; ++i) {
         // x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16
         const float turned = i < half ? -bf(x[i + half]) : bf(x[i - half]);
         rotated[i] = to_bf(bf(to_bf(bf(x[i]) * bf(c[i]))) + bf(to_bf(turned * bf(s[i]))));
       }
+      for (int64_t i = turns; i < d; ++i) rotated[i] = x[i];
       if (h < m.heads) {
         float* out = q.data_ptr<float>() + (r * m.heads + h) * d;
         for (int64_t i = 0; i < d; ++i) out[i] = bf(rotated[i]);
@@ -223,19 +259,25 @@ void rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
 // row b = r / cols, column col + r % cols), exactly as a step of that column alone would: the heads that
 // share a key/value head go together. -> (rows x cols, heads * dim) bf16.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* starts,
-                  int64_t col, int64_t cols, const Model& m) {
+                  int64_t col, int64_t cols, const Model& m, int64_t window) {
+  // a windowed layer: query column c over columns [max(start, c - window + 1), c] (a row's columns are its
+  // positions in order, so that is the keys within ``window`` positions)
+  auto first_of = [&](int64_t r) {
+    const int64_t start = starts[r / cols], at_col = col + r % cols;
+    return window > 0 ? std::max(start, at_col - window + 1) : start;
+  };
   const int64_t queries = q.size(0), d = m.dim, group = m.heads / m.kv_heads;
   at::Tensor out = at::empty({queries, m.heads * d}, keys.options());
   const auto ks = keys.strides(), vs = values.strides();
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   int64_t work = 0;
-  for (int64_t r = 0; r < queries; ++r) work += (col + r % cols + 1 - starts[r / cols]) * group * d * 2;
+  for (int64_t r = 0; r < queries; ++r) work += (col + r % cols + 1 - first_of(r)) * group * d * 2;
   const int64_t tasks = queries * m.kv_heads;
   const int64_t grain = std::max<int64_t>(1, tasks * 65536 / std::max<int64_t>(work, 1));
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, key(d), acc(group * d);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t r = t / m.kv_heads, g = t % m.kv_heads, b = r / cols, first = starts[b];
+      const int64_t r = t / m.kv_heads, g = t % m.kv_heads, b = r / cols, first = first_of(r);
       const int64_t n = col + r % cols + 1 - first;
       const float* qs = q.data_ptr<float>() + (r * m.heads + g * group) * d;
       const uint16_t* kbase = bits(keys) + b * ks[0] + g * ks[1];
@@ -273,17 +315,22 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 at::Tensor opt(const at::Tensor& t) { return t.numel() ? t : at::Tensor(); }
 
 int64_t keep(at::TensorList norms, at::TensorList tensors, at::IntArrayRef layout, at::TensorList biases,
-             at::IntArrayRef crossovers, int64_t heads, int64_t kv_heads, int64_t dim, double eps) {
-  // Per layer: norms [attn, mlp, q heads, k heads] (the last two empty: none); then for each of its products [qkv, o, gate_up, down] a bias (empty:
+             at::IntArrayRef crossovers, at::IntArrayRef kinds, int64_t heads, int64_t kv_heads, int64_t dim,
+             double eps, int64_t window, int64_t style) {
+  // Per layer: norms [attn, mlp, q heads, k heads, after attention, after MLP] (the last four empty: none), its
+  // kind (NO_ROPE, SLIDING bits); then for each of its products [qkv, o, gate_up, down] a bias (empty:
   // none), a crossover, and in ``layout``: [has a dense copy, segments, then each segment's int4 terms
   // (0: a dense segment; -1: a block matrix, whose id follows)], whose tensors come in that order from
   // ``tensors``: the dense copy, then per segment its dense matrix or its terms' (packed, scales) pairs.
+  // ``window``: SLIDING layers' span; ``style``: GEMMA_NORMS, GELU bits.
   Model m;
-  m.heads = heads, m.kv_heads = kv_heads, m.dim = dim, m.eps = eps;
-  const int64_t n = norms.size() / 4;
+  m.heads = heads, m.kv_heads = kv_heads, m.dim = dim, m.eps = eps, m.window = window;
+  m.gemma_norms = style & GEMMA_NORMS, m.gelu = style & GELU;
+  const int64_t n = norms.size() / 6;
   TORCH_CHECK(n > 0 && norms[0].numel() % LANES == 0, "hidden size not a multiple of ", LANES);
   TORCH_CHECK(dim <= 512 && dim % LANES == 0 && heads % kv_heads == 0, "unsupported head shape");
-  TORCH_CHECK(biases.size() == static_cast<size_t>(n * 4) && crossovers.size() == static_cast<size_t>(n * 4),
+  TORCH_CHECK(biases.size() == static_cast<size_t>(n * 4) && crossovers.size() == static_cast<size_t>(n * 4) &&
+                  kinds.size() == static_cast<size_t>(n) && norms.size() == static_cast<size_t>(n * 6),
               "weights of ", n, " layers expected");
   size_t at = 0, t = 0;
   auto next_int = [&]() {
@@ -296,10 +343,17 @@ int64_t keep(at::TensorList norms, at::TensorList tensors, at::IntArrayRef layou
   };
   for (int64_t l = 0; l < n; ++l) {
     Layer layer;
-    layer.attn_norm = norms[4 * l].contiguous();
-    layer.mlp_norm = norms[4 * l + 1].contiguous();
-    layer.q_norm = opt(norms[4 * l + 2].contiguous());
-    layer.k_norm = opt(norms[4 * l + 3].contiguous());
+    layer.attn_norm = norms[6 * l].contiguous();
+    layer.mlp_norm = norms[6 * l + 1].contiguous();
+    layer.q_norm = opt(norms[6 * l + 2].contiguous());
+    layer.k_norm = opt(norms[6 * l + 3].contiguous());
+    layer.post_attn_norm = opt(norms[6 * l + 4].contiguous());
+    layer.post_mlp_norm = opt(norms[6 * l + 5].contiguous());
+    layer.kind = kinds[l];
+    TORCH_CHECK(!(layer.kind & SLIDING) || window > 0, "a windowed layer without a window");
+    for (const at::Tensor* post : {&layer.post_attn_norm, &layer.post_mlp_norm})
+      TORCH_CHECK(!post->defined() || (post->scalar_type() == at::kBFloat16 && post->numel() == norms[0].numel()),
+                  "bf16 norms of the hidden size expected after the attention and the MLP");
     TORCH_CHECK(layer.q_norm.defined() == layer.k_norm.defined() &&
                     (!layer.q_norm.defined() || (layer.q_norm.numel() == dim && layer.k_norm.numel() == dim &&
                                                  layer.q_norm.scalar_type() == at::kBFloat16 &&
@@ -345,7 +399,8 @@ void forget(int64_t id) { models.forget(id); }
 // buffer; its column c attends over columns [starts[r], c], so each column's result is bit for bit
 // what a step of that column alone would give.
 at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, at::TensorList values,
-                  const at::Tensor& starts, int64_t col, const at::Tensor& cos, const at::Tensor& sin) {
+                  const at::Tensor& starts, int64_t col, const at::Tensor& cos, const at::Tensor& sin,
+                  const at::Tensor& local_cos, const at::Tensor& local_sin) {
   const std::shared_ptr<const Model> found = models.find(id);
   TORCH_CHECK(found, "no decoder ", id);
   const Model& m = *found;
@@ -358,8 +413,12 @@ at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, a
   const int64_t cols = queries / rows;
   at::Tensor h = embedded.contiguous().clone();
   at::Tensor c = cos.contiguous(), s = sin.contiguous(), first = starts.to(at::kLong).contiguous();
-  TORCH_CHECK(c.size(0) == queries && c.size(1) == m.dim && s.sizes() == c.sizes(),
-              "a start column per row and rotary angles per column expected");
+  at::Tensor lc = local_cos.numel() ? local_cos.contiguous() : c, ls = local_sin.numel() ? local_sin.contiguous() : s;
+  TORCH_CHECK(c.size(0) == queries && c.size(1) <= m.dim && c.size(1) % 2 == 0 && s.sizes() == c.sizes() &&
+                  lc.sizes() == c.sizes() && ls.sizes() == c.sizes() && c.scalar_type() == at::kBFloat16 &&
+                  s.scalar_type() == at::kBFloat16 && lc.scalar_type() == at::kBFloat16 &&
+                  ls.scalar_type() == at::kBFloat16,
+              "a start column per row and bf16 rotary angles per column expected");
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(first.data_ptr<int64_t>()[r] >= 0 && first.data_ptr<int64_t>()[r] <= col, "row ", r,
                 " starts after the column it writes");
@@ -371,10 +430,15 @@ at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, a
                     v.scalar_type() == at::kBFloat16 && k.stride(3) == 1 && v.stride(3) == 1 && k.size(0) >= rows &&
                     k.size(1) == m.kv_heads && k.size(3) == m.dim && col + cols <= k.size(2),
                 "key/value buffers of the wrong shape");
-    at::Tensor qkv = layer.qkv(norm(h, layer.attn_norm, m.eps)).contiguous();
-    rope_and_store(qkv, c, s, m, layer, q, k, v, col, cols);
-    add_into(h, layer.o(attend(q, k, v, first.data_ptr<int64_t>(), col, cols, m)).contiguous());
-    add_into(h, layer.down(swiglu(layer.gate_up(norm(h, layer.mlp_norm, m.eps)).contiguous())).contiguous());
+    const bool sliding = layer.kind & SLIDING;
+    at::Tensor qkv = layer.qkv(norm(h, layer.attn_norm, m.eps, m.gemma_norms)).contiguous();
+    rope_and_store(qkv, sliding ? lc : c, sliding ? ls : s, m, layer, q, k, v, col, cols);
+    at::Tensor out = layer.o(attend(q, k, v, first.data_ptr<int64_t>(), col, cols, m, sliding ? m.window : 0))
+                         .contiguous();
+    add_into(h, layer.post_attn_norm.defined() ? norm(out, layer.post_attn_norm, m.eps, m.gemma_norms) : out);
+    out = layer.down(swiglu(layer.gate_up(norm(h, layer.mlp_norm, m.eps, m.gemma_norms)).contiguous(), m.gelu))
+              .contiguous();
+    add_into(h, layer.post_mlp_norm.defined() ? norm(out, layer.post_mlp_norm, m.eps, m.gemma_norms) : out);
   }
   return h;
 }
@@ -497,11 +561,11 @@ at::Tensor sample(const at::Tensor& logits_in, const at::Tensor& temperature, co
 }  // namespace
 
 TORCH_LIBRARY(chat_native, lib) {
-  lib.def("keep(Tensor[] norms, Tensor[] tensors, int[] layout, Tensor[] biases, int[] crossovers, int heads, "
-          "int kv_heads, int dim, float eps) -> int", &keep);
+  lib.def("keep(Tensor[] norms, Tensor[] tensors, int[] layout, Tensor[] biases, int[] crossovers, int[] kinds, "
+          "int heads, int kv_heads, int dim, float eps, int window, int style) -> int", &keep);
   lib.def("forget(int id) -> ()", &forget);
   lib.def("decode(int id, Tensor embedded, Tensor[] keys, Tensor[] values, Tensor starts, int col, Tensor cos, "
-          "Tensor sin) -> Tensor", &decode);
+          "Tensor sin, Tensor local_cos, Tensor local_sin) -> Tensor", &decode);
   lib.def("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor u) -> Tensor",
           &sample);
 }

@@ -8,6 +8,7 @@ busy 2-core box).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
@@ -33,17 +34,44 @@ class _BufferLayer(DynamicLayer):
         return self.owner.length - self.owner.start + query_length, 0
 
 
+# A windowed layer's row, taken out of a buffer (``KVBuffer.row``: the prefix cache, the disk), keeps its window's
+# columns and this many more: a later prompt may go on from up to this many columns before the row's end.
+TRIM_SLACK = 64
+
+
+def windows_kept(windows: Sequence[int]) -> tuple[int, ...]:
+    """The columns a row keeps per layer (0: all) for layers attending over ``windows`` (0: everything)."""
+    return tuple(w - 1 + TRIM_SLACK if w else 0 for w in windows)
+
+
+def cut(t: torch.Tensor, total: int, n: int) -> torch.Tensor | None:
+    """A row's layer tensor (its last ``t.shape[2]`` of ``total`` columns: trimmed, ``KVBuffer.row``) up to column
+    ``n``; None where a trimmed one cannot give it (more than ``TRIM_SLACK`` columns dropped from its end would
+    leave less than its window before ``n``)."""
+    m = t.shape[2]
+    if m == total:
+        return t[:, :, :n]
+    if total - n > TRIM_SLACK:
+        return None
+    return t[:, :, :m - (total - n)]
+
+
 class KVBuffer:
     """Left-padded keys/values, per layer (row capacity, heads, column capacity, dim).
 
     The model sees rows ``[:n]`` and columns ``[start:length]``: every active row's
     tokens end at ``length``; columns before ``start`` belong to rows that left.
     Both capacities grow by doubling, so growth is amortized O(1) per token.
+
+    ``keep``: per layer, the columns a row taken out keeps (0: all; ``windows_kept``): a windowed layer's row
+    out of the buffer holds its window and ``TRIM_SLACK`` more, and a row added back gets zeros before them,
+    columns no query of it reads (out of every later column's window: masked, and the C++ step skips them).
     """
 
     def __init__(self, layers: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device, rows: int = 1,
-                 capacity: int = 64, active: int = 0) -> None:
+                 capacity: int = 64, active: int = 0, keep: Sequence[int] | None = None) -> None:
         self.layers, self.heads, self.dim, self.dtype, self.device = layers, heads, dim, dtype, device
+        self.keep = tuple(keep) if keep else (0,) * layers
         self.start = self.length = 0
         self.n = active  # rows taking part; ``active`` rows start empty (a prefill's, written column by column)
         # Whether a decode step reads padding columns (masked, so they must be finite: zeroed). The
@@ -125,17 +153,20 @@ class KVBuffer:
         return self.start + self.row_starts(0)[r]
 
     def row(self, r: int, copy: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(keys, values) of row ``r`` without its left padding (compact copies unless ``copy=False``)."""
+        """(keys, values) of row ``r`` without its left padding (compact copies unless ``copy=False``); a windowed
+        layer's only its last ``keep`` columns."""
         begin = self.row_start(r)
-        keys = [k[r:r + 1, :, begin:self.length] for k in self.keys]
-        values = [v[r:r + 1, :, begin:self.length] for v in self.values]
+        firsts = [max(begin, self.length - kept) if kept else begin for kept in self.keep]
+        keys = [k[r:r + 1, :, first:self.length] for k, first in zip(self.keys, firsts)]
+        values = [v[r:r + 1, :, first:self.length] for v, first in zip(self.values, firsts)]
         if copy:
             keys, values = [k.clone() for k in keys], [v.clone() for v in values]
         return keys, values
 
     def add_row(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
-        """Append a row from per-layer (1, heads, count, dim) tensors, right-aligned; returns its index."""
-        count = keys[0].shape[2]
+        """Append a row from per-layer (1, heads, count, dim) tensors, right-aligned; returns its index. A layer's
+        tensor with fewer columns (a windowed layer's, ``row``) holds the row's last ones: zeros before them."""
+        count = max(k.shape[2] for k in keys)
         rows = self.mask.shape[0]
         shift = max(0, count - self.length)  # a row longer than the buffer pushes the others right
         if self.n == rows or shift:
@@ -146,7 +177,9 @@ class KVBuffer:
         start = min(self.start, begin) if self.n else begin
         for store, part in ((self.keys, keys), (self.values, values)):
             for layer, t in zip(store, part):
-                layer[r, :, begin:self.length] = t[0]
+                layer[r, :, self.length - t.shape[2]:self.length] = t[0]
+                if t.shape[2] < count:
+                    layer[r, :, begin:self.length - t.shape[2]] = 0
                 if self.reads_padding:
                     layer[r, :, start:begin] = 0  # the new row's padding
                     if self.n and begin < self.start:  # columns the other rows now see as padding
@@ -179,7 +212,7 @@ def joined(batch: KVBuffer | None, source: KVBuffer, rows: list[int], reads_padd
         batch = source
     elif batch is None:
         batch = KVBuffer(source.layers, source.heads, source.dim, source.dtype, source.device, rows=len(rows),
-                         capacity=source.length + 64)
+                         capacity=source.length + 64, keep=source.keep)
     batch.reads_padding = reads_padding
     if batch is not source:
         for r in rows:

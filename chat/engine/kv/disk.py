@@ -151,13 +151,20 @@ class DiskKV:
                 self.layers, *shape]:
             raise ValueError(f"an entry of {header.get('dtype')} {header.get('shape')}, not {self.dtype} "
                              f"{[self.layers, *shape]}")
-        count = self.heads * len(ids) * self.dim
+        # each layer's columns: a windowed layer's entry holds its last ones only (KVBuffer.row)
+        columns = header.get("columns", [len(ids)] * self.layers)
+        if len(columns) != self.layers or not all(isinstance(c, int) and 0 < c <= len(ids) for c in columns):
+            raise ValueError(f"columns {columns} for {len(ids)} ids")
+        counts = [self.heads * c * self.dim for c in columns] * 2
         width = torch.empty(0, dtype=self.dtype).element_size()
         offset = start + size
-        if len(data) != offset + 2 * self.layers * count * width:
+        if len(data) != offset + sum(counts) * width:
             raise ValueError("a file cut short")
         flat = torch.frombuffer(data, dtype=torch.uint8, offset=offset).view(self.dtype)
-        parts = [flat[i * count:(i + 1) * count].view(1, *shape) for i in range(2 * self.layers)]
+        parts, at = [], 0
+        for c, count in zip(columns * 2, counts):
+            parts.append(flat[at:at + count].view(1, self.heads, c, self.dim))
+            at += count
         return ids, parts[:self.layers], parts[self.layers:]
 
     def drop(self, key: str) -> None:
@@ -196,7 +203,8 @@ class DiskKV:
         # OpenMP team of its own, and with more OpenMP threads than cores libgomp stops spinning at its
         # barriers, which halved the engine's decode speed (torch.save of a torch.cat here, measured).
         header = json.dumps({"key": key, "salt": salt, "ids": ids, "dtype": str(self.dtype),
-                             "shape": [self.layers, self.heads, len(ids), self.dim]}).encode()
+                             "shape": [self.layers, self.heads, len(ids), self.dim],
+                             "columns": [t.shape[2] for t in keys]}).encode()
         with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(MAGIC + len(header).to_bytes(8, "little") + header)
             for t in [*keys, *values]:

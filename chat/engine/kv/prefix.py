@@ -9,6 +9,7 @@ import collections
 
 import torch
 
+from .buffer import cut
 from .disk import DiskKV
 
 
@@ -140,12 +141,12 @@ class PrefixCache:
         preamble = self._preamble(ids, limit, salt) if shared else None
         other = self._common(ids, limit, salt) if shared else None
         if other is not None and other[0] > max(n, len(preamble[0][0]) if preamble else 0):
-            self.shared_hits += 1
+            kind = "shared"
             n, found = other
             _, keys, values, _, _ = self.entries[found]
             self.entries.move_to_end(found)
         elif preamble is not None and len(preamble[0][0]) > n:
-            self.shared_hits += 1
+            kind = "shared"
             found, (keys, values) = preamble
             self.preambles.move_to_end(found)
             n = len(found[0])
@@ -153,8 +154,18 @@ class PrefixCache:
             self.misses += 1
             return None
         else:
+            kind = "own"
+        # a windowed layer's entry holds its last columns only (``KVBuffer.row``): it goes on from near its end
+        total = max(k.shape[2] for k in keys)
+        kept = [cut(t, total, n) for t in keys + values]
+        if any(t is None for t in kept):
+            self.misses += 1
+            return None
+        if kind == "shared":
+            self.shared_hits += 1
+        else:
             self.hits += 1
-        return [k[:, :, :n] for k in keys], [v[:, :, :n] for v in values], n
+        return kept[:len(keys)], kept[len(keys):], n
 
     def _common(self, ids: list[int], limit: int, salt: str | None) -> tuple[int, str] | None:
         """(length, key) of the longest common prefix of ``ids`` (up to ``limit``) with another

@@ -2,8 +2,8 @@
 (``weights.py``: names, row order, shape), the torch decoder and the C++ step (``native.COVERS``: the
 block features it computes, checked once before it is used).
 
-Every architecture here is Llama-shaped: RMSNorm, rotary positions over the whole head, grouped-query
-attention, SwiGLU. What differs is named, not branched on: GGUF's tensor names, whether llama.cpp's
+Every architecture here is Llama-shaped: RMSNorm, rotary positions, grouped-query attention, a gated MLP.
+What differs is named, not branched on: GGUF's tensor names, whether llama.cpp's
 converter interleaved the q/k rows, which transformers ``model_type`` values map here, and ``features``
 beyond that core. Adding an architecture is one more ``Architecture`` in ``ARCHITECTURES`` plus tests
 (docs/development.md); one whose block computes something else runs on transformers' forward.
@@ -27,6 +27,8 @@ FEATURES = {
     "gelu": "a GELU (tanh) gated MLP instead of SwiGLU (Gemma's)",
     "sliding_window": "attention over a window of the latest positions on all but every n-th layer, those layers' "
                       "rotary positions of their own base (Gemma 3's)",
+    "no_rope": "every n-th layer without rotary positions (SmolLM3's: every fourth, as llama.cpp fixes it)",
+    "fused": "one q/k/v matrix (attn_qkv) and one gate/up matrix (ffn_up, gate rows first) per layer (Phi-3's)",
 }
 
 
@@ -37,7 +39,7 @@ class Limits:
 
     # rotary scaling kinds computed ("none": the base theta alone; "llama3": Llama 3's frequency-dependent
     # factors, which llama.cpp's converter writes as rope_freqs.weight)
-    rope_scaling: tuple[str, ...] = ("none",)
+    rope_scaling: tuple[str, ...] = ("none",)  # "longrope": Phi-3's factors files (rope_factors_long/short)
     partial_rotary: bool = False  # rotary positions over part of a head
     activations: tuple[str, ...] = ("silu",)  # the gated MLP's activation (transformers' hidden_act)
     sliding_window: bool = False  # attention over a window of the latest positions
@@ -53,6 +55,7 @@ class Architecture:
     limits: Limits = Limits()
     global_every: int = 0  # sliding_window: every n-th layer attends over everything (Gemma 3: 6)
     local_rope_theta: float = 10000.0  # sliding_window: the windowed layers' rotary base
+    no_rope_every: int = 0  # no_rope: every n-th layer has no rotary positions (SmolLM3: 4)
 
     def gguf_problem(self, meta: Callable[[str, Any], Any], tensors: Container[str], head_dim: int) -> str | None:
         """What of a GGUF file's block (``meta(key, default)``: its ``<arch>.`` metadata) is outside ``limits``,
@@ -62,6 +65,8 @@ class Architecture:
             kind = "none"
         if kind == "none" and "rope_freqs.weight" in tensors:
             kind = "llama3"  # per-frequency factors in the file (llama.cpp's form of Llama 3's scaling)
+        if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+            kind = "longrope"  # Phi-3's LongRoPE: short factors within the original context, long beyond
         if kind not in self.limits.rope_scaling or (kind == "none" and meta("rope.scaling.factor", 1.0) != 1.0):
             return "rope scaling"
         if not self.limits.partial_rotary and meta("rope.dimension_count", head_dim) != head_dim:
@@ -84,6 +89,9 @@ class Architecture:
     def products(self, layer: int) -> list[list[str]]:
         """The GGUF names behind each of a layer's four products: q/k/v, output, gate/up, down."""
         p = f"blk.{layer}."
+        if "fused" in self.features:
+            return [[p + "attn_qkv.weight"], [p + "attn_output.weight"], [p + "ffn_up.weight"],
+                    [p + "ffn_down.weight"]]
         return [[p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], [p + "attn_output.weight"],
                 [p + "ffn_gate.weight", p + "ffn_up.weight"], [p + "ffn_down.weight"]]
 
@@ -108,6 +116,10 @@ class Architecture:
         """Whether ``layer`` attends over a window (``sliding_window``) rather than everything."""
         return "sliding_window" in self.features and (layer + 1) % self.global_every != 0
 
+    def rotary(self, layer: int) -> bool:
+        """Whether ``layer`` has rotary positions (``no_rope``: every n-th has none)."""
+        return "no_rope" not in self.features or (layer + 1) % self.no_rope_every != 0
+
     def head_norms(self, layer: int) -> tuple[str, str] | None:
         """The per-head query and key norms' names, where the architecture has them (``qk_norm``)."""
         if "qk_norm" not in self.features:
@@ -121,6 +133,13 @@ ARCHITECTURES = {
                      limits=Limits(rope_scaling=("none", "llama3"))),
         Architecture("qwen2", ("qwen2",), frozenset({"qkv_bias", "o_bias"})),
         Architecture("qwen3", ("qwen3",), frozenset({"qk_norm"})),
+        # llama.cpp's converter writes SmolLM3 as Llama (q/k interleaved) and fixes a layer in four without rotary
+        # positions (transformers' default no_rope_layer_interval); the GGUF carries no list of them
+        Architecture("smollm3", ("smollm3",), frozenset({"no_rope"}), interleaved_qk=True, no_rope_every=4),
+        # fused q/k/v and gate/up, rotary positions over part of a head where the file says (Phi-4-mini: 3/4), and
+        # LongRoPE's factors where the file has them; its sliding_window metadata is not used (nor by llama.cpp)
+        Architecture("phi3", (), frozenset({"fused"}),
+                     limits=Limits(rope_scaling=("none", "longrope"), partial_rotary=True)),
         # GGUF only (llama.cpp's converter stores its norms as 1 + w); attention scaled by 1/sqrt(head size), as
         # llama.cpp does for the sizes up to 12B (query_pre_attn_scalar is the head size there)
         Architecture("gemma3", (), frozenset({"qk_norm", "embed_scale", "gemma_norms", "gelu", "sliding_window"}),

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..kernels import quant
 from ..kernels.quant import Linear
-from ..kv.buffer import KVBuffer
+from ..kv.buffer import KVBuffer, windows_kept
 from .architecture import ARCHITECTURES, Architecture
 
 
@@ -42,6 +42,13 @@ class Shape:
     vocab: int
     rope_factors: tuple[float, ...] | None = None  # a divisor per rotary frequency (Llama 3's scaling), or None
     window: int = 0  # the sliding-window layers' span in positions (0: none)
+    rotary_dim: int = 0  # the part of a head with rotary positions, from its start (0: all of it; Phi-4-mini: 3/4)
+    no_rope: tuple[int, ...] = ()  # layers without rotary positions (SmolLM3's every fourth)
+    rope_attention: float = 1.0  # cos and sin scaled by this (LongRoPE's attention factor)
+
+    @property
+    def rotary(self) -> int:
+        return self.rotary_dim or self.head_dim
 
 
 @dataclass
@@ -96,20 +103,23 @@ class Decoder:
         self.embed_scale = "embed_scale" in features
         self.gemma_norms = "gemma_norms" in features
         self.gelu = "gelu" in features
-        self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float)
-                                                     / shape.head_dim))
+        rot = shape.rotary
+        self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
         if shape.rope_factors is not None:  # Llama 3's scaling, as llama.cpp applies it: each frequency divided
             self.inv_freq = self.inv_freq / torch.tensor(shape.rope_factors, dtype=torch.float)
         # the windowed layers' own rotary base (sliding_window)
         self.local_inv_freq = 1.0 / (self.architecture.local_rope_theta ** (
-            torch.arange(0, shape.head_dim, 2, dtype=torch.float) / shape.head_dim))
+            torch.arange(0, rot, 2, dtype=torch.float) / rot))
         self._angles: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # local or not -> (cos, sin) by position
+        # the columns a row taken out of a KV buffer keeps per layer: a windowed layer's window and a few more
+        self.keep = windows_kept([shape.window if self.architecture.sliding(i) else 0 for i in range(shape.layers)]) \
+            if shape.window else ()
 
     def cache(self, rows: int, capacity: int) -> KVBuffer:
         """An empty KV buffer of ``rows`` rows for this decoder (outside the engine: benchmarks, checks)."""
         s = self.shape
         return KVBuffer(s.layers, s.kv_heads, s.head_dim, self.dtype, torch.device("cpu"), rows=rows,
-                        capacity=capacity, active=rows)
+                        capacity=capacity, active=rows, keep=self.keep)
 
     def formats(self) -> dict[str, str]:
         """What each class of product multiplies by at decode: ``int4`` (4-bit weights), ``int4x2`` (5 to 8
@@ -148,7 +158,8 @@ class Decoder:
             size = max(need, 2 * held[0].shape[0] if held is not None else 0, 256)
             freqs = torch.outer(torch.arange(size, dtype=torch.float), self.local_inv_freq if local else self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
-            cos, sin = self._angles[local] = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+            scale = self.shape.rope_attention  # LongRoPE's, applied in float32 as transformers does
+            cos, sin = self._angles[local] = (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)
         return cos[positions][:, :, None], sin[positions][:, :, None]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -169,7 +180,7 @@ class Decoder:
         decode = cols == 1
         step = self.native if native is None else native
         if decode and step:
-            return self._logits(step(h, kv, cos, sin))
+            return self._logits(step(h, kv, cos, sin, self._rope(position_ids, local=True) if s.window else None))
         mask = _mask(kv, cols)
         windowed = mask
         if s.window and int(position_ids.max()) >= s.window:  # some key is out of the windowed layers' reach
@@ -184,10 +195,21 @@ class Decoder:
                 qkv = torch.cat([self._norm(qkv[:, :, :s.heads], layer.q_norm),
                                  self._norm(qkv[:, :, s.heads:s.heads + s.kv_heads], layer.k_norm),
                                  qkv[:, :, s.heads + s.kv_heads:]], dim=2)
-            qk = _rotate(qkv[:, :, :s.heads + s.kv_heads], layer_cos, layer_sin).transpose(1, 2)  # q and k at once
+            qk = qkv[:, :, :s.heads + s.kv_heads]
+            if i not in s.no_rope:
+                qk = _rotate(qk, layer_cos, layer_sin)  # q and k at once
+            qk = qk.transpose(1, 2)
             q, k = qk[:, :s.heads], qk[:, s.heads:]
             keys, values = kv.write(i, k, qkv[:, :, s.heads + s.kv_heads:].transpose(1, 2))
-            a = _attend(q, keys, values, layer_mask, spans)
+            layer_spans = spans
+            if sliding and layer_mask is not None and windowed is not mask:
+                # the columns before every new column's window left out: a windowed layer's attention costs its
+                # window, not the whole context (a row's columns advance with its positions)
+                lo = kv.length - s.window + 1 - kv.start
+                if lo > 0:
+                    keys, values, layer_mask = keys[:, :, lo:], values[:, :, lo:], layer_mask[..., lo:]
+                    layer_spans = [(b, e, max(c - lo, 0)) for b, e, c in spans] if spans is not None else None
+            a = _attend(q, keys, values, layer_mask, layer_spans)
             out = layer.o(a.transpose(1, 2).reshape(rows * cols, -1), decode)
             h = h + (self._norm(out, layer.post_attn_norm) if layer.post_attn_norm is not None else out)
             gate, up = layer.gate_up(self._norm(h, layer.mlp_norm), decode).chunk(2, dim=-1)
@@ -204,7 +226,8 @@ class Decoder:
         products that take the same path for that many rows as for one (``same_path``)."""
         assert self.native, "the C++ step verifies drafts"
         cos, sin = self._rope(position_ids)
-        return self._logits(self.native(self._embed(input_ids.reshape(-1)), kv, cos, sin))
+        local = self._rope(position_ids, local=True) if self.shape.window else None
+        return self._logits(self.native(self._embed(input_ids.reshape(-1)), kv, cos, sin, local))
 
     def same_path(self, rows: int) -> bool:
         """Whether every product, the output's too, multiplies ``rows`` rows on the kernel it takes for one
@@ -237,7 +260,10 @@ def _form(part: Any) -> str:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:  # partial rotary: the rest of each head passes unchanged
+        return torch.cat((_rotate(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    half = rot // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 

@@ -258,6 +258,11 @@ def _load_direct(settings: Settings, device: torch.device, dtype: torch.dtype) -
     except weights.Unsupported as exc:
         log.info("%s: %s; converting it for transformers' forward", file.name, exc)
         return None
+    original = f.meta("rope.scaling.original_context_length")
+    if "rope_factors_short.weight" in f.tensors and original and settings.context_tokens > original:
+        log.warning("%s: CHAT_CONTEXT_TOKENS %d is past the model's original context of %d: LongRoPE's short "
+                    "factors stay in use at every length (docs/models.md)", file.name, settings.context_tokens,
+                    original)
     if decoder.weights in ("int4", "blocks") and not weights.verify(f, decoder):
         log.warning("the %s disagrees with the dense weights on this machine: using dense weights "
                     "(CHAT_QUANT=off)", "int4 kernel" if decoder.weights == "int4" else "block kernel")

@@ -35,8 +35,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-# What the C++ step computes beyond the Llama core (architecture.FEATURES): a bias on any product, q/k head norms.
-COVERS = frozenset({"qkv_bias", "o_bias", "qk_norm"})
+# What the C++ step computes beyond the Llama core (architecture.FEATURES): a bias on any product, q/k head norms,
+# layers without rotary positions, fused products (read as any), and Gemma 3's block (its embeddings are scaled
+# before the step).
+COVERS = frozenset({"qkv_bias", "o_bias", "qk_norm", "no_rope", "fused", "embed_scale", "gemma_norms", "gelu",
+                    "sliding_window"})
+NO_ROPE, SLIDING = 1, 2  # a layer's kind (native.cpp)
+GEMMA_NORMS, GELU = 1, 2  # the model's style
 
 
 class Step:
@@ -47,11 +52,14 @@ class Step:
         missing = decoder.architecture.features - COVERS
         if missing:
             raise RuntimeError(f"{decoder.architecture.name} needs {', '.join(sorted(missing))}")
-        norms, tensors, layout, biases, crossovers = [], [], [], [], []
-        for layer in decoder.layers:
+        norms, tensors, layout, biases, crossovers, kinds = [], [], [], [], [], []
+        s = decoder.shape
+        for i, layer in enumerate(decoder.layers):
             empty = torch.empty(0)
-            norms += [layer.attn_norm, layer.mlp_norm, layer.q_norm if layer.q_norm is not None else empty,
-                      layer.k_norm if layer.k_norm is not None else empty]
+            norms += [layer.attn_norm, layer.mlp_norm, *(t if t is not None else empty for t in (
+                layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_mlp_norm))]
+            kinds.append((NO_ROPE if i in s.no_rope else 0)
+                         | (SLIDING if s.window and decoder.architecture.sliding(i) else 0))
             for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 layout.append(int(linear.dense is not None))
                 tensors += [linear.dense] if linear.dense is not None else []
@@ -68,22 +76,25 @@ class Step:
                         tensors += [t for term in segment.terms() for t in (term.packed, term.scales)]
                 biases.append(linear.bias if linear.bias is not None else torch.empty(0))
                 crossovers.append(min(linear.crossover, 1 << 62) if linear.quant is not None else 0)
-        s = decoder.shape
-        self.id = torch.ops.chat_native.keep(norms, tensors, layout, biases, crossovers, s.heads, s.kv_heads,
-                                             s.head_dim, s.eps)
+        style = (GEMMA_NORMS if decoder.gemma_norms else 0) | (GELU if decoder.gelu else 0)
+        self.id = torch.ops.chat_native.keep(norms, tensors, layout, biases, crossovers, kinds, s.heads, s.kv_heads,
+                                             s.head_dim, s.eps, s.window, style)
         weakref.finalize(self, torch.ops.chat_native.forget, self.id)
 
-    def __call__(self, embedded: torch.Tensor, kv: KVBuffer, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def __call__(self, embedded: torch.Tensor, kv: KVBuffer, cos: torch.Tensor, sin: torch.Tensor,
+                 local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``embedded``: (rows x columns, hidden), a row's columns together; ``cos``/``sin``: (rows, columns,
-        1, head dim), as ``Decoder._rope`` gives them. Keys and values go to columns ``kv.length`` on; each
-        row attends from its first column (a lone row: from ``kv.start``), each column up to itself."""
+        1, rotary dim), as ``Decoder._rope`` gives them (``local``: the windowed layers' own). Keys and values go
+        to columns ``kv.length`` on; each row attends from its first column (a lone row: from ``kv.start``; a
+        windowed layer: from the window's first), each column up to itself."""
         if kv.n == 1:
             starts = torch.tensor([kv.start])
         else:
             starts = torch.tensor(kv.row_starts(1)).add_(kv.start)
         dim = cos.shape[-1]
+        local_cos, local_sin = (t.reshape(-1, dim) for t in local) if local is not None else (torch.empty(0),) * 2
         return torch.ops.chat_native.decode(self.id, embedded, kv.keys, kv.values, starts, kv.length,
-                                            cos.reshape(-1, dim), sin.reshape(-1, dim))
+                                            cos.reshape(-1, dim), sin.reshape(-1, dim), local_cos, local_sin)
 
 
 def sample(logits: torch.Tensor, params: list, u: torch.Tensor) -> list[int]:

@@ -11,17 +11,19 @@ MIN_CHUNK = 16  # prompt tokens: a long prompt still advances when its chunks co
 class PrefillJob:
     """Prompts prefilled together (left-padded, one forward per chunk), or one continuing reused KV.
 
-    ``dims`` is (layers, heads, head dim, dtype, device); ``reused`` is (keys, values, n)
+    ``dims`` is (layers, heads, head dim, dtype, device[, the columns a row taken out keeps per layer]);
+    ``reused`` is (keys, values, n)
     from the prefix cache for a single prompt whose first ``n`` tokens are already done.
     """
 
     def __init__(self, prompts: list, dims: tuple, reused: tuple | None = None) -> None:
-        layers, heads, dim, dtype, device = dims
+        layers, heads, dim, dtype, device, *keep = dims
         self.slots: list = []  # the engine's rows-to-be, in prompt order
         self.shared = reused is None  # later fresh prompts may join it before its first chunk
         width = max(len(ids) for ids in prompts)
         active = 0 if reused is not None else len(prompts)
-        self.kv = KVBuffer(layers, heads, dim, dtype, device, rows=len(prompts), capacity=width + 64, active=active)
+        self.kv = KVBuffer(layers, heads, dim, dtype, device, rows=len(prompts), capacity=width + 64, active=active,
+                           keep=keep[0] if keep else None)
         if reused is not None:
             keys, values, start = reused
             self.kv.add_row(keys, values)

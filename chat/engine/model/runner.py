@@ -26,7 +26,9 @@ from .sampling import sample
 
 log = logging.getLogger(__name__)
 
-Dims = tuple[int, int, int, torch.dtype, torch.device]  # a KV buffer's layers, heads, head dim, dtype, device
+# a KV buffer's layers, heads, head dim, dtype, device, and the columns a row taken out keeps per layer (``KVBuffer``'s
+# keep: windowed layers'; empty: all)
+Dims = tuple[int, int, int, torch.dtype, torch.device, tuple[int, ...]]
 
 
 class ModelRunner(Protocol):
@@ -180,7 +182,7 @@ class DecoderRunner(_Runner):
         super().__init__(loaded)
         self.decoder = decoder
         s = decoder.shape
-        self.dims = (s.layers, s.kv_heads, s.head_dim, loaded.dtype, loaded.device)
+        self.dims = (s.layers, s.kv_heads, s.head_dim, loaded.dtype, loaded.device, decoder.keep)
         self.vocab_size = s.vocab
         self._checked: tuple[Any, int, bool] = (None, 0, False)  # (the step checked, columns, whether it agreed)
 
@@ -251,7 +253,7 @@ class TransformersRunner(_Runner):
         cfg = self.model.config.get_text_config(decoder=True)
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.dims = (cfg.num_hidden_layers, heads, head_dim, loaded.dtype, loaded.device)
+        self.dims = (cfg.num_hidden_layers, heads, head_dim, loaded.dtype, loaded.device, ())
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.weights = str(loaded.dtype).removeprefix("torch.")
 

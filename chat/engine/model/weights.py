@@ -57,15 +57,25 @@ def gguf_shape(f: gguf.GGUFFile) -> Shape:
     problem = arch.gguf_problem(f.meta, f.tensors, head_dim)
     if problem:
         raise Unsupported(problem)
-    freqs = f.tensors.get("rope_freqs.weight")  # Llama 3's scaling: a divisor per frequency
+    rotary = f.meta("rope.dimension_count", head_dim)
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        raise Unsupported(f"rotary positions over {rotary} of a head's {head_dim}")
+    # Llama 3's scaling (rope_freqs), or LongRoPE's short factors (Phi-3: the long ones are for prompts past the
+    # original context, which transformers switches to for a whole sequence and llama.cpp for a context past it):
+    # a divisor per frequency
+    freqs = f.tensors.get("rope_freqs.weight", f.tensors.get("rope_factors_short.weight"))
     factors = tuple(gguf.dequantize(freqs).reshape(-1).tolist()) if freqs is not None else None
-    if factors is not None and len(factors) != head_dim // 2:
-        raise Unsupported(f"rope_freqs.weight of {len(factors)} values for heads of {head_dim}")
-    return Shape(layers=f.meta("block_count"), hidden=hidden, heads=heads,
+    if freqs is not None and factors is not None and len(factors) != rotary // 2:
+        raise Unsupported(f"{freqs.name} of {len(factors)} values for rotary positions over {rotary}")
+    layers = f.meta("block_count")
+    return Shape(layers=layers, hidden=hidden, heads=heads,
                  kv_heads=f.meta("attention.head_count_kv") or heads, head_dim=head_dim,
                  eps=f.meta("attention.layer_norm_rms_epsilon"), rope_theta=f.meta("rope.freq_base", 10000.0),
                  rope_factors=factors, window=f.meta("attention.sliding_window", 0) if arch.sliding(0) else 0,
-                 vocab=f.tensors["token_embd.weight"].shape[0])
+                 vocab=f.tensors["token_embd.weight"].shape[0], rotary_dim=rotary if rotary != head_dim else 0,
+                 no_rope=tuple(i for i in range(layers) if not arch.rotary(i)),
+                 rope_attention=f.meta("rope.scaling.attn_factor", 1.0) if "rope_factors_short.weight" in f.tensors
+                 else 1.0)
 
 
 def _llama_rows(heads: int, head_dim: int) -> torch.Tensor:
@@ -351,7 +361,9 @@ def from_hf(model: torch.nn.Module) -> Decoder:
                                        rope["high_freq_factor"], rope["original_max_position_embeddings"]))
     shape = Shape(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=heads,
                   kv_heads=cfg.num_key_value_heads or heads, head_dim=head_dim, eps=cfg.rms_norm_eps,
-                  rope_theta=theta, vocab=cfg.vocab_size, rope_factors=factors)
+                  rope_theta=theta, vocab=cfg.vocab_size, rope_factors=factors,
+                  # SmolLM3's no_rope_layers: 1 where a layer has rotary positions
+                  no_rope=tuple(i for i, r in enumerate(getattr(cfg, "no_rope_layers", None) or []) if not r))
     inner = model.get_decoder()
     layers = []
     for block in inner.layers:
