@@ -220,17 +220,11 @@ def test_a_qwen3_file_without_its_head_norms_is_refused_not_half_read(tmp_path):
         raise AssertionError("a qwen3 file without q/k norms loaded")
 
 
-# Gemma 3's random file under a loaded machine: seeded prompts arriving together are prefilled in chunks cut by
-# time while the first answer decodes (core/scheduler.py's chunk), alone in one forward; a chunked prefill rounds
-# apart in bfloat16 (a one-column last chunk even runs on the C++ step), and this file's flat distributions turn
-# that into another sampled token. The C++ step itself is batch-independent bit for bit (test_native.py).
-CHUNK_ROUNDING = pytest.mark.xfail(reason="a seeded prompt chunked by the scheduler's time budget rounds apart from "
-                                          "its whole prefill (the step is batch-independent: test_native.py)",
-                                   strict=False)
-
-
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=CHUNK_ROUNDING) if a == "gemma3" else a for a in sorted(TINY)])
+@pytest.mark.parametrize("arch", sorted(TINY))
 def test_seeded_answers_in_a_batch_are_each_alones_on_the_cxx_step(arch, tmp_path, library):  # noqa: F811
+    """Seeded, sampled prompts sent together, each prefilled in a job of its own and cut into the same chunks as
+    alone (not by the time others' decoding leaves: that would round apart, and Gemma 3's flat random file turns
+    any rounding into another token), give each its answer alone."""
     path = tiny_gguf(**TINY[arch][0])
     cache = tmp_path / "cache"
     cache.mkdir()

@@ -333,6 +333,11 @@ class Scheduler:
                 # an owner's seven prompts in one job advance together no faster than one would.
                 allowed = max(MIN_CHUNK * plan.share, int((target - step_s) / self.token_s))
                 columns = min(columns, max(1, allowed // job.rows))
+            if len(job.slots) == 1 and _seeded(job.slots[0]):
+                # A seeded, sampled prompt is cut the same way whoever else runs (CHAT_PREFILL_CHUNK columns at a
+                # time, alone too): chunks cut by measured time would round it apart from its prefill alone, which
+                # sampling can amplify into another answer.
+                columns = min(job.remaining, self.settings.prefill_chunk)
             chunk = Chunk(job, columns)
             yield chunk
             self._ran(plan, chunk)
