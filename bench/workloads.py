@@ -30,6 +30,7 @@ NOTES = ["The committee met on a rainy Tuesday to review the budget for the new 
          "The treasurer reported that donations rose by twelve percent compared with last year."]
 
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
+SAMPLING: dict = {}  # bench.run's --temperature, --top-p, --top-k, --min-p: every request sampled so (empty: greedy)
 
 
 def essay_prompt(i: int) -> str:
@@ -49,8 +50,8 @@ def notes_message(turn: int, tokens: int) -> str:
 
 
 def params(max_new_tokens: int, seed: int = 1) -> dict:
-    """Greedy, seeded generation parameters."""
-    return {"temperature": 0, "max_new_tokens": max_new_tokens, "seed": seed}
+    """Seeded generation parameters: greedy, or as ``SAMPLING`` says."""
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, "seed": seed, **SAMPLING}
 
 
 def summarize(results: list[dict]) -> dict:

@@ -394,10 +394,11 @@ inline int64_t argmax(const float* x, int64_t n) noexcept {
   return 0;  // all NaN
 }
 
-// w[i] = e^((x[i] - top) * inv) for n floats, 0 where x[i] is -inf (a grammar's mask: never drawn); their sum
+// w[i] = e^((x[i] - top) * inv) for n floats, 0 where x[i] is -inf (a grammar's mask: never drawn) or NaN; their sum
 // (in LANES partial sums).
 float weights(const float* __restrict x, float* __restrict w, int64_t n, float top, float inv) noexcept {
-  for (int64_t i = 0; i < n; ++i) w[i] = x[i] == -INFINITY ? 0.f : exp_neg((x[i] - top) * inv);
+  for (int64_t i = 0; i < n; ++i) w[i] = exp_neg((x[i] - top) * inv);
+  for (int64_t i = 0; i < n; ++i) w[i] = x[i] > -INFINITY && w[i] == w[i] ? w[i] : 0.f;  // -inf (masked), NaN: 0
   float part[LANES] = {};
   const int64_t body = n - n % LANES;
   for (int64_t i = 0; i < body; i += LANES)
@@ -409,11 +410,14 @@ float weights(const float* __restrict x, float* __restrict w, int64_t n, float t
 }
 
 // A weight's bin: its float's bits (monotonic for weights in [0, 1]) without the low BIN_SHIFT bits, so a bin
-// spans 1/64 of an octave (1.1 %); weight 1 (the most likely token) falls in bin 0x3F800000 >> 17 = 8128.
+// spans 1/64 of an octave (1.1 %); weight 1 (the most likely token) falls in bin 0x3F800000 >> 17 = 8128, weight
+// 0 (a masked token) alone in bin 0 (the least weight exp_neg gives, e^-87, is a normal float: bin 5 or above).
 constexpr int BIN_SHIFT = 17;
 constexpr int64_t BINS = (0x3F800000 >> BIN_SHIFT) + 1;
 
-inline uint32_t bin_of(float w) noexcept { return std::bit_cast<uint32_t>(w) >> BIN_SHIFT; }
+inline uint32_t bin_of(float w) noexcept {
+  return std::min<uint32_t>(std::bit_cast<uint32_t>(w) >> BIN_SHIFT, BINS - 1);
+}
 
 // One row's kept tokens as a selection over a histogram of its weights, never a sort of the vocabulary: the
 // bins, most likely first, give each filter's cut up to one bin; only the tokens of a bin that holds a cut (or
@@ -424,6 +428,7 @@ struct Row {
   int64_t vocab = 0;
   std::vector<int32_t> count;
   std::vector<double> mass;
+  std::vector<uint16_t> bins;  // each token's
   std::vector<std::pair<float, int64_t>> members;  // the sorted tokens of bin ``sorted_bin``
   int64_t sorted_bin = -1;
 
@@ -433,12 +438,12 @@ struct Row {
     w = weights, vocab = n, sorted_bin = -1;
     std::fill(count.begin(), count.end(), 0);
     std::fill(mass.begin(), mass.end(), 0.0);
+    // no branch: a zero weight (a masked token) lands in bin 0, never read; the bins computed ahead (vectorized)
+    bins.resize(n);
+    for (int64_t i = 0; i < n; ++i) bins[i] = static_cast<uint16_t>(bin_of(w[i]));
     for (int64_t i = 0; i < n; ++i) {
-      if (w[i] > 0.f) {
-        const uint32_t b = bin_of(w[i]);
-        ++count[b];
-        mass[b] += w[i];
-      }
+      ++count[bins[i]];
+      mass[bins[i]] += w[i];
     }
   }
 
@@ -446,7 +451,7 @@ struct Row {
     if (b != sorted_bin) {
       members.clear();
       for (int64_t i = 0; i < vocab; ++i)
-        if (w[i] > 0.f && bin_of(w[i]) == static_cast<uint32_t>(b)) members.emplace_back(w[i], i);
+        if (bins[i] == b) members.emplace_back(w[i], i);
       std::sort(members.begin(), members.end(), [](const auto& a, const auto& c) {
         return a.first > c.first || (a.first == c.first && a.second < c.second);
       });
@@ -459,7 +464,7 @@ struct Row {
   double mass_of_first(int64_t n) {
     double before = 0.0;
     int64_t seen = 0;
-    for (int64_t b = BINS - 1; b >= 0 && seen < n; --b) {
+    for (int64_t b = BINS - 1; b > 0 && seen < n; --b) {
       if (!count[b]) continue;
       if (seen + count[b] <= n) {
         seen += count[b], before += mass[b];
@@ -477,7 +482,7 @@ struct Row {
   int64_t below_mass(double limit, int64_t most) {
     double before = 0.0;
     int64_t seen = 0;
-    for (int64_t b = BINS - 1; b >= 0 && seen < most; --b) {
+    for (int64_t b = BINS - 1; b > 0 && seen < most; --b) {
       if (!count[b]) continue;
       if (before >= limit) break;
       if (before + mass[b] < limit) {  // all of the bin, and the token after it too (it starts below limit)
@@ -496,7 +501,7 @@ struct Row {
   int64_t at_mass(double target, int64_t n) {
     double cdf = 0.0;
     int64_t seen = 0, last = -1;
-    for (int64_t b = BINS - 1; b >= 0 && seen < n; --b) {
+    for (int64_t b = BINS - 1; b > 0 && seen < n; --b) {
       if (!count[b]) continue;
       if (seen + count[b] <= n && cdf + mass[b] <= target) {
         seen += count[b], cdf += mass[b];
@@ -534,7 +539,7 @@ int64_t draw(const float* x, int64_t vocab, float temp, int64_t kk, float p_cut,
   }
   row.histogram(w.data(), vocab);
   int64_t positive = 0;
-  for (int64_t b = 0; b < BINS; ++b) positive += row.count[b];
+  for (int64_t b = 1; b < BINS; ++b) positive += row.count[b];
   int64_t kept = kk > 0 ? std::min(kk, positive) : positive;
   const double base = kk > 0 && kk < positive ? row.mass_of_first(kept) : static_cast<double>(total);
   if (p_cut < 1.f) kept = std::min(kept, row.below_mass(static_cast<double>(p_cut) * base, kept));
