@@ -7,7 +7,7 @@ a decode step in one call: the four products on ATen's kernels (int4 or dense,
 picked as ``quant.Linear`` picks), the norms, rotary positions, key/value writes,
 attention and SwiGLU as plain loops (a one-row step 17 -> 9 ms here). The same
 library samples the next tokens (``sample``: the filters as a selection over a histogram of the
-weights, never a sort of the vocabulary, so ~0.5 ms a row whatever the distribution; rows in parallel).
+weights, never a sort of the vocabulary, so ~0.3 ms a row whatever the distribution).
 
 The library is built and kept by ``kernels/build.py``; this module gives a decoder its step.
 Its loops keep bf16 in memory and compute in float32, so they need no bf16 instruction: the step runs
