@@ -88,8 +88,11 @@ class Row:
         self.hits = self.hits * DECAY + right
         self.tries = self.tries * DECAY + right + (1 if right < drafted else 0)
 
-    def idle(self) -> None:
-        """A step without drafts: the counts drift back towards the prior, so a row tries again later."""
+    def idle(self, prior: float | None = None) -> None:
+        """A step without drafts: the counts drift back towards ``prior`` (its own when None), so a row tries
+        again later."""
+        if prior is not None:
+            self.prior = prior
         self.hits = 2.0 * self.prior + (self.hits - 2.0 * self.prior) * DRIFT
         self.tries = 2.0 + (self.tries - 2.0) * DRIFT
 
@@ -167,8 +170,12 @@ class Drafter:
         room = min(MAX_DRAFT, slot.max_new - len(slot.out_ids) - 1, slot.context - slot.pos - 2)
         guess = row.grams.propose(room) if room > 0 else []
         count = length(row.rate, self.costs, len(guess))
-        if not count:
-            row.idle()
+        if not count:  # the row's rate drifts towards its temperature's, and that back towards one in two
+            band_counts = self.seen.get(band(slot.params.temperature))
+            if band_counts is not None:
+                band_counts[0] = 1.0 + (band_counts[0] - 1.0) * DRIFT
+                band_counts[1] = 2.0 + (band_counts[1] - 2.0) * DRIFT
+            row.idle(self.prior(slot.params.temperature))
         return guess[:count]
 
     def step(self, slot: Any, kv: Any, runner: Any, take: Callable[[Any, int | str], bool]) -> bool:
