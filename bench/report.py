@@ -30,7 +30,7 @@ def sampling(args: dict) -> str:
     parts = [f"temperature {args['temperature']}"] + [f"{name} {args[key]}" for name, key in
                                                       (("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"))
                                                       if args.get(key) is not None]
-    return "every request sampled: " + ", ".join(parts)
+    return "every request sampled: " + ", ".join(parts) + (", no seed" if args.get("unseeded") else ", seeded")
 
 
 def markdown(result: dict) -> str:

@@ -122,8 +122,12 @@ def test_sampled_runs_send_the_same_settings_to_both_servers(llama_like):
         assert (sent["temperature"], sent["top_p"], sent["top_k"], sent["min_p"], sent["seed"]) == (0.7, 0.9, 0, 0.0, 3)
         parse("--temperature", "1.5")
         assert workloads.params(5)["top_p"] == 1.0 and workloads.params(5)["temperature"] == 1.5
+        a = parse("--temperature", "1.0", "--unseeded")
+        assert "seed" not in workloads.params(5) and report.sampling(vars(a)).endswith("no seed")
         with pytest.raises(SystemExit):
             parse("--top-k", "40")  # a filter without a temperature
+        with pytest.raises(SystemExit):
+            parse("--unseeded")
     finally:
         parse()
     assert workloads.params(5) == {"temperature": 0, "max_new_tokens": 5, "seed": 1}
