@@ -36,9 +36,14 @@ def reference(logits: torch.Tensor, p: GenParams) -> torch.Tensor:
     return out
 
 
-def frequencies(logits: torch.Tensor, p: GenParams, draws: int = DRAWS) -> torch.Tensor:
+def frequencies(logits: torch.Tensor, p: GenParams, draws: int = DRAWS, chunk: int = 200) -> torch.Tensor:
+    """Each token's share of ``draws`` draws from one row (in batches of ``chunk`` copies of it)."""
     u = torch.rand(draws, generator=torch.Generator().manual_seed(5))
-    tokens = native.sample(logits.repeat(draws, 1), [p] * draws, u)
+    rows = logits.repeat(chunk, 1)
+    tokens = []
+    for i in range(0, draws, chunk):
+        part = u[i:i + chunk]
+        tokens += native.sample(rows[:len(part)], [p] * len(part), part)
     return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).double() / draws
 
 
