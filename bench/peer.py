@@ -95,7 +95,7 @@ class PeerClient:
         messages = history + [{"role": "user", "content": content}]
         body = {"model": "peer", "messages": messages, "stream": True, "stream_options": {"include_usage": True},
                 "max_tokens": params["max_new_tokens"], "temperature": params.get("temperature", 0.7),
-                "top_p": params.get("top_p", 1.0)}
+                "top_p": params.get("top_p", 1.0), "top_k": params.get("top_k", 0), "min_p": params.get("min_p", 0.0)}
         if params.get("seed") is not None:
             body["seed"] = params["seed"]
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)

@@ -23,6 +23,16 @@ def _ok(value) -> str:
     return {True: "✅", False: "❌"}.get(value, "")
 
 
+def sampling(args: dict) -> str:
+    """How the requests were sampled (bench.run's --temperature and filters)."""
+    if args.get("temperature") is None:
+        return "greedy requests (but the sampled single stream)"
+    parts = [f"temperature {args['temperature']}"] + [f"{name} {args[key]}" for name, key in
+                                                      (("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"))
+                                                      if args.get(key) is not None]
+    return "every request sampled: " + ", ".join(parts) + (", no seed" if args.get("unseeded") else ", seeded")
+
+
 def markdown(result: dict) -> str:
     """The report: targets, raw figures, the concurrency sweep, the machine."""
     m = result["machine"]
@@ -34,7 +44,7 @@ def markdown(result: dict) -> str:
                   f"{m.get('cores')} cores, torch {m.get('torch')} with {m.get('torch_threads')} threads; "
                   f"{result['args']['tokens']} new tokens per request"
                   + (" (**--quick**: smoke-test sizes, not representative)" if result["args"]["quick"] else "")
-                  + ".", ""]
+                  + "; " + sampling(result["args"]) + ".", ""]
     if m.get("loadavg_before", 0) > 0.25 * (m.get("cores") or 1):
         lines += [f"**Warning:** load average {m['loadavg_before']:.1f} on {m.get('cores')} cores before the run: "
                   "other work shared the CPU, so these numbers understate the server.", ""]

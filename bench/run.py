@@ -83,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--webtier-chats", type=int, default=2, help="chats per client in a row (default 2)")
     parser.add_argument("--webtier-first-delay", type=float, default=0.02,
                         help="stub seconds before the first token (default 0.02)")
+    parser.add_argument("--temperature", type=float,
+                        help="sample every request at this temperature (default: greedy), on both servers")
+    parser.add_argument("--top-p", type=float, help="with --temperature: nucleus (default 1.0: off)")
+    parser.add_argument("--top-k", type=int, help="with --temperature: top-k (default 0: off)")
+    parser.add_argument("--min-p", type=float, help="with --temperature: min-p (default 0: off)")
+    parser.add_argument("--unseeded", action="store_true",
+                        help="with --temperature: send no seed, as most clients do (a seeded, sampled prompt is "
+                             "prefilled on its own, without the shared preamble: docs/models.md)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a phase's wait gives up")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="output folder")
     parser.add_argument("--name", help="output file stem (default latest; webtier with --only webtier)")
@@ -113,6 +121,13 @@ def resolve(args, parser) -> None:
             setattr(args, name, quick if args.quick else full)
     if args.name is None:
         args.name = "webtier" if args.only_webtier else "latest"
+    if args.temperature is None and ((args.top_p, args.top_k, args.min_p) != (None, None, None) or args.unseeded):
+        parser.error("--top-p, --top-k, --min-p and --unseeded sample: give --temperature too")
+    workloads.SAMPLING.clear()
+    workloads.SEEDED[0] = not args.unseeded
+    if args.temperature is not None:  # every request of every phase (seeded as before), this server's and the peer's
+        workloads.SAMPLING.update(temperature=args.temperature, top_p=1.0 if args.top_p is None else args.top_p,
+                                  top_k=args.top_k or 0, min_p=args.min_p or 0.0)
 
 
 def server_env(workdir: Path, args) -> dict:

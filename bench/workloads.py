@@ -30,6 +30,8 @@ NOTES = ["The committee met on a rainy Tuesday to review the budget for the new 
          "The treasurer reported that donations rose by twelve percent compared with last year."]
 
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
+SAMPLING: dict = {}  # bench.run's --temperature, --top-p, --top-k, --min-p: every request sampled so (empty: greedy)
+SEEDED = [True]  # False: bench.run's --unseeded, requests without a seed
 
 
 def essay_prompt(i: int) -> str:
@@ -49,8 +51,11 @@ def notes_message(turn: int, tokens: int) -> str:
 
 
 def params(max_new_tokens: int, seed: int = 1) -> dict:
-    """Greedy, seeded generation parameters."""
-    return {"temperature": 0, "max_new_tokens": max_new_tokens, "seed": seed}
+    """Seeded generation parameters (unless ``SEEDED`` says not): greedy, or as ``SAMPLING`` says."""
+    out = {"temperature": 0, "max_new_tokens": max_new_tokens, "seed": seed, **SAMPLING}
+    if not SEEDED[0]:
+        del out["seed"]
+    return out
 
 
 def summarize(results: list[dict]) -> dict:

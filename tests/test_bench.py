@@ -110,6 +110,30 @@ def test_phase_selection():
         parse("--only", "nonsense")
 
 
+def test_sampled_runs_send_the_same_settings_to_both_servers(llama_like):
+    port, handler = llama_like
+    try:
+        a = parse("--only", "peer", "--temperature", "0.7", "--top-p", "0.9")
+        assert workloads.params(5, seed=3) == {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0,
+                                               "max_new_tokens": 5, "seed": 3}
+        assert "temperature 0.7, top_p 0.9" in report.sampling(vars(a))
+        peer.PeerClient(port, "Be brief.").request("s", "hello", workloads.params(3, seed=3))
+        sent = handler.bodies[-1]  # llama.cpp's own top_k 40 / min_p 0.05 defaults off: the same filters as ours
+        assert (sent["temperature"], sent["top_p"], sent["top_k"], sent["min_p"], sent["seed"]) == (0.7, 0.9, 0, 0.0, 3)
+        parse("--temperature", "1.5")
+        assert workloads.params(5)["top_p"] == 1.0 and workloads.params(5)["temperature"] == 1.5
+        a = parse("--temperature", "1.0", "--unseeded")
+        assert "seed" not in workloads.params(5) and report.sampling(vars(a)).endswith("no seed")
+        with pytest.raises(SystemExit):
+            parse("--top-k", "40")  # a filter without a temperature
+        with pytest.raises(SystemExit):
+            parse("--unseeded")
+    finally:
+        parse()
+    assert workloads.params(5) == {"temperature": 0, "max_new_tokens": 5, "seed": 1}
+    assert report.sampling(vars(parse())).startswith("greedy")
+
+
 def result(with_peer: bool) -> dict:
     """A run's results, as the phases leave them (numbers made up)."""
     res = {"date": "today", "args": {"tokens": 16, "quick": True}, "machine": {"cores": 2, "loadavg_before": 0},

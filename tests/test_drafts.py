@@ -3,8 +3,10 @@ several columns that is bit for bit the single steps, and answers exactly the sa
 (greedy, seeded and cut short). Needs a C++ compiler, like test_native.py."""
 from __future__ import annotations
 
+import math
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -53,6 +55,106 @@ def test_the_draft_length_follows_the_acceptance_rate_and_the_cost_of_a_wider_st
     for _ in range(300):
         row.idle()
     assert row.rate > 0.45  # ... and tries again once it has drifted back
+
+
+def test_one_slow_wide_step_does_not_turn_drafts_off_for_good():
+    costs = drafts.Costs()
+    costs.measured(1, 0.02)
+    costs.measured(5, 0.02 * 1.6)
+    assert drafts.length(0.9, costs, 4) == 4
+    costs = drafts.Costs()
+    costs.measured(1, 0.02)
+    costs.measured(5, 0.02 * 12)  # the first wide step measured in a busy moment
+    assert drafts.length(0.9, costs, 4) == 0
+    steps = 0
+    while drafts.length(0.9, costs, 4) == 0:  # only one-column steps run meanwhile
+        costs.measured(1, 0.02)
+        steps += 1
+        assert steps < 400, "drafts stayed off"
+    assert costs.of(5) < 0.02 * 12 / 2  # back to trying: the next wide step measures it again
+
+
+class FakeKV:
+    def advance(self, n: int) -> None:
+        pass
+
+    def close(self, n: int) -> None:
+        pass
+
+
+class FakeRunner:
+    """Fixed logits for the step's columns: the row's next token, then the token after the draft."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+    def verifies(self, columns: int) -> bool:
+        return True
+
+    def verify(self, kv, tokens: list, position: int) -> torch.Tensor:
+        return self.logits[:len(tokens)].clone()
+
+    def sampler(self):
+        return None
+
+
+def fake_slot(params: GenParams, seed: int) -> SimpleNamespace:
+    return SimpleNamespace(matcher=None, params=params, generator=torch.Generator().manual_seed(seed), drafts=None,
+                           prompt_ids=[1, 2, 3, 1, 2], out_ids=[], max_new=50, context=100, pos=5, last=2)
+
+
+@pytest.mark.parametrize("params", [GenParams(temperature=1.0, top_p=1.0), GenParams(temperature=0.8, top_k=3)])
+def test_a_sampled_answer_with_drafts_keeps_its_exact_distribution(monkeypatch, params):
+    """Speculative sampling of a sure draft d: the first token is distributed as the model says (d included),
+    and the token after an accepted d as the model says after d; the counts of the engine's prior at this
+    temperature follow what the drafts made."""
+    draft = 1
+    logits = torch.tensor([[1.0, 0.4, -0.3, 0.9, -2.0], [0.2, -1.0, 1.1, 0.0, 0.5]])
+    monkeypatch.setattr(drafts.NGrams, "propose", lambda self, most: [draft])
+    monkeypatch.setattr(drafts, "length", lambda rate, costs, most: most)
+    drafter, runner = drafts.Drafter(), FakeRunner(logits)
+    trials, firsts, seconds = 4000, [], []
+    for seed in range(trials):
+        made: list = []
+        take = lambda slot, t, made=made: (made.append(t), True)[1]  # noqa: E731
+        assert drafter.step(fake_slot(params, seed), FakeKV(), runner, take)
+        firsts.append(made[0])
+        assert len(made) == (2 if made[0] == draft else 1)
+        if len(made) == 2:
+            seconds.append(made[1])
+
+    def exact(row: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(row.double() / params.temperature, -1)
+        if params.top_k:
+            p[p.argsort(descending=True)[params.top_k:]] = 0
+        return p / p.sum()
+
+    for drawn, want in ((firsts, exact(logits[0])), (seconds, exact(logits[1]))):
+        n = len(drawn)
+        counts = torch.bincount(torch.tensor(drawn), minlength=5).double() / n
+        assert torch.all(counts[want == 0] == 0)
+        for p, f in zip(want.tolist(), counts.tolist()):
+            assert abs(f - p) <= 5 * math.sqrt(max(p * (1 - p), 2 / n) / n)
+    assert drafter.accepted == len(seconds) and drafter.drafted == trials
+    assert drafter.prior(params.temperature) == pytest.approx(len(seconds) / trials, abs=0.1)
+    assert drafter.prior(0.0) == 0.5  # greedy rows keep theirs
+
+
+def test_a_new_row_starts_from_what_rows_at_its_temperature_made_of_their_drafts(monkeypatch):
+    drafter = drafts.Drafter()
+    drafter.seen[drafts.band(1.5)] = [0.2, 20.0]
+    monkeypatch.setattr(drafts.NGrams, "propose", lambda self, most: [5, 6, 7])
+    assert drafts.band(1.4) == drafts.band(1.5) != drafts.band(0.7)
+    hot, cold = fake_slot(GenParams(temperature=1.4), 0), fake_slot(GenParams(temperature=0.0), 0)
+    for slot in (hot, cold):
+        drafter.guess(slot)
+    assert hot.drafts.rate == pytest.approx(0.01, abs=1e-3) and cold.drafts.rate == pytest.approx(0.5, abs=1e-3)
+    assert drafter.guess(hot) == []  # guesses that rarely hold at this heat: none checked
+    steps = 0  # steps without drafts: the temperature's rate, and the row's, drift back towards one in two ...
+    while not drafter.guess(hot):
+        steps += 1
+        assert steps < 400, "a row at this heat never drafts again"
+    assert drafter.prior(1.5) > 0.3  # ... until drafting pays again, and is measured again
 
 
 @int4_cpu

@@ -85,3 +85,14 @@ def test_a_seeded_row_draws_the_same_alone_and_in_any_batch():
                         narrow=4 if s % 2 else 256)
         together.append(tokens[1])
     assert together == alone
+
+
+@pytest.mark.parametrize("params", CASES, ids=lambda p: f"T{p.temperature}-p{p.top_p}-k{p.top_k}-m{p.min_p}")
+def test_a_grammars_masked_tokens_are_never_drawn(params):
+    """-inf on every other token (a grammar's mask), the raw row's likeliest among them: the draws follow the
+    filtered distribution over the allowed tokens only."""
+    logits = logits_vector(3)
+    logits[int(logits.argmax()) % 2::2] = -math.inf
+    batch = logits.repeat(2000, 1)
+    tokens = sample(batch, [params] * 2000, [torch.Generator().manual_seed(i) for i in range(2000)], narrow=4)
+    assert all(math.isfinite(float(logits[t])) for t in tokens)

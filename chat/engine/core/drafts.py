@@ -8,14 +8,20 @@ engine feeds the row's last token and the drafts as one C++ step of several colu
 (``Decoder.verify``), whose every column is bit for bit what a step of it alone gives, then samples
 column after column with the row's own sampler and generator, as the answer would have been made, and
 keeps the drafts up to the first one the answer did not make, and the token made there. So a greedy
-answer and a seeded one are the same with drafts as without, and a sampled one keeps its distribution
-(for a guess that is one token for sure, sampling the answer's token and comparing is exact
-speculative sampling).
+answer and a seeded one are the same with drafts as without, and a sampled one keeps its distribution.
+That is the standard speculative-sampling rule for a draft that is one token for sure (q(d) = 1): it
+accepts d with probability min(1, p(d) / q(d)) = p(d), which is the chance the answer's own draw is d,
+and after a rejection it draws from the residual max(0, p - q), normalized: p without d, which is the
+answer's own draw given that it was not d. Drawing the answer's token with its own generator and comparing
+does both at once and keeps the generator's draws those of single steps.
 
-How many tokens to draft follows what it pays: each row keeps a running acceptance rate, the
-engine a running cost of a step of each width, and the draft is the length that gives the most
-tokens per second (none when a single token does: a row whose guesses keep failing drafts nothing,
-and tries again once its rate has drifted back towards the prior).
+How many tokens to draft follows what it pays: each row keeps a running acceptance rate (a new row
+starts from the rate the engine has seen at its temperature: sampled answers accept fewer guesses, the
+hotter the fewer), the engine a running cost of a step of each width, and the draft is the length that
+gives the most tokens per second (none when a single token does: a row whose guesses keep failing drafts
+nothing, and tries again once its rate has drifted back towards its prior). A wide step's cost, when
+dearer than the first guess, drifts back towards that guess while no wide step runs, so one slow
+measurement (a busy moment on a shared box) never turns drafts off for good.
 """
 from __future__ import annotations
 
@@ -29,6 +35,12 @@ MIN_N, MAX_N = 2, 4  # n-gram lengths looked up, longest first
 MAX_DRAFT = 8  # tokens drafted at most in one step
 DECAY = 0.9  # of a row's acceptance counts per step that drafts
 DRIFT = 0.98  # per step without drafts: back towards the prior
+SEEN_DECAY = 0.98  # of the engine's acceptance counts by temperature, per drafted step
+
+
+def band(temperature: float) -> float:
+    """The temperatures whose rows share an acceptance prior: greedy, then steps of 0.25 up to 2."""
+    return 0.0 if temperature <= 0 else min(max(round(temperature * 4) / 4, 0.25), 2.0)
 
 
 class NGrams:
@@ -62,9 +74,10 @@ class NGrams:
 class Row:
     """One answer's drafting state: its n-grams and its acceptance counts."""
 
-    def __init__(self, ids: list[int]) -> None:
+    def __init__(self, ids: list[int], prior: float = 0.5) -> None:
         self.grams = NGrams(ids)
-        self.hits, self.tries = 1.0, 2.0  # the prior: one drafted token in two is right
+        self.prior = prior  # the rate it starts from (its temperature's, as seen so far) and drifts back to
+        self.hits, self.tries = 2.0 * prior, 2.0
 
     @property
     def rate(self) -> float:
@@ -75,14 +88,24 @@ class Row:
         self.hits = self.hits * DECAY + right
         self.tries = self.tries * DECAY + right + (1 if right < drafted else 0)
 
-    def idle(self) -> None:
-        """A step without drafts: the counts drift back towards the prior, so a row tries again later."""
-        self.hits = 1.0 + (self.hits - 1.0) * DRIFT
+    def idle(self, prior: float | None = None) -> None:
+        """A step without drafts: the counts drift back towards ``prior`` (its own when None), so a row tries
+        again later."""
+        if prior is not None:
+            self.prior = prior
+        self.hits = 2.0 * self.prior + (self.hits - 2.0 * self.prior) * DRIFT
         self.tries = 2.0 + (self.tries - 2.0) * DRIFT
 
 
+def guessed(width: int) -> float:
+    """A step of ``width`` columns against one of one column, before any is measured: each more column a third."""
+    return 1 + (width - 1) / 3
+
+
 class Costs:
-    """A step's running cost by its width (columns), measured; widths not seen yet are estimated."""
+    """A step's running cost by its width (columns), measured; widths not seen yet are estimated. A wide
+    width dearer than ``guessed`` drifts back towards the guess with each one-column step, so a draft
+    length turned off by one slow wide step is tried again (and measured again)."""
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
@@ -90,14 +113,19 @@ class Costs:
     def measured(self, width: int, seconds: float) -> None:
         known = self.seconds.get(width)
         self.seconds[width] = seconds if known is None else known + (seconds - known) / 8
+        if width == 1:
+            for w, cost in self.seconds.items():
+                guess = self.seconds[1] * guessed(w)
+                if cost > guess:
+                    self.seconds[w] = guess + (cost - guess) * DRIFT
 
     def of(self, width: int) -> float:
         if width in self.seconds:
             return self.seconds[width]
         one = self.seconds.get(1, 0.01)
         wider = [w for w in self.seconds if w > 1]
-        if not wider:  # a guess until a wide step is measured: each more column a third of a step
-            return one * (1 + (width - 1) / 3)
+        if not wider:  # a guess until a wide step is measured
+            return one * guessed(width)
         near = min(wider, key=lambda w: abs(w - width))  # linear from one column through the nearest width seen
         return one + (self.seconds[near] - one) * (width - 1) / (near - 1)
 
@@ -123,20 +151,31 @@ class Drafter:
         self.on = on  # CHAT_DRAFT
         self.costs = Costs()
         self.steps = self.drafted = self.accepted = 0
+        self.seen: dict[float, list[float]] = {}  # by temperature (``band``): [hits, tries], decayed
+
+    def prior(self, temperature: float) -> float:
+        """The acceptance rate a new row at ``temperature`` starts from: what rows at about that temperature
+        made of their drafts lately (one in two before any)."""
+        hits, tries = self.seen.get(band(temperature), (1.0, 2.0))
+        return hits / tries
 
     def guess(self, slot: Any) -> list[int]:
         """The drafts worth checking for ``slot`` (an engine ``Slot`` whose last token is next fed) now: []
         when none pay (its rate then drifts back towards the prior)."""
         if slot.drafts is None:
-            slot.drafts = Row(slot.prompt_ids)
+            slot.drafts = Row(slot.prompt_ids, self.prior(slot.params.temperature))
         row = slot.drafts
         for token in slot.out_ids[len(row.grams.ids) - len(slot.prompt_ids):]:
             row.grams.push(token)
         room = min(MAX_DRAFT, slot.max_new - len(slot.out_ids) - 1, slot.context - slot.pos - 2)
         guess = row.grams.propose(room) if room > 0 else []
         count = length(row.rate, self.costs, len(guess))
-        if not count:
-            row.idle()
+        if not count:  # the row's rate drifts towards its temperature's, and that back towards one in two
+            band_counts = self.seen.get(band(slot.params.temperature))
+            if band_counts is not None:
+                band_counts[0] = 1.0 + (band_counts[0] - 1.0) * DRIFT
+                band_counts[1] = 2.0 + (band_counts[1] - 2.0) * DRIFT
+            row.idle(self.prior(slot.params.temperature))
         return guess[:count]
 
     def step(self, slot: Any, kv: Any, runner: Any, take: Callable[[Any, int | str], bool]) -> bool:
@@ -164,6 +203,9 @@ class Drafter:
             right += 1
         kv.close(len(guess) + 1)  # the drafts the answer did not make
         slot.drafts.checked(len(guess), right)
+        seen = self.seen.setdefault(band(slot.params.temperature), [1.0, 2.0])
+        seen[0] = seen[0] * SEEN_DECAY + right
+        seen[1] = seen[1] * SEEN_DECAY + right + (1 if right < len(guess) else 0)
         self.steps += 1
         self.drafted += len(guess)
         self.accepted += right
