@@ -161,7 +161,10 @@ class Scheduler:
         plan = Plan(len(decoding), step_s, cut, decoding if len(decoding) == 1 else [],
                     answering=any(not s.params.background for s in decoding))
         self.take_inbox(plan)
-        if self.waiting and not self.busy(rows):
+        # Background work (titles) decoding or prefilling does not count: users who send together while only
+        # titles run are still gathered into one prefill.
+        if self.waiting and not plan.answering and not any(
+                not s.params.background for job in self.jobs for s in job.slots):
             self.gather(plan, stopping)
         self.admit(plan)
         if not self.jobs:
@@ -236,6 +239,12 @@ class Scheduler:
             if not answers:
                 return None
             candidates = answers
+        elif not answers:
+            # Background work only, one at a time: a few titles prefilled together would make one long forward
+            # that a user arriving meanwhile waits behind (a forward is never interrupted).
+            if fresh or self.jobs:
+                return None
+            candidates = list(self.waiting)
         else:
             candidates = list(self.waiting)
         busy = {owner(s.gen) for job in self.jobs for s in job.slots} | {owner(s.gen) for s in fresh}
@@ -333,6 +342,10 @@ class Scheduler:
                 # an owner's seven prompts in one job advance together no faster than one would.
                 allowed = max(MIN_CHUNK * plan.share, int((target - step_s) / self.token_s))
                 columns = min(columns, max(1, allowed // job.rows))
+            if all(s.params.background for s in job.slots):
+                # Background work (a title) in chunks as small as beside decoding rows, even when nothing
+                # decodes: an answer arriving meanwhile waits for one chunk at most.
+                columns = min(columns, max(1, self.settings.prefill_chunk // job.rows))
             if len(job.slots) == 1 and _seeded(job.slots[0]):
                 # A seeded, sampled prompt is cut the same way whoever else runs (CHAT_PREFILL_CHUNK columns at a
                 # time, alone too): chunks cut by measured time would round it apart from its prefill alone, which
@@ -364,9 +377,11 @@ class Scheduler:
             plan.over = True
 
     def _next_job(self):
-        """The job of the owner that has had the least prefill (the oldest job among equals)."""
-        def served(job: PrefillJob) -> int:
-            return min(self.spent.get(owner(s.gen), 0) for s in job.slots)
+        """The job of the owner that has had the least prefill (the oldest job among equals); background work
+        (a title) only when no answer's prompt waits for a chunk."""
+        def served(job: PrefillJob) -> tuple[bool, int]:
+            return (all(s.params.background for s in job.slots),
+                    min(self.spent.get(owner(s.gen), 0) for s in job.slots))
         return min(self.jobs, key=served)  # min keeps the first (oldest) of equals
 
     def take_joining(self) -> Iterator[PrefillJob]:
