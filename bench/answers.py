@@ -6,7 +6,8 @@ parse and validate), all at the server's default sampling.
 ``.venv/bin/python -m bench.answers [RUNS [FRONT]]`` (RUNS per case, default 100) prints one JSON line;
 CHAT_* variables reach the server (the bundled model by default). FRONT: ``self`` runs the cases
 through a server with ``CHAT_BACKEND=openai`` in front of a second instance (the real engine), ``llama``
-in front of llama.cpp's server with ``--jinja`` on the bundled GGUF (``LLAMA_SERVER`` names the binary).
+in front of llama.cpp's server with ``--jinja`` on the bundled GGUF, or the ``.gguf`` file ``CHAT_MODEL`` names
+(``LLAMA_SERVER`` names the binary).
 """
 from __future__ import annotations
 
@@ -124,7 +125,8 @@ def main() -> None:
                 from chat.engine.model.loader import bundled_gguf
 
                 from .peer import LlamaServer
-                llama = LlamaServer(os.environ["LLAMA_SERVER"], str(bundled_gguf()), Path(tmp))
+                model = os.environ.get("CHAT_MODEL") or str(bundled_gguf())
+                llama = LlamaServer(os.environ["LLAMA_SERVER"], model, Path(tmp))
                 llama.cmd.append("--jinja")
                 llama.start()
                 stops.append(llama.stop)

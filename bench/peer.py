@@ -27,6 +27,17 @@ LLAMA_ARGS = ["-t", "2", "--parallel", "8", "-c", "16384", "--kv-unified"]
 STREAMS = 8  # the "8 users" of the comparison
 
 
+def _end_with_parent() -> None:
+    """In the child before exec: SIGTERM when the bench process that started it ends, however it ends (a
+    killed bench left its servers generating on a core, spoiling the next runs' timings). Linux only."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class LlamaServer:
     """``llama-server`` on a free port, its log in ``workdir/llama-server.log``."""
 
@@ -40,7 +51,8 @@ class LlamaServer:
         """Spawn it and wait for ``/health`` 200 (the model loaded); the seconds that took."""
         with open(self.log_path, "ab") as log:
             started = time.perf_counter()
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_end_with_parent)
         deadline = started + timeout
         while time.perf_counter() < deadline:
             if self.proc.poll() is not None:

@@ -216,7 +216,7 @@ def main() -> None:
     from chat.engine.core.local import LocalEngine
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["compile", "validity", "mask", "budget", "scoring"]
-    engine = LocalEngine(Settings.from_env({}, max_batch=BATCH * 2))
+    engine = LocalEngine(Settings.from_env(None, max_batch=BATCH * 2))
     deadline = time.monotonic() + 600
     while not engine.ready and engine.error is None and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -87,3 +87,27 @@ def test_prefill_memory_is_bounded(engine, forwards):
     assert max(rows * columns for rows, columns, _ in prefills) <= PREFILL_FORWARD_TOKENS
     assert max(held for _, _, held in prefills) <= engine.queue.budget_tokens
     assert len(prefills) > 1  # 7 prompts of ~900 tokens did not go in one forward
+
+
+def test_an_answer_prefills_before_background_work_already_under_way(engine, monkeypatch):
+    """A title (``background``) prefilling when an answer's prompt arrives yields the next chunks to the answer,
+    even of the same owner (equal prefill spent, the title the older job): the answer's prompt ends first."""
+    forward, started, go = engine.runner.forward, threading.Event(), threading.Event()
+
+    def held(input_ids, kv, position_ids, spans=None):  # the title's first chunk waits for the answer's submit
+        if not started.is_set():
+            started.set()
+            go.wait(60)
+        return forward(input_ids, kv, position_ids, spans)
+    monkeypatch.setattr(engine.runner, "forward", held)
+    title = engine.submit(long_prompt(1, 300), GenParams(temperature=0, max_new_tokens=1, background=True),
+                          owner="A")
+    assert started.wait(60)
+    answer = engine.submit(long_prompt(2, 300), GenParams(temperature=0, max_new_tokens=1), owner="A")
+    order: list[str] = []
+    for name, gen in (("title", title), ("answer", answer)):
+        gen.observers.append(lambda event, name=name: order.append(name) if isinstance(event, Done) else None)
+    go.set()
+    for gen in (title, answer):
+        assert events_of(gen, 300)[-1].reason in ("length", "stop")
+    assert order == ["answer", "title"]

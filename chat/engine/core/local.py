@@ -22,8 +22,7 @@ from ...concurrency import real_lock, run_in_thread, start_real_thread
 from ...config import Settings
 from ...errors import EngineError, EngineUnavailable, Overloaded
 from ..base import Engine, Generation, GenParams
-from .. import events as thinking
-from ..events import Refused, announce
+from ..events import Refused, announce, thinks
 from ..kernels import cpu
 from ..kv import disk as kvdisk
 from ..kv.prefix import PrefixCache
@@ -274,6 +273,7 @@ class LocalEngine(Engine):
         gc.collect()
         gc.freeze()
         release_memory()  # loading's temporaries (a GGUF's unpacked blocks: hundreds of MB)
+        self.loading = None  # the conversion's progress: said while loading only
 
     def _loading(self, step: str, done: int, total: int) -> None:
         """How far a long step of the load is (a GGUF's conversion), for ``/readyz``."""
@@ -281,7 +281,7 @@ class LocalEngine(Engine):
 
     def thinks(self) -> bool:
         """Whether the loaded model thinks (its template writes ``<think>``)."""
-        return self.ready and thinking.thinks(getattr(self.loaded.tokenizer, "chat_template", None))
+        return self.ready and thinks(getattr(self.loaded.tokenizer, "chat_template", None))
 
     def count_tokens(self, text: str) -> int | None:
         if not self.ready:
