@@ -41,7 +41,9 @@ TINY = {"qwen3": ({"arch": "qwen3", "head_dim": 32}, {"head_dim": 32}),
                                       "short_factor": longrope_factors(24, "short"),
                                       "long_factor": longrope_factors(24, "long"),
                                       "attention_factor": longrope_attention(), **LONGROPE},
-                  "max_position_embeddings": LONGROPE["max_position_embeddings"]}),
+                  # (its config keeps its own original context, 4096, unless told at the top level too)
+                  "max_position_embeddings": LONGROPE["max_position_embeddings"],
+                  "original_max_position_embeddings": LONGROPE["original_max_position_embeddings"]}),
         "llama": ({}, {})}
 PROMPT = "hello there, how are you today? I am fine, thank you, and I hope that you are well too."
 
@@ -383,3 +385,33 @@ def test_gemma3s_windowed_layers_keep_only_their_window_between_turns(tmp_path, 
         assert events[-1].reused_tokens == 0 and answer == warm_answer
     finally:
         _stopped(cold)
+
+
+def test_phi3_past_its_original_context_takes_the_long_factors_as_llama_cpp():
+    """A context past the model's original one (``CHAT_CONTEXT_TOKENS``) serves every position with LongRoPE's
+    long factors, as llama.cpp does; transformers takes them for a sequence past the original length, so a
+    prompt that long agrees with it, and the short factors (a context within the original) do not."""
+    args, overrides = TINY["phi3"]
+    path = tiny_gguf(**args)
+    original = LONGROPE["original_max_position_embeddings"]
+
+    def run():
+        ids = loader.gguf_tokenizer(path).encode(PROMPT * 20)[:original + 40]
+        assert len(ids) == original + 40
+        f = gguf.read(path)
+        assert weights.longrope(f, original) == "short" and weights.longrope(f, original + 1) == "long"
+        long, short = (weights.from_gguf(f, "off", context=c) for c in (LONGROPE["max_position_embeddings"], 0))
+        assert long.shape.rope_factors == pytest.approx(longrope_factors(24, "long"))
+        assert short.shape.rope_factors == pytest.approx(longrope_factors(24, "short"))
+        out = []
+        for decoder in (long, short):
+            kv = decoder.cache(1, len(ids) + 1)
+            kv.open(len(ids))
+            out.append(decoder.forward(torch.tensor([ids]), kv, torch.arange(len(ids))[None])[0])
+        theirs = _transformers(path, overrides, torch.bfloat16)(torch.tensor([ids])).logits[0, -1].float()
+        return out, theirs
+    (long, short), theirs = on_thread(run)
+    assert int(long.argmax()) == int(theirs.argmax())
+    gap = float((long - theirs).abs().max())
+    assert gap < 2e-2 * float(theirs.abs().max())
+    assert float((short - theirs).abs().max()) > 2 * gap

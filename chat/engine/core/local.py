@@ -261,10 +261,12 @@ class LocalEngine(Engine):
             self.chores = runner.chores(self.settings)
             settings = self.settings
             if settings.kv_disk_mb > 0 and settings.kv_cache_mb > 0:  # conversations' KV on disk too
+                # scaled rotary positions key it too (Phi-3's LongRoPE factors follow CHAT_CONTEXT_TOKENS)
+                factors = self.decoder.shape.rope_factors if self.decoder is not None else None
                 self.prefix.disk = kvdisk.for_model(
                     Path(settings.model_cache_dir) / "kv", settings.kv_disk_mb * 1024 * 1024, self.loaded.name,
                     self.loaded.source or settings.model, runner.dims, settings.quant, self.cpu,
-                    busy=lambda: bool(self.batch.rows or self.queue.jobs))
+                    *((factors,) if factors else ()), busy=lambda: bool(self.batch.rows or self.queue.jobs))
             # the default system prompt's preamble first, so the first user after a start reuses it too
             system = [{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else []
             self.prefix.want(prompt.preamble(self.loaded.tokenizer, system))

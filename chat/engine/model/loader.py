@@ -254,19 +254,19 @@ def _load_direct(settings: Settings, device: torch.device, dtype: torch.dtype) -
     blocks = mode != "off" and settings.native and build.kept(settings.model_cache_dir, machine)
     try:
         decoder = weights.from_gguf(f, mode, dtype, dense_copies=quant.dense_copies(machine.isa, blocks),
-                                   blocks=blocks)
+                                   blocks=blocks, context=settings.context_tokens)
     except weights.Unsupported as exc:
         log.info("%s: %s; converting it for transformers' forward", file.name, exc)
         return None
-    original = f.meta("rope.scaling.original_context_length")
-    if "rope_factors_short.weight" in f.tensors and original and settings.context_tokens > original:
-        log.warning("%s: CHAT_CONTEXT_TOKENS %d is past the model's original context of %d: LongRoPE's short "
-                    "factors stay in use at every length (docs/models.md)", file.name, settings.context_tokens,
-                    original)
+    if weights.longrope(f, settings.context_tokens) == "long":
+        log.info("%s: CHAT_CONTEXT_TOKENS %d is past the model's original context of %d: LongRoPE's long factors "
+                 "at every length, as llama.cpp (docs/models.md)", file.name, settings.context_tokens,
+                 f.meta("rope.scaling.original_context_length"))
     if decoder.weights in ("int4", "blocks") and not weights.verify(f, decoder):
         log.warning("the %s disagrees with the dense weights on this machine: using dense weights "
                     "(CHAT_QUANT=off)", "int4 kernel" if decoder.weights == "int4" else "block kernel")
-        decoder = weights.from_gguf(f, "off", pick_dtype(settings.dtype, device, settings.cpu_isa))
+        decoder = weights.from_gguf(f, "off", pick_dtype(settings.dtype, device, settings.cpu_isa),
+                                   context=settings.context_tokens)
     log.info("CPU class %s: %s weights (%s), %s", machine.describe(), decoder.weights,
              ", ".join(f"{k} {v}" for k, v in decoder.formats().items()),
              "CHAT_QUANT=off" if settings.quant == "off" else "CHAT_DTYPE=float32" if settings.dtype == "float32"

@@ -49,7 +49,8 @@ def gguf_architecture(f: gguf.GGUFFile) -> Architecture:
     return arch
 
 
-def gguf_shape(f: gguf.GGUFFile) -> Shape:
+def gguf_shape(f: gguf.GGUFFile, context: int = 0) -> Shape:
+    """The decoder's shape from a GGUF's metadata; ``context``: the positions it will serve (LongRoPE's choice)."""
     arch = gguf_architecture(f)
     heads = f.meta("attention.head_count")
     hidden = f.meta("embedding_length")
@@ -60,10 +61,10 @@ def gguf_shape(f: gguf.GGUFFile) -> Shape:
     rotary = f.meta("rope.dimension_count", head_dim)
     if rotary % 2 or not 0 < rotary <= head_dim:
         raise Unsupported(f"rotary positions over {rotary} of a head's {head_dim}")
-    # Llama 3's scaling (rope_freqs), or LongRoPE's short factors (Phi-3: the long ones are for prompts past the
-    # original context, which transformers switches to for a whole sequence and llama.cpp for a context past it):
-    # a divisor per frequency
-    freqs = f.tensors.get("rope_freqs.weight", f.tensors.get("rope_factors_short.weight"))
+    # Llama 3's scaling (rope_freqs), or LongRoPE's factors (Phi-3): a divisor per frequency. LongRoPE's long ones
+    # serve a context past the original one and the short ones one within it, chosen for the whole context as
+    # llama.cpp chooses them (transformers switches a sequence to the long ones once it passes the original length)
+    freqs = f.tensors.get("rope_freqs.weight", f.tensors.get(f"rope_factors_{longrope(f, context)}.weight"))
     factors = tuple(gguf.dequantize(freqs).reshape(-1).tolist()) if freqs is not None else None
     if freqs is not None and factors is not None and len(factors) != rotary // 2:
         raise Unsupported(f"{freqs.name} of {len(factors)} values for rotary positions over {rotary}")
@@ -195,13 +196,19 @@ def _linear(r: _Reader, names: list[str], mode: str, dense_copies: bool, biases:
     return Linear(dense, packed, bias)
 
 
+def longrope(f: gguf.GGUFFile, context: int) -> str:
+    """Which of LongRoPE's factors a context of ``context`` positions takes: ``long`` past the original context."""
+    original = f.meta("rope.scaling.original_context_length", 0)
+    return "long" if original and context > original and "rope_factors_long.weight" in f.tensors else "short"
+
+
 def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, dense_copies: bool = True,
-              blocks: bool = False) -> Decoder:
+              blocks: bool = False, context: int = 0) -> Decoder:
     """The decoder of a GGUF file's weights (see the module's docstring for ``mode``). ``dense_copies``:
     whether ``auto`` keeps dense copies of the int4 products for long prefills (``quant.POLICY``);
     ``blocks``: the file's blocks on the C++ library's products (loaded: ``build.load``) instead of the
-    int4 kernel."""
-    shape, arch = gguf_shape(f), gguf_architecture(f)
+    int4 kernel. ``context``: the positions it serves (Phi-3's LongRoPE factors: ``longrope``)."""
+    shape, arch = gguf_shape(f, context), gguf_architecture(f)
     if dtype != torch.bfloat16:
         mode = "off"  # the int4 kernel takes bf16 activations only
     r = _Reader(f, shape, dtype)
