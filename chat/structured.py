@@ -199,6 +199,39 @@ def parse_calls(text: str, seed: str | None = None) -> tuple[str, list[dict]]:
     return "".join(kept).strip() if calls else text, calls
 
 
+def forced_names(choice: Any, listed: list[dict]) -> frozenset[str]:
+    """The functions a ``tool_choice`` obliges the answer to call (a named one, or any listed one for
+    ``required``); empty when the answer may be text."""
+    if isinstance(choice, dict):
+        return frozenset([((choice.get("function") or {}).get("name")) or ""])
+    if choice == "required":
+        return frozenset(t["function"]["name"] for t in listed)
+    return frozenset()
+
+
+_FENCE = re.compile(r"\s*```(?:json)?\s*")
+
+
+def written_call(text: str, names: frozenset[str]) -> str | None:
+    """A call an upstream wrote as text (``{"name": ..., "arguments": {...}}``, bare or in a fenced block,
+    as llama.cpp's server answers a forced choice when it does not read the model's own call format), in
+    this server's call format, with any text after it; None when the text does not start with a call to
+    one of ``names``."""
+    fence = _FENCE.match(text)
+    body = text[fence.end():] if fence else text.lstrip()
+    try:
+        value, end = json.JSONDecoder().raw_decode(body)
+    except ValueError:
+        return None
+    if not (isinstance(value, dict) and value.get("name") in names and isinstance(value.get("arguments"), dict)):
+        return None
+    rest = body[end:].strip()
+    if fence and rest.startswith("```"):
+        rest = rest[3:].strip()
+    call = json.dumps({"name": value["name"], "arguments": value["arguments"]}, ensure_ascii=False)
+    return f"{OPEN}\n{call}\n{CLOSE}" + (f"\n{rest}" if rest else "")
+
+
 def raw_arguments(text: str, body: dict) -> str:
     """A call's arguments as the model wrote them (what streaming sent), else re-serialized."""
     head = HEAD.match(text)

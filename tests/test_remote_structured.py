@@ -244,3 +244,79 @@ def test_a_tool_round_trip_reaches_the_upstream_as_openai_writes_it():
         server.close()
         engine.shutdown()
         httpd.shutdown()
+
+
+# llama.cpp's server (--jinja) on Qwen2.5-Coder-0.5B-Instruct answers a named or required tool choice with the
+# call written as text (measured: bench.answers), here as it streamed it, then prose up to the token limit
+WRITTEN = ["```", "json", "\n", '{"name": "get_weather", ', '"arguments": {"city": ', '"Rome"}}', "\n```",
+           "\n\nYou can call the function with the city."]
+
+
+def _relayed(relay, pieces: list[str]) -> str:
+    deltas = [d for p in pieces for d in relay.chat({"delta": {"content": p}})]
+    return "".join(d.text for d in deltas + relay.end())
+
+
+def test_a_forced_call_written_as_text_is_read_as_the_call():
+    from chat import structured
+    from chat.engine.remote.fields import Relay
+    forced = frozenset({"get_weather"})
+    relay = Relay(forced=forced)
+    assert relay.chat({"delta": {"content": WRITTEN[0]}}) == []  # held until the answer ends
+    content, calls = structured.parse_calls(_relayed(relay, WRITTEN[1:]), "seed")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Rome"})]
+    assert content == "You can call the function with the city."
+    # bare JSON too; a call to another function, prose, or a choice that obliges nothing stay text
+    assert structured.parse_calls(_relayed(Relay(forced=forced), ['{"name": "get_weather", "arguments": {}}']))[1]
+    for pieces, names in ((WRITTEN, frozenset({"get_time"})), (["It is sunny in Rome."], forced),
+                          (WRITTEN, frozenset())):
+        assert _relayed(Relay(forced=names), pieces) == "".join(pieces)
+    # an answer cut short (cancelled, the stream dropped) keeps its text as text
+    relay = Relay(forced=forced)
+    for piece in WRITTEN[:6]:
+        relay.chat({"delta": {"content": piece}})
+    assert "".join(d.text for d in relay.held()) == "".join(WRITTEN[:6])
+    # an upstream that sends tool_calls itself: its text before them is text, its calls relayed as they come
+    relay = Relay(forced=forced)
+    out = relay.chat({"delta": {"content": "Sure."}})
+    out += relay.chat({"delta": {"tool_calls": [{"index": 0, "function": {"name": "get_weather",
+                                                                         "arguments": '{"city": "Rome"}'}}]}})
+    content, calls = structured.parse_calls("".join(d.text for d in out + relay.end()))
+    assert content == "Sure." and len(calls) == 1
+
+
+@pytest.mark.parametrize("choice", [NAMED, "required"])
+def test_a_forced_call_written_as_text_reaches_clients_as_a_tool_call(choice):
+    """In front of an upstream that writes the forced call as text, /v1 clients get one call, whole and streamed,
+    with finish_reason tool_calls; the upstream was asked with the choice as the client sent it."""
+    lines = [{"choices": [{"index": 0, "delta": {"content": piece}}]} for piece in WRITTEN]
+    lines[-1]["choices"][0]["finish_reason"] = "length"
+    httpd, bodies = scripted(lines)
+    engine = RemoteEngine(Settings(backend="openai", backend_url=f"http://127.0.0.1:{httpd.server_port}/v1"))
+    wait_for(lambda: engine.ready or engine.error)
+    server = AppServer(make_app(engine))
+    try:
+        sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        kwargs = dict(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=40)
+        whole = sdk.chat.completions.create(**kwargs).choices[0]
+        assert bodies[-1]["tool_choice"] == choice
+        (call,) = whole.message.tool_calls
+        assert whole.finish_reason == "tool_calls"
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
+        calls: dict = {}
+        finish = None
+        for chunk in sdk.chat.completions.create(stream=True, **kwargs):
+            for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": "", "id": None})
+                entry["id"] = entry["id"] or d.id
+                entry["name"] += (d.function.name or "") if d.function else ""
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+        assert finish == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Rome"})]
+        assert calls[0]["id"]
+    finally:
+        server.close()
+        engine.shutdown()
+        httpd.shutdown()

@@ -290,7 +290,7 @@ class RemoteEngine(Engine):
                  "room": max(MIN_ANSWER_BYTES, BYTES_PER_TOKEN * gen.params.max_new_tokens)}
         reason, message = "error", None
         state["relay"] = remote_fields.Relay(gen.messages[-1]["content"] if gen.params.prompt_logprobs is not None
-                                             else None)
+                                             else None, remote_fields.forced(gen.params))
         conn = call.conn = self._connection(self.settings.backend_timeout_s)
         try:
             reason, message = self._call(gen, call, t0, state)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ... import structured
 from ..base import GenParams
 from ..events import Delta, Splitter
 
@@ -43,6 +44,11 @@ def chat_fields(p: GenParams) -> dict:
     return out
 
 
+def forced(p: GenParams) -> frozenset[str]:
+    """The functions the request's tool choice obliges the answer to call (``structured.forced_names``)."""
+    return structured.forced_names(p.upstream.get("tool_choice"), list(p.upstream.get("tools") or ()))
+
+
 def completion_body(p: GenParams, model: str, prompt: str) -> dict:
     """A ``/completions`` request for a raw prompt (its ``echo`` and ``logprobs`` too)."""
     body: dict[str, Any] = {"model": model, "prompt": prompt, "stream": True, "max_tokens": p.max_new_tokens,
@@ -62,9 +68,16 @@ def _entry(token: str, logprob: Any, top: dict | None) -> dict:
 
 
 class Relay:
-    """One upstream answer's choices in, this server's ``Delta`` events out."""
+    """One upstream answer's choices in, this server's ``Delta`` events out.
 
-    def __init__(self, echo: str | None = None) -> None:
+    ``forced``: the functions a named or ``required`` tool choice obliges the answer to call. An upstream
+    that answers such a choice with the call written as text (llama.cpp's server, for a template whose
+    call format it does not read) has that text held until the answer ends and read as the call
+    (``structured.written_call``); one that sends ``tool_calls`` is relayed as they come."""
+
+    def __init__(self, echo: str | None = None, forced: frozenset[str] = frozenset()) -> None:
+        self.forced = forced
+        self.text: list[Delta] = []  # forced: the answer's text (and its log probabilities) held until it ends
         self.call: int | None = None  # the index of the tool call being written
         self.echo: str | None = echo  # a raw prompt echoed back: its text and log probabilities come first
         self.prompt_len = len(echo or "")
@@ -86,11 +99,16 @@ class Relay:
             out.append(Delta("", reasoning=thought))
         if text and self.call is not None:
             text = self._close() + text
-        for call in delta.get("tool_calls") or ():
+        calls = delta.get("tool_calls") or ()
+        if calls and self.forced:  # the upstream writes calls itself: what it held is text before them
+            self.forced = frozenset()
+            out += self.text
+            self.text = []
+        for call in calls:
             text += self._call(call)
         entries = tuple((choice.get("logprobs") or {}).get("content") or ())
         if text or entries:
-            out.append(Delta(text, entries))
+            (self.text if self.forced else out).append(Delta(text, entries))
         return out
 
     def _call(self, call: dict) -> str:
@@ -110,13 +128,25 @@ class Relay:
         return CALL_CLOSE
 
     def end(self) -> list[Delta]:
-        """The answer ended: thinking or text still held comes out, a call still open is closed."""
-        return self.held() + ([Delta(self._close())] if self.call is not None else [])
+        """The answer ended: thinking or text still held comes out (a forced call written as text read as
+        the call), a call still open is closed."""
+        thought, text = self.thinking.flush()
+        out = [Delta("", reasoning=thought)] if thought else []
+        held, self.text = self.text + ([Delta(text)] if text else []), []
+        call = structured.written_call("".join(d.text for d in held), self.forced) if self.forced else None
+        if call is not None:
+            out.append(Delta(call, tuple(e for d in held for e in d.logprobs)))
+        else:
+            out += held
+        return out + ([Delta(self._close())] if self.call is not None else [])
 
     def held(self) -> list[Delta]:
         """Thinking or text the split still holds (a tag that may have been coming), however the answer ended."""
         thought, text = self.thinking.flush()
-        return [Delta(text, reasoning=thought)] if thought or text else []
+        held = [Delta(text, reasoning=thought)] if thought or text else []
+        if self.forced:  # the text held for a forced call: never read as one when the answer is cut short
+            held, self.text = self.text + held, []
+        return held
 
     def legacy(self, choice: dict) -> list[Delta]:
         """A ``text_completion`` choice: its text; with ``echo``, the prompt's part split off as the
