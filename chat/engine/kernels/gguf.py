@@ -187,6 +187,20 @@ def dequantize(t: Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32))
 
 
+def copied(t: Tensor) -> Tensor:
+    """The tensor with its bytes copied out of the file's map (which then need not stay mapped: a map kept
+    open holds every page loading read in the process's resident memory)."""
+    return Tensor(t.name, t.shape, t.kind, np.array(t.raw))
+
+
+def lookup(t: Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a block-quantized (rows, cols) tensor as float32 (``ids``' shape + (cols,)), each as
+    ``dequantize`` gives it: an embedding table stays the file's bytes, only the rows asked for are read."""
+    flat = ids.reshape(-1).numpy()
+    picked = Tensor(t.name, (len(flat), t.shape[-1]), t.kind, t.blocks()[flat].reshape(-1))
+    return dequantize(picked).reshape(*ids.shape, -1)
+
+
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """4 bytes of fifth bits a block -> (rows, blocks, 32) 0/1 in weight order (bit i: weight i)."""
     word = qh.contiguous().view(torch.int32)  # little-endian, as the file stores it

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from ..kernels import quant
+from ..kernels import gguf, quant
 from ..kernels.quant import Linear
 from ..kv.buffer import KVBuffer, windows_kept
 from .architecture import ARCHITECTURES, Architecture
@@ -66,27 +66,28 @@ class Layer:
 
 
 class Embedding:
-    """Token ids -> activation rows: from a dense table, or from a quantized table's ``rows`` (q, s, z:
-    ``gguf.affine``), each looked-up row w = s * q + z in float32, then rounded to the activations' type."""
+    """Token ids -> activation rows: from a dense table, or from a quantized table kept as the file's
+    blocks (``table``: only the rows looked up are de-quantized, each as ``gguf.dequantize`` gives it),
+    then rounded to the activations' type."""
 
-    def __init__(self, dense: torch.Tensor | None = None, rows: tuple | None = None,
+    def __init__(self, dense: torch.Tensor | None = None, table: gguf.Tensor | None = None,
                  dtype: torch.dtype = torch.bfloat16, blocks: quant.Blocks | None = None) -> None:
-        self.dense, self.rows, self.dtype, self.blocks = dense, rows, dtype, blocks
+        self.dense, self.table, self.dtype, self.blocks = dense, table, dtype, blocks
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
             return F.embedding(ids, self.dense)
         if self.blocks is not None:  # a tied Q8_0 table: the output layer's blocks
             return self.blocks.lookup(ids).to(self.dtype)
-        assert self.rows is not None
-        q, s, z = self.rows  # (vocab, hidden) uint8, (vocab, hidden / 32) float32 twice
-        rows = q[ids].float().unflatten(-1, (s.shape[1], -1)) * s[ids][..., None] + z[ids][..., None]
-        return rows.flatten(-2).to(self.dtype)
+        assert self.table is not None
+        return gguf.lookup(self.table, ids).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
-        parts = [self.dense] if self.dense is not None else list(self.rows or ())  # blocks: the head's bytes
-        return sum(t.numel() * t.element_size() for t in parts)
+        """Its weights' bytes (a table: the file's, mapped; blocks: counted as the head's)."""
+        if self.dense is not None:
+            return self.dense.numel() * self.dense.element_size()
+        return int(self.table.raw.nbytes) if self.table is not None else 0
 
 
 class Decoder:

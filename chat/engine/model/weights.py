@@ -233,8 +233,9 @@ def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, 
     if isinstance(head_quant, quant.Blocks) and head_name == table and head_quant.eight_bit:
         # a tied Q8_0 table: lookups read the head's blocks
         embed = Embedding(blocks=head_quant, dtype=dtype)
-    elif mode != "off" and r.form(table) is not None:
-        embed = Embedding(rows=gguf.affine(r.tensor(table)), dtype=dtype)  # looked up row by row
+    elif mode != "off" and r.tensor(table).kind not in (gguf.F32, gguf.F16, gguf.BF16):
+        # the file's blocks (copied: not the whole file kept mapped), rows de-quantized as looked up
+        embed = Embedding(table=gguf.copied(r.tensor(table)), dtype=dtype)
     else:
         embed = Embedding(dense=r.dense(table), dtype=dtype)
     if head_quant is not None:
