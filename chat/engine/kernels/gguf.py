@@ -195,10 +195,13 @@ def copied(t: Tensor) -> Tensor:
 
 def lookup(t: Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of a block-quantized (rows, cols) tensor as float32 (``ids``' shape + (cols,)), each as
-    ``dequantize`` gives it: an embedding table stays the file's bytes, only the rows asked for are read."""
+    ``dequantize`` gives it: an embedding table stays the file's bytes, only the rows asked for are read.
+    gguf-py's own numpy code (what ``dequantize`` matches bit for bit): on a few rows a tenth of the time of
+    torch's many small operations (2000 rows of a Q6_K table: 11 against 127 ms here)."""
+    from gguf import GGMLQuantizationType, quants
     flat = ids.reshape(-1).numpy()
-    picked = Tensor(t.name, (len(flat), t.shape[-1]), t.kind, t.blocks()[flat].reshape(-1))
-    return dequantize(picked).reshape(*ids.shape, -1)
+    rows = quants.dequantize(t.blocks()[flat].reshape(-1), GGMLQuantizationType(t.kind))
+    return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).reshape(*ids.shape, -1)
 
 
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
