@@ -216,10 +216,14 @@ class Drafter:
 
     def widest(self, runner: Any, rows: int) -> int:
         """The widest drafted step the runner checks bit for bit for ``rows`` rows (0: none): ``MAX_WIDTH``
-        columns, or one row's ``MAX_DRAFT + 1`` where a wider one is not the single steps on this machine."""
-        if rows > 1 and runner.verifies(MAX_WIDTH) and runner.verifies_rows():
-            return MAX_WIDTH
-        return MAX_DRAFT + 1 if rows == 1 and runner.verifies(MAX_DRAFT + 1) else 0
+        columns, or fewer where a wider one is not the single steps on this machine (products that change their
+        kernel past a crossover); one row's ``MAX_DRAFT + 1`` at most alone."""
+        if rows == 1:
+            return MAX_DRAFT + 1 if runner.verifies(MAX_DRAFT + 1) else 0
+        for width in (MAX_WIDTH, MAX_WIDTH // 2):
+            if rows < width and runner.verifies(width):
+                return width if runner.verifies_rows() else 0
+        return 0
 
     def step(self, rows: list, may: list, kv: Any, runner: Any) -> tuple[Any, list] | None:
         """A step with drafts for ``rows`` (the batch's, in ``kv``'s order), when they pay (None: not taken):
