@@ -398,6 +398,35 @@ def test_a_kv_column_written_for_a_wrong_draft_is_never_read():
     assert torch.equal(kv.attention_mask(1), torch.ones(1, 3, dtype=kv.mask.dtype))
 
 
+def test_rows_that_kept_fewer_drafted_columns_end_with_the_others_again():
+    """After a step of several rows' drafts each row's tokens end at the buffer's last column again: a row that kept
+    fewer columns moved right (what ``native.shift`` does, here in torch), the columns before it padding, the
+    columns nobody kept closed."""
+    from chat.engine.kv.buffer import KVBuffer
+    kv = KVBuffer(1, 1, 16, torch.bfloat16, torch.device("cpu"), rows=2, capacity=16, active=0)
+    for n in (3, 5):  # two rows: 3 and 5 tokens, column values their token numbers
+        kv.add_row([torch.arange(n, dtype=torch.bfloat16)[None, None, :, None].expand(1, 1, n, 16)],
+                   [torch.arange(n, dtype=torch.bfloat16)[None, None, :, None].expand(1, 1, n, 16)])
+    kv.open(4)
+    for t in kv.keys + kv.values:  # the step's columns: row 0's tokens 3..6, row 1's 5..8
+        t[0, :, kv.length:kv.length + 4] = torch.arange(3, 7, dtype=torch.bfloat16)[:, None]
+        t[1, :, kv.length:kv.length + 4] = torch.arange(5, 9, dtype=torch.bfloat16)[:, None]
+
+    def move(buffer, moves):
+        for r, first, last, by in moves:
+            for t in buffer.keys + buffer.values:
+                t[r, :, first + by:last + by] = t[r, :, first:last].clone()
+    kv.settle([1, 3], 4, move)  # row 0 kept its last token's column only, row 1 two drafts more
+    assert kv.length == 5 + 3 and kv.row_starts(0) == [kv.length - kv.start - 4, 0]
+    keys, _ = kv.row(0)
+    assert keys[0][0, 0, :, 0].tolist() == [0, 1, 2, 3]
+    keys, _ = kv.row(1)
+    assert keys[0][0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    kv.open(1)  # the next step sees each row's own columns only
+    assert kv.row_starts(1) == [kv.length + 1 - kv.start - 5, 0]
+    assert int(kv.mask[:, kv.length + 1:].sum()) == 0
+
+
 def native_free_buffer():
     from chat.engine.kv.buffer import KVBuffer
     return KVBuffer(2, 1, 16, torch.bfloat16, torch.device("cpu"), rows=1, capacity=8, active=1)
