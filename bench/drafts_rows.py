@@ -2,9 +2,10 @@
 started at once and asked in turn (on, off, off, on, ...), so a shared box's load falls on both alike, at 1, 2 and 8
 streams sent together, on four workloads: "story" (a short story about a dragon), "chat" (an explanation),
 "chinese" (the story asked in Chinese) and "edit" (quoting a ~300-token attachment with a small change: where
-drafts pay). Titles off on both (no background work between requests). Each cell: the aggregate tokens per second
-(all streams' tokens over the wall time from the first send to the last end), median of ``--reps``; the drafts'
-counts from ``/readyz``. Writes ``bench/results/drafts_rows.json`` (``--name``)::
+drafts pay). Titles off on both (no background work between requests); ``CHAT_THREADS`` as the environment says.
+Each cell: the aggregate tokens per second (all streams' tokens over the wall time from the first send to the last
+end), median of ``--reps``; the drafts' counts from ``/readyz``.
+Writes ``bench/results/drafts_rows.json`` (``--name``)::
 
     CHAT_MODEL=/tmp/realqwen/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf .venv/bin/python -m bench.drafts_rows
     ... --temperature 0.7 --top-p 0.9   # every request sampled (seeded)
@@ -72,7 +73,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 8])
     parser.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS))
-    parser.add_argument("--tokens", type=int, default=128, help="new tokens per request (edit: 300)")
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--edit-tokens", type=int, default=300, help="new tokens per edit request")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
             for mode, srv in servers.items():  # a warm-up each
                 _round(srv.ws_url, 1, WORKLOADS["story"], 16, params, args.timeout, f"warm-{mode}")
             for name in args.workloads:
-                tokens = 300 if name == "edit" else args.tokens
+                tokens = args.edit_tokens if name == "edit" else args.tokens
                 for n in args.streams:
                     runs: dict = {"ngram": [], "off": []}
                     before = _counts(servers["ngram"].port)
