@@ -26,6 +26,7 @@ measurement (a busy moment on a shared box) never turns drafts off for good.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ..model.sampling import sample_rows
@@ -213,6 +214,15 @@ class Drafter:
         if not count:
             self.idle(slot)
         return guess[:count]
+
+    def checks(self, runner: Any) -> Iterator[None]:
+        """Idle chores after the runner's own (the C++ step in): whether its steps of several columns and rows are
+        the single steps on this machine (``widest``), checked while idle (a second or so on a loaded 2-core box),
+        not at the first step an answer drafts in."""
+        if self.on and runner.native:
+            for rows in (1, 2):
+                yield
+                self.widest(runner, rows)
 
     def widest(self, runner: Any, rows: int) -> int:
         """The widest drafted step the runner checks bit for bit for ``rows`` rows (0: none): ``MAX_WIDTH``
