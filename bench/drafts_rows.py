@@ -111,11 +111,14 @@ def main(argv=None) -> int:
                     after = _counts(servers["ngram"].port)
                     cell = {mode: statistics.median(r["aggregate_tok_s"] for r in rs) for mode, rs in runs.items()}
                     cell["ratio"] = cell["ngram"] / cell["off"]
+                    cell["stream_tok_s_p50"] = {mode: statistics.median(r["stream_tok_s_p50"] for r in rs)
+                                                for mode, rs in runs.items()}  # each stream's own pace
                     cell["drafts"] = {k: after[k] - before[k] for k in after}
                     cell["loadavg"] = os.getloadavg()[0]
                     out["cells"][f"{name}@{n}"] = cell
                     print(f"  {name} x{n}: drafts {cell['ngram']:.1f} tok/s, off {cell['off']:.1f} "
-                          f"({cell['ratio']:.2f}x) {cell['drafts']} load {cell['loadavg']:.1f}", file=sys.stderr,
+                          f"({cell['ratio']:.2f}x; a stream's pace {cell['stream_tok_s_p50']}) {cell['drafts']} "
+                          f"load {cell['loadavg']:.1f}", file=sys.stderr,
                           flush=True)
         except Exception:
             for srv in servers.values():

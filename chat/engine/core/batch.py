@@ -76,8 +76,10 @@ class Batch:
         if not self.rows:
             return
         assert self.kv is not None
+        started = time.monotonic()
         drafted = self.drafter.step(self.rows, plan.drafts, self.kv, self.runner) if plan.drafts else None
-        if drafted is not None:
+        if drafted is not None:  # its cost is this iteration's decode step's: prefill beside it is sized by it
+            self.step_s += (time.monotonic() - started - self.step_s) / 8
             self._drafted(*drafted)
             return
         started = time.monotonic()
