@@ -72,8 +72,9 @@ class Settings:
             "a compiler, or `false`: torch's operators and int4 kernel. `/readyz` reports which (`decode`).")
     draft: str = _setting(
         "CHAT_DRAFT", "ngram", read.choice("ngram", "off"),
-        doc="`ngram`: an answer running alone guesses its next tokens from its own context and checks them in one "
-            "C++ step (several tokens a step when it quotes or edits; the same answer as without). `off`: none.")
+        doc="`ngram`: answers guess their next tokens from their own context and check them in one C++ step, "
+            "several answers' together where the measured step costs say it pays (several tokens a step when one "
+            "quotes or edits; the same answers as without). `off`: none.")
     device: str = _setting(
         "CHAT_DEVICE", "auto", read.choice("auto", "cpu", "cuda"),
         doc="`auto`, `cpu` or `cuda`. `auto` uses CUDA when available.")

@@ -1,6 +1,7 @@
-"""Drafted tokens (chat/engine/core/drafts.py): prompt-lookup guesses, the draft length that pays, a C++ step of
-several columns that is bit for bit the single steps, and answers exactly the same with drafts as without
-(greedy, seeded and cut short). Needs a C++ compiler, like test_native.py."""
+"""Drafted tokens (chat/engine/core/drafts.py): prompt-lookup guesses, the draft lengths that pay, a C++ step of
+several columns (of one row or several, each its own) that is bit for bit the single steps, and answers exactly the
+same with drafts as without (greedy, seeded and cut short, alone and beside others).
+Needs a C++ compiler, like test_native.py."""
 from __future__ import annotations
 
 import math
@@ -57,6 +58,25 @@ def test_the_draft_length_follows_the_acceptance_rate_and_the_cost_of_a_wider_st
     assert row.rate > 0.45  # ... and tries again once it has drifted back
 
 
+def test_rows_draft_together_where_the_measured_wide_step_pays_and_not_where_it_does_not():
+    costs = drafts.Costs()
+    for width, ms in ((1, 20), (2, 22), (4, 26), (8, 40), (12, 56), (16, 70)):  # a step of that many columns
+        costs.measured(width, ms / 1000)
+    # two rows: each draft is a cheap column; the likeliest go in first, whichever row's; a row without guesses none
+    counts = drafts.plan([0.8, 0.5, 0.9], [4, 4, 0], costs, drafts.MAX_WIDTH)
+    assert counts[2] == 0 and counts[0] >= counts[1] and counts[0] >= 2
+    assert drafts.plan([0.8, 0.8], [6, 1], costs, drafts.MAX_WIDTH)[1] <= 1  # each its own number
+    # eight rows: a step of 8 already makes 8 tokens; a wider one costs more than the guesses make
+    assert drafts.plan([0.6] * 8, [4] * 8, costs, drafts.MAX_WIDTH) == [0] * 8
+    # ... unless they are near sure (an edit quoting its attachment)
+    assert sum(drafts.plan([0.97] * 8, [8] * 8, costs, drafts.MAX_WIDTH)) > 0
+    assert sum(drafts.plan([0.97] * 8, [8] * 8, costs, 8)) == 0  # no wider step than checked bit for bit
+    cheap = drafts.Costs()  # where a wide step is measured as dear as a step each, no drafts at two rows either
+    cheap.measured(2, 0.02)
+    cheap.measured(3, 0.03)
+    assert drafts.plan([0.9, 0.9], [4, 4], cheap, drafts.MAX_WIDTH) == [0, 0]
+
+
 def test_one_slow_wide_step_does_not_turn_drafts_off_for_good():
     costs = drafts.Costs()
     costs.measured(1, 0.02)
@@ -74,25 +94,25 @@ def test_one_slow_wide_step_does_not_turn_drafts_off_for_good():
     assert costs.of(5) < 0.02 * 12 / 2  # back to trying: the next wide step measures it again
 
 
-class FakeKV:
-    def advance(self, n: int) -> None:
-        pass
-
-    def close(self, n: int) -> None:
-        pass
-
-
 class FakeRunner:
-    """Fixed logits for the step's columns: the row's next token, then the token after the draft."""
+    """Fixed logits for a lone row's columns: the row's next token, then the token after the draft."""
 
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits
+        self.kept: list = []
 
     def verifies(self, columns: int) -> bool:
         return True
 
-    def verify(self, kv, tokens: list, position: int) -> torch.Tensor:
-        return self.logits[:len(tokens)].clone()
+    def verifies_rows(self) -> bool:
+        return True
+
+    def verify_rows(self, kv, tokens: list, positions: list) -> torch.Tensor:
+        assert len(tokens) == 1
+        return self.logits[:len(tokens[0])].clone()
+
+    def settle(self, kv, kept: list, opened: int) -> None:
+        self.kept.append(kept)
 
     def sampler(self):
         return None
@@ -111,15 +131,18 @@ def test_a_sampled_answer_with_drafts_keeps_its_exact_distribution(monkeypatch, 
     draft = 1
     logits = torch.tensor([[1.0, 0.4, -0.3, 0.9, -2.0], [0.2, -1.0, 1.1, 0.0, 0.5]])
     monkeypatch.setattr(drafts.NGrams, "propose", lambda self, most: [draft])
-    monkeypatch.setattr(drafts, "length", lambda rate, costs, most: most)
+    monkeypatch.setattr(drafts, "plan", lambda rates, most, costs, widest: most)
     drafter, runner = drafts.Drafter(), FakeRunner(logits)
     trials, firsts, seconds = 4000, [], []
     for seed in range(trials):
-        made: list = []
-        take = lambda slot, t, made=made: (made.append(t), True)[1]  # noqa: E731
-        assert drafter.step(fake_slot(params, seed), FakeKV(), runner, take)
+        slot = fake_slot(params, seed)
+        done = drafter.step([slot], [slot], None, runner)
+        assert done is not None
+        first, [(row, made)] = done
+        assert row is slot and torch.equal(first, logits[:1])
         firsts.append(made[0])
         assert len(made) == (2 if made[0] == draft else 1)
+        assert runner.kept[-1] == [len(made)] and slot.pos == 5 + len(made)
         if len(made) == 2:
             seconds.append(made[1])
 
@@ -164,6 +187,17 @@ def test_a_step_of_several_columns_is_bit_for_bit_the_single_steps(decoder):  # 
     assert on_thread(lambda: native.columns_agree(decoder, drafts.MAX_DRAFT + 1))
 
 
+@int4_cpu
+def test_a_step_of_several_rows_each_its_own_columns_is_bit_for_bit_each_row_alone(decoder):  # noqa: F811
+    """Drafts beyond one row: rows of different lengths, each with its own number of columns (one: no drafts), in
+    one C++ step give every column as single steps of that row alone, and their KV, settled, is theirs alone."""
+    on_thread(lambda: native.use(decoder))
+    assert decoder.native is not None
+    assert on_thread(lambda: native.rows_agree(decoder, (3, 1, 5)))
+    assert on_thread(lambda: native.rows_agree(decoder, (1, 9)))
+    assert on_thread(lambda: native.rows_agree(decoder, (2, 2, 1, 4)))
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_model, tmp_path_factory, library):  # noqa: F811
     """Two engines on the tiny model's block products and the C++ step: drafts on, and off."""
@@ -204,7 +238,7 @@ def test_answers_are_the_same_with_drafts_as_without(engines, monkeypatch):
 
     prompt_length = [0]
     monkeypatch.setattr(drafts.NGrams, "propose", oracle)
-    monkeypatch.setattr(drafts, "length", lambda rate, costs, most: rng.randint(0, most))
+    monkeypatch.setattr(drafts, "plan", lambda rates, most, costs, widest: [rng.randint(0, m) for m in most])
     cases = [GenParams(temperature=0, max_new_tokens=120), GenParams(temperature=0.9, seed=3, max_new_tokens=120),
              GenParams(temperature=1.0, top_k=20, min_p=0.05, seed=8, max_new_tokens=120),
              GenParams(temperature=0, max_new_tokens=37)]
@@ -234,12 +268,85 @@ def test_answers_are_the_same_with_drafts_as_without(engines, monkeypatch):
     assert events[-1].usage == their_events[-1].usage
 
 
+PROMPTS = [REPEAT, "Count from one to forty, in words, one a line.", "Spell the alphabet backwards, twice.",
+           "Name the days of the week and the months of the year."]
+
+
+@int4_cpu
+def test_rows_drafting_together_answer_as_each_would_alone(engines, monkeypatch):
+    """Drafts beyond one row: answers decoding together each draft their own number of tokens (none included) in
+    one step, and every answer (greedy, seeded, cut by max_tokens or a stop string, a grammar's beside them) is
+    the one drafts off gives; then, with every row's guesses right, one step makes several tokens of several rows."""
+    on, off = engines["ngram"], engines["off"]
+    assert on.runner.verifies_rows()
+    made: dict[tuple, list] = {}
+    real_take = Slot.take
+
+    def take(self, token, eos):
+        made.setdefault(tuple(self.prompt_ids), []).append(token)
+        return real_take(self, token, eos)
+    monkeypatch.setattr(Slot, "take", take)
+    rng = random.Random(7)
+    wrong = [0.5]
+
+    def oracle(grams, most):  # the answer's own next tokens, as drafts off made them, one of them often wrong
+        key = next(k for k in reference if tuple(grams.ids[:len(k)]) == k)
+        done = len(grams.ids) - len(key)
+        guess = list(reference[key][done:done + most])
+        if guess and rng.random() < wrong[0]:
+            guess[rng.randrange(len(guess))] = rng.randrange(1000)
+        return guess
+
+    monkeypatch.setattr(drafts.NGrams, "propose", oracle)
+    monkeypatch.setattr(drafts, "plan", lambda rates, most, costs, widest: [rng.randint(0, m) for m in most])
+    steps: list[list[int]] = []
+    real_verify = type(on.runner).verify_rows
+
+    def verify_rows(self, kv, tokens, positions):
+        steps.append([len(t) - 1 for t in tokens])
+        return real_verify(self, kv, tokens, positions)
+    monkeypatch.setattr(type(on.runner), "verify_rows", verify_rows)
+    grammar = 'start: "The answer is " /[a-z]+/ "."'
+    cases = [GenParams(temperature=0, max_new_tokens=110), GenParams(temperature=0.9, seed=3, max_new_tokens=100),
+             GenParams(temperature=0, max_new_tokens=41), GenParams(temperature=0, max_new_tokens=60, grammar=grammar)]
+
+    def run(engine):
+        gens = [engine.submit(ask(text), params) for text, params in zip(PROMPTS, cases)]
+        return [collect(gen) for gen in gens]
+    reference: dict[tuple, list] = {}
+    theirs = run(off)
+    reference.update(made)
+    made.clear()
+    mine = run(on)
+    for (text, events), (their_text, their_events) in zip(mine, theirs):
+        assert text == their_text and text
+        assert events[-1].usage == their_events[-1].usage and events[-1].reason == their_events[-1].reason
+    together = [s for s in steps if len(s) > 1]
+    assert together, "no step had several rows"
+    assert any(sum(1 for d in s if d) > 1 for s in together), "never several rows drafting in one step"
+    assert any(0 in s and any(s) for s in together), "never a row without drafts beside one with"
+    # a stop string inside a run of accepted drafts, rows beside it drafting too
+    stop = theirs[0][0][len(theirs[0][0]) // 2:][:4]
+    cases[0] = GenParams(temperature=0, max_new_tokens=110, stop=(stop,))
+    made.clear()
+    theirs = run(off)
+    reference.clear()
+    reference.update(made)
+    wrong[0] = 0.0  # every guess right: several tokens a step
+    before = on.stats()
+    mine = run(on)
+    assert [m[0] for m in mine] == [t[0] for t in theirs] and mine[0][1][-1].reason == "stop"
+    after = on.stats()
+    assert after["draft_accepted_tokens"] - before["draft_accepted_tokens"] > after["draft_steps"] - before[
+        "draft_steps"]
+
+
 @int4_cpu
 def test_a_conversation_drafted_alone_keeps_its_kv_for_the_next_turn(engines, monkeypatch):
     """Alone with drafts, a row's KV still holds exactly its tokens: the next turn reuses it and answers as
     without drafts."""
     monkeypatch.setattr(drafts.NGrams, "propose", lambda grams, most: grams.ids[-most:])  # guesses, mostly wrong
-    monkeypatch.setattr(drafts, "length", lambda rate, costs, most: most)
+    monkeypatch.setattr(drafts, "plan", lambda rates, most, costs, widest: most)
     turns = []
     for engine in (engines["ngram"], engines["off"]):
         first = collect(engine.submit(ask(REPEAT), GenParams(temperature=0, max_new_tokens=90), key="conv"))[0]
@@ -289,6 +396,35 @@ def test_a_kv_column_written_for_a_wrong_draft_is_never_read():
     kv.open(1)  # the next step
     assert kv.row_starts(1) == [0] and kv.length == 2
     assert torch.equal(kv.attention_mask(1), torch.ones(1, 3, dtype=kv.mask.dtype))
+
+
+def test_rows_that_kept_fewer_drafted_columns_end_with_the_others_again():
+    """After a step of several rows' drafts each row's tokens end at the buffer's last column again: a row that kept
+    fewer columns moved right (what ``native.shift`` does, here in torch), the columns before it padding, the
+    columns nobody kept closed."""
+    from chat.engine.kv.buffer import KVBuffer
+    kv = KVBuffer(1, 1, 16, torch.bfloat16, torch.device("cpu"), rows=2, capacity=16, active=0)
+    for n in (3, 5):  # two rows: 3 and 5 tokens, column values their token numbers
+        kv.add_row([torch.arange(n, dtype=torch.bfloat16)[None, None, :, None].expand(1, 1, n, 16)],
+                   [torch.arange(n, dtype=torch.bfloat16)[None, None, :, None].expand(1, 1, n, 16)])
+    kv.open(4)
+    for t in kv.keys + kv.values:  # the step's columns: row 0's tokens 3..6, row 1's 5..8
+        t[0, :, kv.length:kv.length + 4] = torch.arange(3, 7, dtype=torch.bfloat16)[:, None]
+        t[1, :, kv.length:kv.length + 4] = torch.arange(5, 9, dtype=torch.bfloat16)[:, None]
+
+    def move(buffer, moves):
+        for r, first, last, by in moves:
+            for t in buffer.keys + buffer.values:
+                t[r, :, first + by:last + by] = t[r, :, first:last].clone()
+    kv.settle([1, 3], 4, move)  # row 0 kept its last token's column only, row 1 two drafts more
+    assert kv.length == 5 + 3 and kv.row_starts(0) == [kv.length - kv.start - 4, 0]
+    keys, _ = kv.row(0)
+    assert keys[0][0, 0, :, 0].tolist() == [0, 1, 2, 3]
+    keys, _ = kv.row(1)
+    assert keys[0][0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    kv.open(1)  # the next step sees each row's own columns only
+    assert kv.row_starts(1) == [kv.length + 1 - kv.start - 5, 0]
+    assert int(kv.mask[:, kv.length + 1:].sum()) == 0
 
 
 def native_free_buffer():

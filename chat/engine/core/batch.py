@@ -1,4 +1,4 @@
-"""The rows decoding together: joining the batch, one decode step a turn (drafts for a lone row), every row's
+"""The rows decoding together: joining the batch, one decode step a turn (with drafts where they pay), every row's
 next token sampled in one pass, rows ended (their KV kept in the prefix cache for the next turn).
 
 The engine's loop (``local.py``) runs the scheduler's plan: one ``step`` an iteration (its cut rows, its drafts,
@@ -40,6 +40,7 @@ class Batch:
         self.prefix = prefix
         self.drafter = drafter
         self.step_s = 0.05  # measured: a decode step's forward (moving average)
+        self.ahead: dict[Slot, int] = {}  # a drafting row's KV columns past the token it takes (``_drafted``)
         self.tokens_generated = 0
 
     def loaded(self, runner: ModelRunner, grammars: grammar.Grammars, eos_ids: frozenset) -> None:
@@ -67,25 +68,45 @@ class Batch:
         self._accept_all(slots, rows)
 
     def step(self, plan: Plan) -> None:
-        """The plan's decode step: its ``cut`` rows end, then every other row decodes one token, or a row of its
-        ``drafts`` several (when the drafter has a guess worth checking)."""
+        """The plan's decode step: its ``cut`` rows end, then every other row decodes one token, or the rows of its
+        ``drafts`` several (when the drafter has guesses worth checking: ``drafts.Drafter.step``)."""
         for slot, reason in plan.cut:
             if slot in self.rows:  # (not already ended)
                 self.finish(slot, reason)
         if not self.rows:
             return
         assert self.kv is not None
-        if plan.drafts == self.rows and self.drafter.step(self.rows[0], self.kv, self.runner, self._take):
+        started = time.monotonic()
+        drafted = self.drafter.step(self.rows, plan.drafts, self.kv, self.runner) if plan.drafts else None
+        if drafted is not None:  # its cost is this iteration's decode step's: prefill beside it is sized by it
+            self.step_s += (time.monotonic() - started - self.step_s) / 8
+            self._drafted(*drafted)
             return
         started = time.monotonic()
         logits = self.runner.decode(self.kv, [s.last for s in self.rows], [s.pos for s in self.rows])
         spent = time.monotonic() - started
         self.step_s += (spent - self.step_s) / 8  # a moving average
-        if len(self.rows) == 1:
-            self.drafter.costs.measured(1, spent)
+        self.drafter.costs.measured(len(self.rows), spent)
         for slot in self.rows:
             slot.pos += 1
         self._accept_all(list(self.rows), logits)
+
+    def _drafted(self, first: torch.Tensor, made: list[tuple[Slot, list]]) -> None:
+        """A step with drafts ran (``drafts.Drafter.step``): the rows that drafted nothing take their token from
+        their column's logits (``first``: every row's, in order) as a step without drafts; each drafting row its
+        tokens in order, until one ends it. While it takes them its KV holds columns past the token it takes
+        (``ahead``): a row that ends there keeps only those before, as without drafts."""
+        rows = list(self.rows)
+        drafting = {id(slot) for slot, _ in made}
+        plain = [r for r, slot in enumerate(rows) if id(slot) not in drafting]
+        if plain:
+            self._accept_all([rows[r] for r in plain], first[plain])
+        for slot, tokens in made:
+            for j, token in enumerate(tokens):
+                self.ahead[slot] = len(tokens) - 1 - j
+                if not self._take(slot, token):
+                    break
+            self.ahead.pop(slot, None)
 
     def _take(self, slot: Slot, token: int | str) -> bool:
         """``slot``'s next token, or why sampling failed (the row ends with ``error``); whether the row goes on."""
@@ -140,6 +161,9 @@ class Batch:
             r = self.rows.index(slot)
             if slot.gen.key and reason != "error":
                 keys, values = self.kv.row(r)
+                ahead = self.ahead.pop(slot, 0)
+                if ahead:  # columns of drafts past its end
+                    keys, values = ([t[:, :, :t.shape[2] - ahead] for t in ts] for ts in (keys, values))
                 fed = slot.prompt_ids + slot.out_ids
                 self.prefix.put(slot.gen.key, fed[:max(k.shape[2] for k in keys)], keys, values,  # windowed: fewer
                                 slot.params.cache_salt)

@@ -11,6 +11,7 @@ chores a step at a time.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -258,7 +259,7 @@ class LocalEngine(Engine):
             self.queue.loaded(runner.dims, self.loaded.tokenizer, runner.wide_prefill, self.loaded.template.stops,
                               self.grammars)
             self.batch.loaded(runner, self.grammars, self.loaded.eos_ids)
-            self.chores = runner.chores(self.settings)
+            self.chores = itertools.chain(runner.chores(self.settings), self.batch.drafter.checks(runner))
             settings = self.settings
             if settings.kv_disk_mb > 0 and settings.kv_cache_mb > 0:  # conversations' KV on disk too
                 # scaled rotary positions key it too (Phi-3's LongRoPE factors follow CHAT_CONTEXT_TOKENS)

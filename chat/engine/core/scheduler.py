@@ -157,8 +157,8 @@ class Scheduler:
         budget beside the rows that go on decoding."""
         cut = self.cut(rows)
         decoding = [slot for slot in rows if all(slot is not c for c, _ in cut)] if cut else rows
-        # Drafted tokens are checked by one wider forward of the row alone: a lone decoding row's.
-        plan = Plan(len(decoding), step_s, cut, decoding if len(decoding) == 1 else [],
+        # Every decoding row may draft: the drafter feeds those whose guesses pay, for the step's measured cost.
+        plan = Plan(len(decoding), step_s, cut, list(decoding),
                     answering=any(not s.params.background for s in decoding))
         self.take_inbox(plan)
         # Background work (titles) decoding or prefilling does not count: users who send together while only

@@ -210,18 +210,32 @@ at::Tensor swiglu(const at::Tensor& gu, bool gelu) {
   return out;
 }
 
+// Where each query of a step goes: its buffer row and the column it writes (a row's queries together, in
+// order): ``cols`` columns per row from ``col``, or each row its own number (``counts``: drafts beyond one row).
+struct Places {
+  std::vector<int64_t> row, column;
+  int64_t end = 0;  // one past the last column written
+
+  Places(int64_t rows, int64_t col, const int64_t* counts, int64_t cols) {
+    for (int64_t b = 0; b < rows; ++b) {
+      const int64_t n = counts ? counts[b] : cols;
+      for (int64_t j = 0; j < n; ++j) row.push_back(b), column.push_back(col + j);
+      end = std::max(end, col + n);
+    }
+  }
+};
+
 // Rotary positions for the query and key heads of a (rows x cols, (heads + 2 kv_heads) * dim) q/k/v
 // product (each head normed first where the layer has q/k norms; over the first cos.size(1) values of a
 // head, the rest passed on; none on a NO_ROPE layer); queries go to ``q`` (float), keys and values into
-// the layer's buffers: query i is column col + i % cols of buffer row i / cols.
+// the layer's buffers: query i at its place (``Places``).
 void rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const Model& m,
-                    const Layer& layer, at::Tensor& q, at::Tensor& keys, at::Tensor& values, int64_t col,
-                    int64_t cols) {
+                    const Layer& layer, at::Tensor& q, at::Tensor& keys, at::Tensor& values, const Places& at) {
   const int64_t queries = qkv.size(0), d = m.dim, rot = cos.size(1), half = rot / 2, width = qkv.size(1);
   const bool rotate = !(layer.kind & NO_ROPE);
   const auto ks = keys.strides(), vs = values.strides();
   for (int64_t r = 0; r < queries; ++r) {
-    const int64_t b = r / cols, at_col = col + r % cols;  // its buffer row and column
+    const int64_t b = at.row[r], at_col = at.column[r];  // its buffer row and column
     const uint16_t* row = bits(qkv) + r * width;
     const uint16_t* c = bits(cos) + r * rot;
     const uint16_t* s = bits(sin) + r * rot;
@@ -256,14 +270,14 @@ void rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
 }
 
 // Each query's heads attend over its buffer row's own columns [starts[b], its column] (query r: buffer
-// row b = r / cols, column col + r % cols), exactly as a step of that column alone would: the heads that
-// share a key/value head go together. -> (rows x cols, heads * dim) bf16.
+// row b = at.row[r], column at.column[r]), exactly as a step of that column alone would: the heads that
+// share a key/value head go together. -> (queries, heads * dim) bf16.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* starts,
-                  int64_t col, int64_t cols, const Model& m, int64_t window) {
+                  const Places& at, const Model& m, int64_t window) {
   // a windowed layer: query column c over columns [max(start, c - window + 1), c] (a row's columns are its
   // positions in order, so that is the keys within ``window`` positions)
   auto first_of = [&](int64_t r) {
-    const int64_t start = starts[r / cols], at_col = col + r % cols;
+    const int64_t start = starts[at.row[r]], at_col = at.column[r];
     return window > 0 ? std::max(start, at_col - window + 1) : start;
   };
   const int64_t queries = q.size(0), d = m.dim, group = m.heads / m.kv_heads;
@@ -271,14 +285,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   const auto ks = keys.strides(), vs = values.strides();
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   int64_t work = 0;
-  for (int64_t r = 0; r < queries; ++r) work += (col + r % cols + 1 - first_of(r)) * group * d * 2;
+  for (int64_t r = 0; r < queries; ++r) work += (at.column[r] + 1 - first_of(r)) * group * d * 2;
   const int64_t tasks = queries * m.kv_heads;
   const int64_t grain = std::max<int64_t>(1, tasks * 65536 / std::max<int64_t>(work, 1));
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, key(d), acc(group * d);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t r = t / m.kv_heads, g = t % m.kv_heads, b = r / cols, first = first_of(r);
-      const int64_t n = col + r % cols + 1 - first;
+      const int64_t r = t / m.kv_heads, g = t % m.kv_heads, b = at.row[r], first = first_of(r);
+      const int64_t n = at.column[r] + 1 - first;
       const float* qs = q.data_ptr<float>() + (r * m.heads + g * group) * d;
       const uint16_t* kbase = bits(keys) + b * ks[0] + g * ks[1];
       const uint16_t* vbase = bits(values) + b * vs[0] + g * vs[1];
@@ -398,9 +412,9 @@ void forget(int64_t id) { models.forget(id); }
 // final norm. Row r's keys and values are written at columns [col, col + cols) of each layer's
 // buffer; its column c attends over columns [starts[r], c], so each column's result is bit for bit
 // what a step of that column alone would give.
-at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, at::TensorList values,
-                  const at::Tensor& starts, int64_t col, const at::Tensor& cos, const at::Tensor& sin,
-                  const at::Tensor& local_cos, const at::Tensor& local_sin) {
+at::Tensor step(int64_t id, const at::Tensor& embedded, at::TensorList keys, at::TensorList values,
+                const at::Tensor& starts, int64_t col, const at::Tensor& counts, const at::Tensor& cos,
+                const at::Tensor& sin, const at::Tensor& local_cos, const at::Tensor& local_sin) {
   const std::shared_ptr<const Model> found = models.find(id);
   TORCH_CHECK(found, "no decoder ", id);
   const Model& m = *found;
@@ -409,8 +423,12 @@ at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, a
               "bf16 (rows, hidden) expected");
   TORCH_CHECK(keys.size() == m.layers.size() && values.size() == m.layers.size(), "a buffer per layer expected");
   const int64_t queries = embedded.size(0), rows = starts.numel();
-  TORCH_CHECK(rows > 0 && queries % rows == 0, "the same number of columns per row expected");
-  const int64_t cols = queries / rows;
+  at::Tensor per_row = counts.numel() ? counts.to(at::kLong).contiguous() : at::Tensor();
+  TORCH_CHECK(rows > 0 && (per_row.defined() ? per_row.numel() == rows && per_row.min().item<int64_t>() >= 1 &&
+                                                   per_row.sum().item<int64_t>() == queries
+                                             : queries % rows == 0),
+              "the same number of columns per row expected, or a count per row (at least one) adding up to them");
+  const Places at(rows, col, per_row.defined() ? per_row.data_ptr<int64_t>() : nullptr, queries / rows);
   at::Tensor h = embedded.contiguous().clone();
   at::Tensor c = cos.contiguous(), s = sin.contiguous(), first = starts.to(at::kLong).contiguous();
   at::Tensor lc = local_cos.numel() ? local_cos.contiguous() : c, ls = local_sin.numel() ? local_sin.contiguous() : s;
@@ -428,12 +446,12 @@ at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, a
     at::Tensor k = keys[l], v = values[l];
     TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == at::kBFloat16 &&
                     v.scalar_type() == at::kBFloat16 && k.stride(3) == 1 && v.stride(3) == 1 && k.size(0) >= rows &&
-                    k.size(1) == m.kv_heads && k.size(3) == m.dim && col + cols <= k.size(2),
+                    k.size(1) == m.kv_heads && k.size(3) == m.dim && at.end <= k.size(2),
                 "key/value buffers of the wrong shape");
     const bool sliding = layer.kind & SLIDING;
     at::Tensor qkv = layer.qkv(norm(h, layer.attn_norm, m.eps, m.gemma_norms)).contiguous();
-    rope_and_store(qkv, sliding ? lc : c, sliding ? ls : s, m, layer, q, k, v, col, cols);
-    at::Tensor out = layer.o(attend(q, k, v, first.data_ptr<int64_t>(), col, cols, m, sliding ? m.window : 0))
+    rope_and_store(qkv, sliding ? lc : c, sliding ? ls : s, m, layer, q, k, v, at);
+    at::Tensor out = layer.o(attend(q, k, v, first.data_ptr<int64_t>(), at, m, sliding ? m.window : 0))
                          .contiguous();
     add_into(h, layer.post_attn_norm.defined() ? norm(out, layer.post_attn_norm, m.eps, m.gemma_norms) : out);
     out = layer.down(swiglu(layer.gate_up(norm(h, layer.mlp_norm, m.eps, m.gemma_norms)).contiguous(), m.gelu))
@@ -441,6 +459,47 @@ at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, a
     add_into(h, layer.post_mlp_norm.defined() ? norm(out, layer.post_mlp_norm, m.eps, m.gemma_norms) : out);
   }
   return h;
+}
+
+// A decode step: ``cols`` new columns for every row (one; more to verify one row's drafted tokens).
+at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, at::TensorList values,
+                  const at::Tensor& starts, int64_t col, const at::Tensor& cos, const at::Tensor& sin,
+                  const at::Tensor& local_cos, const at::Tensor& local_sin) {
+  return step(id, embedded, keys, values, starts, col, at::Tensor(), cos, sin, local_cos, local_sin);
+}
+
+// A step of each row's own number of columns, ``counts`` (drafts beyond one row: its last token and its drafts, or
+// the last token alone): row r's columns at [col, col + counts[r]), each still bit for bit a step of it alone.
+at::Tensor decode_ragged(int64_t id, const at::Tensor& embedded, at::TensorList keys, at::TensorList values,
+                         const at::Tensor& starts, int64_t col, const at::Tensor& counts, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& local_cos, const at::Tensor& local_sin) {
+  TORCH_CHECK(counts.numel() == starts.numel(), "a count per row expected");
+  return step(id, embedded, keys, values, starts, col, counts, cos, sin, local_cos, local_sin);
+}
+
+// Move row rows[i]'s columns [firsts[i], lasts[i]) right by by[i] in every layer's keys and values (after a ragged
+// step, the rows that kept fewer columns: every row's tokens end at the buffer's last column again).
+void shift(at::TensorList keys, at::TensorList values, at::IntArrayRef rows, at::IntArrayRef firsts,
+           at::IntArrayRef lasts, at::IntArrayRef by) {
+  TORCH_CHECK(rows.size() == firsts.size() && rows.size() == lasts.size() && rows.size() == by.size(),
+              "a first column, a last and a shift per row expected");
+  for (const at::TensorList& store : {keys, values}) {
+    for (const at::Tensor& t : store) {
+      TORCH_CHECK(t.dim() == 4 && t.scalar_type() == at::kBFloat16 && t.stride(3) == 1 && t.stride(2) == t.size(3),
+                  "bf16 (rows, heads, columns, dim) buffers expected");
+      const auto st = t.strides();
+      for (size_t i = 0; i < rows.size(); ++i) {
+        TORCH_CHECK(rows[i] >= 0 && rows[i] < t.size(0) && 0 <= firsts[i] && firsts[i] <= lasts[i] && by[i] >= 0 &&
+                        lasts[i] + by[i] <= t.size(2),
+                    "a shift out of the buffer");
+        for (int64_t h = 0; h < t.size(1); ++h) {
+          uint16_t* base = bits(t) + rows[i] * st[0] + h * st[1];
+          std::memmove(base + (firsts[i] + by[i]) * st[2], base + firsts[i] * st[2],
+                       (lasts[i] - firsts[i]) * st[2] * sizeof(uint16_t));
+        }
+      }
+    }
+  }
 }
 
 // The first index of the largest of n floats.
@@ -646,6 +705,9 @@ TORCH_LIBRARY(chat_native, lib) {
   lib.def("forget(int id) -> ()", &forget);
   lib.def("decode(int id, Tensor embedded, Tensor[] keys, Tensor[] values, Tensor starts, int col, Tensor cos, "
           "Tensor sin, Tensor local_cos, Tensor local_sin) -> Tensor", &decode);
+  lib.def("decode_ragged(int id, Tensor embedded, Tensor[] keys, Tensor[] values, Tensor starts, int col, "
+          "Tensor counts, Tensor cos, Tensor sin, Tensor local_cos, Tensor local_sin) -> Tensor", &decode_ragged);
+  lib.def("shift(Tensor[] keys, Tensor[] values, int[] rows, int[] firsts, int[] lasts, int[] by) -> ()", &shift);
   lib.def("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor u) -> Tensor",
           &sample);
 }

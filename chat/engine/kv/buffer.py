@@ -8,7 +8,7 @@ busy 2-core box).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -125,6 +125,28 @@ class KVBuffer:
         """Unmark the next ``count`` columns (opened and written, but not advanced over: a drafted step's columns
         the answer did not keep), so no later mask reads them as real."""
         self.mask[:, self.length:self.length + count] = 0
+
+    def settle(self, kept: list[int], opened: int,
+               move: Callable[["KVBuffer", list[tuple[int, int, int, int]]], None]) -> None:
+        """After a step that opened ``opened`` columns for every row but in which row r keeps only its first
+        ``kept[r]`` (at least one; drafts beyond one row): the rows' tokens end together again at the new
+        ``length``. A row that kept fewer than the most has its columns moved right by the difference (``move``:
+        (row, first column, last, by) each, in every layer: ``native.shift``), its columns before them now padding;
+        the columns no row keeps are closed."""
+        most = max(kept)
+        moves = []
+        starts = self.row_starts(0)
+        for r, k in enumerate(kept):
+            if k < most:
+                first = self.start + starts[r]
+                moves.append((r, first, self.length + k, most - k))
+        if moves:
+            move(self, moves)
+            for r, first, _, by in moves:
+                self.mask[r, first:first + by] = 0
+        self.mask[:self.n, self.length:self.length + most] = 1
+        self.mask[:, self.length + most:self.length + opened] = 0
+        self.length += most
 
     def clear(self, r: int, count: int) -> None:
         """Zero row ``r``'s next ``count`` columns (padding a forward wrote: never read, kept finite)."""

@@ -230,6 +230,20 @@ class Decoder:
         local = self._rope(position_ids, local=True) if self.shape.window else None
         return self._logits(self.native(self._embed(input_ids.reshape(-1)), kv, cos, sin, local))
 
+    def verify_rows(self, tokens: list[list[int]], kv: KVBuffer, positions: list[int]) -> torch.Tensor:
+        """``verify`` for several rows, each its own number of columns (drafts beyond one row): row r's
+        ``tokens[r]`` from ``positions[r]`` into columns ``kv.length`` on (opened here for the longest; a shorter row's
+        other columns are left for ``KVBuffer.settle``) -> float logits (every row's columns together, row after row,
+        vocab), each column's bit for bit a decode step of that row alone."""
+        assert self.native, "the C++ step verifies drafts"
+        kv.open(max(len(t) for t in tokens))
+        flat = torch.tensor([[token for row in tokens for token in row]])
+        places = torch.tensor([[p + j for row, p in zip(tokens, positions) for j in range(len(row))]])
+        cos, sin = self._rope(places)
+        local = self._rope(places, local=True) if self.shape.window else None
+        return self._logits(self.native(self._embed(flat.reshape(-1)), kv, cos, sin, local,
+                                        counts=[len(t) for t in tokens]))
+
     def same_path(self, rows: int) -> bool:
         """Whether every product, the output's too, multiplies ``rows`` rows on the kernel it takes for one
         (quantized weights, no dense copy taking over past a crossover; a dense product's kernel changes

@@ -83,19 +83,31 @@ class Step:
         weakref.finalize(self, torch.ops.chat_native.forget, self.id)
 
     def __call__(self, embedded: torch.Tensor, kv: KVBuffer, cos: torch.Tensor, sin: torch.Tensor,
-                 local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 local: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 counts: list[int] | None = None) -> torch.Tensor:
         """``embedded``: (rows x columns, hidden), a row's columns together; ``cos``/``sin``: (rows, columns,
         1, rotary dim), as ``Decoder._rope`` gives them (``local``: the windowed layers' own). Keys and values go
         to columns ``kv.length`` on; each row attends from its first column (a lone row: from ``kv.start``; a
-        windowed layer: from the window's first), each column up to itself."""
+        windowed layer: from the window's first), each column up to itself. ``counts``: each row's own number of
+        columns (drafts beyond one row), ``embedded``'s rows a row's columns together, row after row."""
         if kv.n == 1:
             starts = torch.tensor([kv.start])
         else:
             starts = torch.tensor(kv.row_starts(1)).add_(kv.start)
         dim = cos.shape[-1]
         local_cos, local_sin = (t.reshape(-1, dim) for t in local) if local is not None else (torch.empty(0),) * 2
+        if counts is not None:
+            return torch.ops.chat_native.decode_ragged(self.id, embedded, kv.keys, kv.values, starts, kv.length,
+                                                       torch.tensor(counts), cos.reshape(-1, dim), sin.reshape(-1, dim),
+                                                       local_cos, local_sin)
         return torch.ops.chat_native.decode(self.id, embedded, kv.keys, kv.values, starts, kv.length,
                                             cos.reshape(-1, dim), sin.reshape(-1, dim), local_cos, local_sin)
+
+
+def shift(kv: KVBuffer, moves: list[tuple[int, int, int, int]]) -> None:
+    """Move columns of rows right in every layer of ``kv``: (row, first, last, by) each (``KVBuffer.settle``)."""
+    rows, firsts, lasts, by = (list(x) for x in zip(*moves))
+    torch.ops.chat_native.shift(kv.keys, kv.values, rows, firsts, lasts, by)
 
 
 def sample(logits: torch.Tensor, params: list, u: torch.Tensor) -> list[int]:
@@ -150,6 +162,41 @@ def columns_agree(decoder: Decoder, columns: int) -> bool:
     ok = bool(torch.equal(wide, torch.stack(single)))
     if not ok:
         log.warning("a C++ step of %d columns differs from single steps here: no drafted tokens", columns)
+    return ok
+
+
+def rows_agree(decoder: Decoder, counts: tuple[int, ...] = (3, 1, 5)) -> bool:
+    """A step of several rows, each its own number of columns (``Decoder.verify_rows``: drafts beyond one row),
+    gives each column's logits bit for bit as single steps of that row alone do, on a fixed input (rows of different
+    lengths, so left-padded), and leaves each row's keys and values the same once ``KVBuffer.settle`` keeps them."""
+    lengths = [9 + 2 * r for r in range(len(counts))]
+    ids = [torch.arange(5 + r, 5 + r + n + c).remainder(decoder.shape.vocab).tolist()
+           for r, (n, c) in enumerate(zip(lengths, counts))]
+    kv = decoder.cache(len(counts), 32 + max(counts) + max(lengths))
+    kv.n = 0  # rows added one by one
+    alone = []
+    for r, (n, c) in enumerate(zip(lengths, counts)):
+        one = decoder.cache(1, 32 + n + c)
+        one.open(n)
+        decoder.forward(torch.tensor([ids[r][:n]]), one, torch.arange(n)[None])
+        one.advance(n)
+        kv.add_row(*one.row(0))
+        single = []
+        for j in range(c):
+            one.open(1)
+            single.append(decoder.forward(torch.tensor([[ids[r][n + j]]]), one, torch.tensor([[n + j]]))[0])
+            one.advance(1)
+        alone.append((torch.stack(single), one.row(0)))
+    wide = decoder.verify_rows([ids[r][n:] for r, n in enumerate(lengths)], kv, lengths)
+    kv.settle(list(counts), max(counts), shift)
+    ok, at = True, 0
+    for r, c in enumerate(counts):
+        keys, values = kv.row(r)
+        ok = ok and torch.equal(wide[at:at + c], alone[r][0]) and all(
+            torch.equal(a, b) for a, b in zip(keys + values, alone[r][1][0] + alone[r][1][1]))
+        at += c
+    if not ok:
+        log.warning("a C++ step of several rows' drafts differs from single steps here: drafts for one row at a time")
     return ok
 
 

@@ -77,6 +77,20 @@ class ModelRunner(Protocol):
         over those that hold the answer's tokens."""
         ...
 
+    def verifies_rows(self) -> bool:
+        """Whether several rows' drafted tokens can be checked in one step, each its own columns (``verify_rows``)."""
+        ...
+
+    def verify_rows(self, kv: KVBuffer, tokens: list[list[int]], positions: list[int]) -> torch.Tensor:
+        """Feed each row of ``kv`` its ``tokens`` (its last and its drafts, if any) from its position: every column's
+        logits (all rows' columns, row after row, vocab), each exactly a decode step of that row alone. The caller
+        then keeps each row's columns that hold its answer's tokens (``settle``)."""
+        ...
+
+    def settle(self, kv: KVBuffer, kept: list[int], opened: int) -> None:
+        """After ``verify_rows`` (``opened``: its longest row's columns): row r keeps its first ``kept[r]`` columns."""
+        ...
+
     def sampler(self) -> Callable[..., list[int]] | None:
         """The C++ sampler where the step runs in C++ (``sampling.sample``'s ``native``), else None."""
         ...
@@ -145,6 +159,15 @@ class _Runner:
     def verify(self, kv: KVBuffer, tokens: list[int], position: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def verifies_rows(self) -> bool:
+        return False
+
+    def verify_rows(self, kv: KVBuffer, tokens: list[list[int]], positions: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def settle(self, kv: KVBuffer, kept: list[int], opened: int) -> None:
+        raise NotImplementedError
+
     def sampler(self) -> Callable[..., list[int]] | None:
         """The C++ sampler once the C++ decode step is in (the same library)."""
         return native.sample if self.native else None
@@ -184,7 +207,7 @@ class DecoderRunner(_Runner):
         s = decoder.shape
         self.dims = (s.layers, s.kv_heads, s.head_dim, loaded.dtype, loaded.device, decoder.keep)
         self.vocab_size = s.vocab
-        self._checked: tuple[Any, int, bool] = (None, 0, False)  # (the step checked, columns, whether it agreed)
+        self._checked: tuple[Any, dict] = (None, {})  # (the step checked, {columns or "rows": whether it agreed})
 
     @property
     def weights(self) -> str:
@@ -227,10 +250,32 @@ class DecoderRunner(_Runner):
         assert decoder is not None
         if not decoder.native:
             return False
-        if self._checked[0] is not decoder.native or self._checked[1] < columns:  # once per step (and width)
-            self._checked = (decoder.native, columns,
-                             decoder.same_path(columns) and native.columns_agree(decoder, columns))
-        return self._checked[2]
+        if self._checked[0] is not decoder.native:  # once per step (and width)
+            self._checked = (decoder.native, {})
+        known = self._checked[1]
+        if columns not in known:
+            known[columns] = decoder.same_path(columns) and native.columns_agree(decoder, columns)
+        return known[columns]
+
+    def verifies_rows(self) -> bool:
+        """Rows of different lengths, each its own number of columns, come out of one step as each alone
+        (``native.rows_agree``: once per C++ step)."""
+        decoder = self.decoder
+        assert decoder is not None
+        if not decoder.native:
+            return False
+        self.verifies(1)  # the check's cache, for this step
+        known = self._checked[1]
+        if "rows" not in known:
+            known["rows"] = native.rows_agree(decoder)
+        return known["rows"]
+
+    def verify_rows(self, kv: KVBuffer, tokens: list[list[int]], positions: list[int]) -> torch.Tensor:
+        assert self.decoder is not None
+        return self.decoder.verify_rows(tokens, kv, positions)
+
+    def settle(self, kv: KVBuffer, kept: list[int], opened: int) -> None:
+        kv.settle(kept, opened, native.shift)
 
     def verify(self, kv: KVBuffer, tokens: list[int], position: int) -> torch.Tensor:
         assert self.decoder is not None
