@@ -3,7 +3,7 @@
 // plain loops and the products on ATen's kernels (int4 or dense, as the Python side picks).
 // Beyond Llama's block: q/k head norms, rotary positions over part of a head or none on some layers,
 // Gemma's norms (float32 weights, after the attention and the MLP too), GELU, windowed layers with
-// rotary angles of their own.
+// rotary angles of their own (their keys and values in a ring of the last columns, where the buffer gives one).
 //
 // Built by chat/engine/model/native.py with the C++ compiler it finds, loaded with
 // torch.ops.load_library. Eager torch spends ~40 operator calls a layer on vectors of a few
@@ -220,6 +220,7 @@ void rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   const int64_t queries = qkv.size(0), d = m.dim, rot = cos.size(1), half = rot / 2, width = qkv.size(1);
   const bool rotate = !(layer.kind & NO_ROPE);
   const auto ks = keys.strides(), vs = values.strides();
+  const int64_t slots = keys.size(2);  // column c at c mod slots: a windowed layer's ring (else c itself)
   for (int64_t r = 0; r < queries; ++r) {
     const int64_t b = r / cols, at_col = col + r % cols;  // its buffer row and column
     const uint16_t* row = bits(qkv) + r * width;
@@ -244,13 +245,13 @@ void rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
         float* out = q.data_ptr<float>() + (r * m.heads + h) * d;
         for (int64_t i = 0; i < d; ++i) out[i] = bf(rotated[i]);
       } else {
-        uint16_t* out = bits(keys) + b * ks[0] + (h - m.heads) * ks[1] + at_col * ks[2];
+        uint16_t* out = bits(keys) + b * ks[0] + (h - m.heads) * ks[1] + (at_col % slots) * ks[2];
         std::memcpy(out, rotated, d * sizeof(uint16_t));
       }
     }
     for (int64_t h = 0; h < m.kv_heads; ++h) {
       const uint16_t* v = row + (m.heads + m.kv_heads + h) * d;
-      std::memcpy(bits(values) + b * vs[0] + h * vs[1] + at_col * vs[2], v, d * sizeof(uint16_t));
+      std::memcpy(bits(values) + b * vs[0] + h * vs[1] + (at_col % slots) * vs[2], v, d * sizeof(uint16_t));
     }
   }
 }
@@ -269,6 +270,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   const int64_t queries = q.size(0), d = m.dim, group = m.heads / m.kv_heads;
   at::Tensor out = at::empty({queries, m.heads * d}, keys.options());
   const auto ks = keys.strides(), vs = values.strides();
+  const int64_t slots = keys.size(2);  // column c at c mod slots (``rope_and_store``)
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   int64_t work = 0;
   for (int64_t r = 0; r < queries; ++r) work += (col + r % cols + 1 - first_of(r)) * group * d * 2;
@@ -284,7 +286,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
       const uint16_t* vbase = bits(values) + b * vs[0] + g * vs[1];
       scores.assign(group * n, 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        widen(kbase + (first + j) * ks[2], key.data(), d);
+        widen(kbase + ((first + j) % slots) * ks[2], key.data(), d);
         for (int64_t h = 0; h < group; ++h) scores[h * n + j] = dot(key.data(), qs + h * d, d) * scale;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -297,7 +299,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
         for (int64_t j = 0; j < n; ++j) total[h] += s[j];
       }
       for (int64_t j = 0; j < n; ++j) {
-        widen(vbase + (first + j) * vs[2], key.data(), d);
+        widen(vbase + ((first + j) % slots) * vs[2], key.data(), d);
         for (int64_t h = 0; h < group; ++h) {
           const float p = scores[h * n + j];
           float* a = acc.data() + h * d;
@@ -428,9 +430,12 @@ at::Tensor decode(int64_t id, const at::Tensor& embedded, at::TensorList keys, a
     at::Tensor k = keys[l], v = values[l];
     TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == at::kBFloat16 &&
                     v.scalar_type() == at::kBFloat16 && k.stride(3) == 1 && v.stride(3) == 1 && k.size(0) >= rows &&
-                    k.size(1) == m.kv_heads && k.size(3) == m.dim && col + cols <= k.size(2),
+                    k.size(1) == m.kv_heads && k.size(3) == m.dim,
                 "key/value buffers of the wrong shape");
     const bool sliding = layer.kind & SLIDING;
+    // a buffer column per column, or (a windowed layer) a ring that holds the window of every new column at once
+    TORCH_CHECK(col + cols <= k.size(2) || (sliding && m.window - 1 + cols <= k.size(2)),
+                "key/value buffers of the wrong shape");
     at::Tensor qkv = layer.qkv(norm(h, layer.attn_norm, m.eps, m.gemma_norms)).contiguous();
     rope_and_store(qkv, sliding ? lc : c, sliding ? ls : s, m, layer, q, k, v, col, cols);
     at::Tensor out = layer.o(attend(q, k, v, first.data_ptr<int64_t>(), col, cols, m, sliding ? m.window : 0))
