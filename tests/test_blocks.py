@@ -129,10 +129,10 @@ def test_a_decoder_on_blocks_answers_as_on_the_int4_kernel(file):
     assert cosine > 0.995 and logits.argmax() == out["int4"][1].argmax()
 
 
-@pytest.mark.parametrize("head, hidden", [("Q5_0", 64), ("Q6_K", 256)])
+@pytest.mark.parametrize("head, hidden", [("Q5_0", 64), ("Q4_K", 256)])
 def test_another_quantized_table_stays_the_files_blocks(head, hidden):
-    """A token table in another block type (the real Qwen2.5-Coder Q4_K_M file's is Q5_0, a Qwen3-0.6B Q4_K_M's
-    Q6_K) is not kept de-quantized: the rows looked up are, each exactly as the dense table has it."""
+    """A token table in a block type the head's blocks cannot be looked up in (the real Qwen2.5-Coder Q4_K_M
+    file's is Q5_0) is not kept de-quantized: the rows looked up are, each exactly as the dense table has it."""
     f = gguf.read(tiny_gguf(head=head, hidden=hidden))
     decoder = on_thread(lambda: weights.from_gguf(f, "int4", blocks=True))
     table = decoder.embed.table
@@ -143,10 +143,13 @@ def test_another_quantized_table_stays_the_files_blocks(head, hidden):
     assert torch.equal(on_thread(lambda: decoder.embed(ids)), want)
 
 
-def test_a_tied_q8_0_table_is_looked_up_in_the_heads_blocks():
-    f = gguf.read(tiny_gguf())  # the token table in Q8_0, shared with the output layer
+@pytest.mark.parametrize("table", ["Q8_0", "Q6_K"])
+def test_a_tied_8_bit_table_is_looked_up_in_the_heads_blocks(table):
+    """A token table shared with the output layer in Q8_0 or Q6_K (Llama 3.2's, Qwen3's Q4_K_M files): lookups read
+    the head's blocks, each row exactly as the file's weights dequantized, with no dense copy of the table."""
+    f = gguf.read(tiny_gguf(hidden=256, head=table))
     decoder = on_thread(lambda: weights.from_gguf(f, "int4", blocks=True))
     assert decoder.embed.blocks is decoder.head.quant and decoder.embed.table is None and decoder.embed.dense is None
-    ids = torch.tensor([0, 5, 77, 300])
+    ids = torch.tensor([0, 5, 77, 300, 13, 5])
     want = gguf.dequantize(f.tensors["token_embd.weight"])[ids].to(torch.bfloat16)
     assert torch.equal(on_thread(lambda: decoder.embed(ids)), want)

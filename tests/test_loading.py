@@ -65,3 +65,30 @@ def test_the_start_up_line_says_which_path_runs_and_its_measured_speed(tiny_mode
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready:"))
     assert " on the own decoder, a decode step " in line and " tokens/s one answer" in line, line
     assert engine.step_s > 0
+
+
+@pytest.mark.parametrize("template", ["bundled", "qwen3.jinja"])
+def test_a_gguf_tokenizer_kept_once_converted_is_the_same_tokenizer(tmp_path, template):
+    """A GGUF's tokenizer is kept in the model cache once converted (its metadata read string by string costs
+    seconds of a 262k vocabulary's start): the kept one encodes, decodes and templates as the file's does, and
+    a second start reads it, not the file."""
+    from pathlib import Path
+
+    from tinygguf import tiny_gguf
+
+    from chat.engine.model import loader
+    path = tiny_gguf(template=(Path(__file__).parent / "templates" / template).read_text()
+                     if template != "bundled" else True)
+    first = loader.gguf_tokenizer(path, str(tmp_path))
+    kept = [p for p in tmp_path.iterdir() if p.name.endswith("-tokenizer")]
+    assert len(kept) == 1 and (kept[0] / "tokenizer.json").is_file()
+    second = loader.gguf_tokenizer(path, str(tmp_path))
+    assert second.name_or_path == str(kept[0])  # read from the cache, not the file
+    text = "Hello <|im_start|> world, ünïcode 🙂\n\n  spaces <think>x</think>"
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
+    assert first.encode(text) == second.encode(text)
+    assert second.decode(first.encode(text)) == first.decode(first.encode(text))
+    assert (first.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == second.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert ([first.eos_token_id, first.bos_token_id, first.pad_token_id, len(first), first.all_special_tokens]
+            == [second.eos_token_id, second.bos_token_id, second.pad_token_id, len(second), second.all_special_tokens])

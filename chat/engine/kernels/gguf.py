@@ -67,6 +67,12 @@ class Tensor:
         return self.raw.reshape(self.rows, -1, size)
 
 
+def rows(t: Tensor, begin: int, end: int) -> Tensor:
+    """Rows [begin, end) of a 2-D tensor (its bytes a slice of the map: rows are stored one after another)."""
+    size = t.raw.nbytes // t.rows
+    return Tensor(t.name, (end - begin, *t.shape[1:]), t.kind, t.raw[begin * size:end * size])
+
+
 @dataclass(frozen=True)
 class GGUFFile:
     path: Path
@@ -227,6 +233,25 @@ def raw_blocks(t: Tensor) -> torch.Tensor:
     return _blocks(t)
 
 
+def _fifth_tables() -> list[torch.Tensor]:
+    """For byte m of a block's fifth bits (its weights 8 m .. 8 m + 7: half m // 2, chunks 2 (m % 2) + c', weight k
+    of the chunk at bit 4 c' + k), each value's bits in the block products' 4 bytes (byte k, bit 2 c + half), as an
+    int32 (little-endian: byte k at bits 8 k)."""
+    v = torch.arange(256, dtype=torch.int32)
+    tables = []
+    for m in range(4):
+        t = torch.zeros(256, dtype=torch.int32)
+        for k in range(4):
+            for c2 in range(2):
+                c = 2 * (m % 2) + c2
+                t |= ((v >> (4 * c2 + k)) & 1) << (8 * k + 2 * c + m // 2)
+        tables.append(t)
+    return tables
+
+
+_FIFTH_TABLES = _fifth_tables()
+
+
 def regroup(kind: int, raw: torch.Tensor, rows: int = 8) -> tuple:
     """Blocks of a type in ``STORED`` (``raw_blocks``, stacked along the rows) in the block products' layout
     (``quant.Blocks``), moved as stored, not decoded: (qs (groups, blocks, 128 or 256), qh (groups, blocks,
@@ -250,12 +275,13 @@ def regroup(kind: int, raw: torch.Tensor, rows: int = 8) -> tuple:
     if kind in (Q4_0, Q4_1):
         return qs, empty, halves(0), mins, centre
     at = 2 if kind == Q5_0 else 4
-    word = raw[..., at:at + 4].contiguous().view(torch.int32)[..., 0]  # (groups, rows, blocks)
-    bits = ((word[..., None] >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)  # weight i's
-    # (groups, rows, blocks, half, chunk, k) -> byte 4 j + k of (groups, blocks), bit 2 c + half
-    bits = bits.reshape(groups, rows, nb, 2, 4, 4).permute(0, 2, 1, 5, 4, 3).reshape(groups, nb, rows * 4, 8)
-    qh = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
-    return qs, qh, halves(0), mins, centre
+    # weight i = 16 half + 4 c + k of row j (bit i of the block's 4 bytes) -> bit 2 c + half of byte 4 j + k: each
+    # of the 4 bytes gives its bits to the row's 4 bytes at once, by a table of their 4 bytes as an int32
+    word = torch.zeros((groups, rows, nb), dtype=torch.int32)
+    for m in range(4):
+        word |= _FIFTH_TABLES[m][raw[..., at + m].long()]
+    qh = word[..., None].view(torch.uint8).reshape(groups, rows, nb, 4).transpose(1, 2).reshape(groups, nb, rows * 4)
+    return qs, qh.contiguous(), halves(0), mins, centre
 
 
 def signed(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 // plain loops and the products on ATen's kernels (int4 or dense, as the Python side picks).
 // Beyond Llama's block: q/k head norms, rotary positions over part of a head or none on some layers,
 // Gemma's norms (float32 weights, after the attention and the MLP too), GELU, windowed layers with
-// rotary angles of their own.
+// rotary angles of their own (their keys and values in a ring of the last columns, where the buffer gives one).
 //
 // Built by chat/engine/model/native.py with the C++ compiler it finds, loaded with
 // torch.ops.load_library. Eager torch spends ~40 operator calls a layer on vectors of a few
@@ -234,6 +234,7 @@ void rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   const int64_t queries = qkv.size(0), d = m.dim, rot = cos.size(1), half = rot / 2, width = qkv.size(1);
   const bool rotate = !(layer.kind & NO_ROPE);
   const auto ks = keys.strides(), vs = values.strides();
+  const int64_t slots = keys.size(2);  // column c at c mod slots: a windowed layer's ring (else c itself)
   for (int64_t r = 0; r < queries; ++r) {
     const int64_t b = at.row[r], at_col = at.column[r];  // its buffer row and column
     const uint16_t* row = bits(qkv) + r * width;
@@ -258,13 +259,13 @@ void rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
         float* out = q.data_ptr<float>() + (r * m.heads + h) * d;
         for (int64_t i = 0; i < d; ++i) out[i] = bf(rotated[i]);
       } else {
-        uint16_t* out = bits(keys) + b * ks[0] + (h - m.heads) * ks[1] + at_col * ks[2];
+        uint16_t* out = bits(keys) + b * ks[0] + (h - m.heads) * ks[1] + (at_col % slots) * ks[2];
         std::memcpy(out, rotated, d * sizeof(uint16_t));
       }
     }
     for (int64_t h = 0; h < m.kv_heads; ++h) {
       const uint16_t* v = row + (m.heads + m.kv_heads + h) * d;
-      std::memcpy(bits(values) + b * vs[0] + h * vs[1] + at_col * vs[2], v, d * sizeof(uint16_t));
+      std::memcpy(bits(values) + b * vs[0] + h * vs[1] + (at_col % slots) * vs[2], v, d * sizeof(uint16_t));
     }
   }
 }
@@ -283,6 +284,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   const int64_t queries = q.size(0), d = m.dim, group = m.heads / m.kv_heads;
   at::Tensor out = at::empty({queries, m.heads * d}, keys.options());
   const auto ks = keys.strides(), vs = values.strides();
+  const int64_t slots = keys.size(2);  // column c at c mod slots (``rope_and_store``)
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   int64_t work = 0;
   for (int64_t r = 0; r < queries; ++r) work += (at.column[r] + 1 - first_of(r)) * group * d * 2;
@@ -298,7 +300,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
       const uint16_t* vbase = bits(values) + b * vs[0] + g * vs[1];
       scores.assign(group * n, 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        widen(kbase + (first + j) * ks[2], key.data(), d);
+        widen(kbase + ((first + j) % slots) * ks[2], key.data(), d);
         for (int64_t h = 0; h < group; ++h) scores[h * n + j] = dot(key.data(), qs + h * d, d) * scale;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -311,7 +313,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
         for (int64_t j = 0; j < n; ++j) total[h] += s[j];
       }
       for (int64_t j = 0; j < n; ++j) {
-        widen(vbase + (first + j) * vs[2], key.data(), d);
+        widen(vbase + ((first + j) % slots) * vs[2], key.data(), d);
         for (int64_t h = 0; h < group; ++h) {
           const float p = scores[h * n + j];
           float* a = acc.data() + h * d;
@@ -446,9 +448,12 @@ at::Tensor step(int64_t id, const at::Tensor& embedded, at::TensorList keys, at:
     at::Tensor k = keys[l], v = values[l];
     TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == at::kBFloat16 &&
                     v.scalar_type() == at::kBFloat16 && k.stride(3) == 1 && v.stride(3) == 1 && k.size(0) >= rows &&
-                    k.size(1) == m.kv_heads && k.size(3) == m.dim && at.end <= k.size(2),
+                    k.size(1) == m.kv_heads && k.size(3) == m.dim,
                 "key/value buffers of the wrong shape");
     const bool sliding = layer.kind & SLIDING;
+    // a buffer column per column, or (a windowed layer) a ring that holds the window of every new column at once
+    TORCH_CHECK(at.end <= k.size(2) || (sliding && m.window - 1 + at.end - col <= k.size(2)),
+                "key/value buffers of the wrong shape");
     at::Tensor qkv = layer.qkv(norm(h, layer.attn_norm, m.eps, m.gemma_norms)).contiguous();
     rope_and_store(qkv, sliding ? lc : c, sliding ? ls : s, m, layer, q, k, v, at);
     at::Tensor out = layer.o(attend(q, k, v, first.data_ptr<int64_t>(), at, m, sliding ? m.window : 0))
@@ -478,24 +483,37 @@ at::Tensor decode_ragged(int64_t id, const at::Tensor& embedded, at::TensorList 
 }
 
 // Move row rows[i]'s columns [firsts[i], lasts[i]) right by by[i] in every layer's keys and values (after a ragged
-// step, the rows that kept fewer columns: every row's tokens end at the buffer's last column again).
-void shift(at::TensorList keys, at::TensorList values, at::IntArrayRef rows, at::IntArrayRef firsts,
-           at::IntArrayRef lasts, at::IntArrayRef by) {
+// step, the rows that kept fewer columns: every row's tokens end at the buffer's last column again). A layer whose
+// ``rings`` entry is not 0 holds column c at slot c mod that (a windowed layer's ring): there only the columns the
+// ring still holds after the move are moved, slot to slot, the last first (a destination slot is never a source
+// slot still to be read: that would be a column a whole ring before the ones kept).
+void shift(at::TensorList keys, at::TensorList values, at::IntArrayRef rings, at::IntArrayRef rows,
+           at::IntArrayRef firsts, at::IntArrayRef lasts, at::IntArrayRef by) {
   TORCH_CHECK(rows.size() == firsts.size() && rows.size() == lasts.size() && rows.size() == by.size(),
               "a first column, a last and a shift per row expected");
+  TORCH_CHECK(rings.size() == keys.size() && values.size() == keys.size(), "a ring size per layer expected");
   for (const at::TensorList& store : {keys, values}) {
-    for (const at::Tensor& t : store) {
+    for (size_t l = 0; l < store.size(); ++l) {
+      const at::Tensor& t = store[l];
       TORCH_CHECK(t.dim() == 4 && t.scalar_type() == at::kBFloat16 && t.stride(3) == 1 && t.stride(2) == t.size(3),
                   "bf16 (rows, heads, columns, dim) buffers expected");
+      const int64_t ring = rings[l];
+      TORCH_CHECK(ring == 0 || ring == t.size(2), "a ring of its buffer's columns expected");
       const auto st = t.strides();
       for (size_t i = 0; i < rows.size(); ++i) {
         TORCH_CHECK(rows[i] >= 0 && rows[i] < t.size(0) && 0 <= firsts[i] && firsts[i] <= lasts[i] && by[i] >= 0 &&
-                        lasts[i] + by[i] <= t.size(2),
+                        (ring || lasts[i] + by[i] <= t.size(2)),
                     "a shift out of the buffer");
         for (int64_t h = 0; h < t.size(1); ++h) {
           uint16_t* base = bits(t) + rows[i] * st[0] + h * st[1];
-          std::memmove(base + (firsts[i] + by[i]) * st[2], base + firsts[i] * st[2],
-                       (lasts[i] - firsts[i]) * st[2] * sizeof(uint16_t));
+          if (!ring) {
+            std::memmove(base + (firsts[i] + by[i]) * st[2], base + firsts[i] * st[2],
+                         (lasts[i] - firsts[i]) * st[2] * sizeof(uint16_t));
+            continue;
+          }
+          if (by[i] == 0) continue;
+          for (int64_t c = lasts[i] - 1; c >= std::max(firsts[i], lasts[i] + by[i] - ring); --c)
+            std::memcpy(base + ((c + by[i]) % ring) * st[2], base + (c % ring) * st[2], st[2] * sizeof(uint16_t));
         }
       }
     }
@@ -707,7 +725,8 @@ TORCH_LIBRARY(chat_native, lib) {
           "Tensor sin, Tensor local_cos, Tensor local_sin) -> Tensor", &decode);
   lib.def("decode_ragged(int id, Tensor embedded, Tensor[] keys, Tensor[] values, Tensor starts, int col, "
           "Tensor counts, Tensor cos, Tensor sin, Tensor local_cos, Tensor local_sin) -> Tensor", &decode_ragged);
-  lib.def("shift(Tensor[] keys, Tensor[] values, int[] rows, int[] firsts, int[] lasts, int[] by) -> ()", &shift);
+  lib.def("shift(Tensor[] keys, Tensor[] values, int[] rings, int[] rows, int[] firsts, int[] lasts, int[] by) -> ()",
+          &shift);
   lib.def("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor u) -> Tensor",
           &sample);
 }

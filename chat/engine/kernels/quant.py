@@ -255,8 +255,9 @@ class Blocks:
 
     @property
     def eight_bit(self) -> bool:
-        """An 8-bit matrix of one scale a block (Q8_0): a tied token table's lookups can read it (``lookup``)."""
-        return self.kind in (self.S8, self.U8) and self.sub == 1
+        """An 8-bit matrix (Q8_0; Q6_K, a scale per 16 weights): a tied token table's lookups can read it
+        (``lookup``)."""
+        return self.kind in (self.S8, self.U8)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of an 8-bit matrix's weights, float32 (len(ids), in): a table's lookups read its blocks."""
@@ -265,8 +266,8 @@ class Blocks:
         g, j = ids // self.ROWS, ids % self.ROWS
         q = self.qs.reshape(groups, nb, 8, self.ROWS, 4)[g, :, :, j]  # (ids, blocks, chunk, 4)
         q = (q ^ 0x80 if self.kind == self.U8 else q).view(torch.int8)
-        s = self.scales[g, :, j].float()  # (ids, blocks)
-        return (q.reshape(len(ids), nb, GROUP).float() * s[..., None]).reshape(len(ids), -1)
+        s = self.scales[g, :, j].float()  # (ids, blocks * sub)
+        return (q.reshape(len(ids), nb * self.sub, GROUP // self.sub).float() * s[..., None]).reshape(len(ids), -1)
 
     @property
     def form(self) -> str:

@@ -39,6 +39,12 @@ class _BufferLayer(DynamicLayer):
 TRIM_SLACK = 64
 
 
+# A windowed layer's ring in a batch buffer (``KVBuffer(rings=True)``) holds what a row taken out keeps and this many
+# more columns: a drafted step writes up to this many columns past the answer's end (``drafts.MAX_DRAFT`` + 1) over
+# the ring's oldest slots, and the ones the answer does not keep must not have overwritten any kept column.
+RING_SLACK = 16
+
+
 def windows_kept(windows: Sequence[int]) -> tuple[int, ...]:
     """The columns a row keeps per layer (0: all) for layers attending over ``windows`` (0: everything)."""
     return tuple(w - 1 + TRIM_SLACK if w else 0 for w in windows)
@@ -66,12 +72,18 @@ class KVBuffer:
     ``keep``: per layer, the columns a row taken out keeps (0: all; ``windows_kept``): a windowed layer's row
     out of the buffer holds its window and ``TRIM_SLACK`` more, and a row added back gets zeros before them,
     columns no query of it reads (out of every later column's window: masked, and the C++ step skips them).
+
+    ``rings``: a windowed layer holds only its last ``keep + RING_SLACK`` columns, column c at slot c mod that
+    (the C++ step indexes them so), so its memory stays bounded however long the answers grow; torch's forward over
+    such a buffer sees zeros (masked) before them. A buffer the C++ step decodes (it reads no padding) has them.
     """
 
     def __init__(self, layers: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device, rows: int = 1,
-                 capacity: int = 64, active: int = 0, keep: Sequence[int] | None = None) -> None:
+                 capacity: int = 64, active: int = 0, keep: Sequence[int] | None = None, rings: bool = False) -> None:
         self.layers, self.heads, self.dim, self.dtype, self.device = layers, heads, dim, dtype, device
         self.keep = tuple(keep) if keep else (0,) * layers
+        # per layer: its ring's columns (0: a column per buffer column)
+        self.ring = tuple(kept + RING_SLACK if kept and rings else 0 for kept in self.keep)
         self.start = self.length = 0
         self.n = active  # rows taking part; ``active`` rows start empty (a prefill's, written column by column)
         # Whether a decode step reads padding columns (masked, so they must be finite: zeroed). The
@@ -86,9 +98,13 @@ class KVBuffer:
         # Uninitialized: zeroing (and so faulting in) the whole capacity cost a running batch a
         # long stall when a long prompt joined. Every column the model reads is written first, or
         # zeroed where it is padding (see add_row), so masked attention never meets a NaN.
-        shape = (rows, self.heads, capacity, self.dim)
-        self.keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        self.values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        # A ring is zeroed (small): a slot a row never wrote holds another row's finite values, or zeros.
+        def new(ring: int) -> torch.Tensor:
+            if ring:
+                return torch.zeros((rows, self.heads, ring, self.dim), dtype=self.dtype, device=self.device)
+            return torch.empty((rows, self.heads, capacity, self.dim), dtype=self.dtype, device=self.device)
+        self.keys = [new(ring) for ring in self.ring]
+        self.values = [new(ring) for ring in self.ring]
         self.mask = torch.zeros((rows, capacity), dtype=torch.long, device=self.device)
 
     @property
@@ -100,8 +116,11 @@ class KVBuffer:
         old_keys, old_values, old_mask = self.keys, self.values, self.mask
         live = self.length - self.start
         self._allocate(rows, capacity)
-        for new, old in zip(self.keys + self.values, old_keys + old_values):
-            new[:self.n, :, offset:offset + live] = old[:self.n, :, self.start:self.length]
+        for new, old, ring in zip(self.keys + self.values, old_keys + old_values, self.ring * 2):
+            if ring:  # column c moves to c + offset - start: its slot turns with it
+                new[:self.n] = torch.roll(old[:self.n], (offset - self.start) % ring, dims=2)
+            else:
+                new[:self.n, :, offset:offset + live] = old[:self.n, :, self.start:self.length]
         self.mask[:self.n, offset:offset + live] = old_mask[:self.n, self.start:self.length]
         self.start, self.length = offset, offset + live
 
@@ -150,12 +169,32 @@ class KVBuffer:
 
     def clear(self, r: int, count: int) -> None:
         """Zero row ``r``'s next ``count`` columns (padding a forward wrote: never read, kept finite)."""
-        for t in self.keys + self.values:
-            t[r, :, self.length:self.length + count] = 0
+        for t, ring in zip(self.keys + self.values, self.ring * 2):
+            t[r, :, self._slots(ring, self.length, self.length + count)] = 0
+
+    def _slots(self, ring: int, begin: int, end: int) -> slice | torch.Tensor:
+        """Where columns [begin, end) live in a layer: those columns, or their slots in its ring."""
+        if not ring:
+            return slice(begin, end)
+        return torch.arange(begin, end, device=self.device).remainder_(ring)
 
     def write(self, index: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
         """Called by each attention layer during a forward pass."""
         end = self.length + key_states.shape[2]
+        ring = self.ring[index]
+        if ring:  # the new columns into their slots; the columns before the ring's as zeros
+            assert key_states.shape[2] <= TRIM_SLACK + RING_SLACK, "a ring takes a few columns a forward"
+            slots = self._slots(ring, self.length, end)
+            self.keys[index][:self.n, :, slots] = key_states
+            self.values[index][:self.n, :, slots] = value_states
+            first = max(self.start, end - ring)
+            held = self._slots(ring, first, end)
+            out = []
+            for store in (self.keys, self.values):
+                t = store[index].new_zeros((self.n, self.heads, end - self.start, self.dim))
+                t[:, :, first - self.start:] = store[index][:self.n, :, held]
+                out.append(t)
+            return tuple(out)
         self.keys[index][:self.n, :, self.length:end] = key_states
         self.values[index][:self.n, :, self.length:end] = value_states
         return self.keys[index][:self.n, :, self.start:end], self.values[index][:self.n, :, self.start:end]
@@ -179,8 +218,10 @@ class KVBuffer:
         layer's only its last ``keep`` columns."""
         begin = self.row_start(r)
         firsts = [max(begin, self.length - kept) if kept else begin for kept in self.keep]
-        keys = [k[r:r + 1, :, first:self.length] for k, first in zip(self.keys, firsts)]
-        values = [v[r:r + 1, :, first:self.length] for v, first in zip(self.values, firsts)]
+        keys = [k[r:r + 1, :, self._slots(ring, first, self.length)]
+                for k, first, ring in zip(self.keys, firsts, self.ring)]
+        values = [v[r:r + 1, :, self._slots(ring, first, self.length)]
+                  for v, first, ring in zip(self.values, firsts, self.ring)]
         if copy:
             keys, values = [k.clone() for k in keys], [v.clone() for v in values]
         return keys, values
@@ -198,7 +239,11 @@ class KVBuffer:
         r, begin = self.n, self.length - count
         start = min(self.start, begin) if self.n else begin
         for store, part in ((self.keys, keys), (self.values, values)):
-            for layer, t in zip(store, part):
+            for layer, t, ring in zip(store, part, self.ring):
+                if ring:  # its last columns into their slots (the ring's others: never read by this row)
+                    kept = min(t.shape[2], ring)
+                    layer[r, :, self._slots(ring, self.length - kept, self.length)] = t[0, :, t.shape[2] - kept:]
+                    continue
                 layer[r, :, self.length - t.shape[2]:self.length] = t[0]
                 if t.shape[2] < count:
                     layer[r, :, begin:self.length - t.shape[2]] = 0
@@ -216,8 +261,11 @@ class KVBuffer:
         """Drop row ``r``: the last row moves into its place (callers mirror that order)."""
         last = self.n - 1
         if r != last:
-            for layer in self.keys + self.values:
-                layer[r, :, self.start:self.length] = layer[last, :, self.start:self.length]
+            for layer, ring in zip(self.keys + self.values, self.ring * 2):
+                if ring:
+                    layer[r] = layer[last]
+                else:
+                    layer[r, :, self.start:self.length] = layer[last, :, self.start:self.length]
             self.mask[r, self.start:self.length] = self.mask[last, self.start:self.length]
         self.n = last
         if self.n:
@@ -226,15 +274,31 @@ class KVBuffer:
         else:
             self.start = self.length
 
+    def use_rings(self) -> None:
+        """Hold each windowed layer (``keep``) in a ring from now on: its columns beyond the ring's are let go."""
+        ring = tuple(kept + RING_SLACK if kept else 0 for kept in self.keep)
+        for i, size in enumerate(ring):
+            if not size or self.ring[i]:
+                continue
+            first = max(self.start, self.length - size)
+            for store in (self.keys, self.values):
+                old = store[i]
+                store[i] = old.new_zeros((old.shape[0], self.heads, size, self.dim))
+                store[i][:, :, self._slots(size, first, self.length)] = old[:, :, first:self.length]
+        self.ring = ring
+
 
 def joined(batch: KVBuffer | None, source: KVBuffer, rows: list[int], reads_padding: bool) -> KVBuffer:
     """The batch's buffer with ``source``'s ``rows`` added in place (``source`` itself, no copy, when the batch
-    is empty and they are all of its rows); ``reads_padding``: whether the decode step reads padding."""
+    is empty and they are all of its rows); ``reads_padding``: whether the decode step reads padding (else the
+    C++ step decodes it: its windowed layers go in rings, ``KVBuffer``)."""
     if batch is None and len(rows) == source.n:
         batch = source
+        if not reads_padding:
+            batch.use_rings()
     elif batch is None:
         batch = KVBuffer(source.layers, source.heads, source.dim, source.dtype, source.device, rows=len(rows),
-                         capacity=source.length + 64, keep=source.keep)
+                         capacity=source.length + 64, keep=source.keep, rings=not reads_padding)
     batch.reads_padding = reads_padding
     if batch is not source:
         for r in rows:

@@ -183,10 +183,30 @@ def resolve_source(model: str, cache_root: str, progress: Progress | None = None
     return str(target), name
 
 
-def gguf_tokenizer(file: Path) -> Any:
-    """The tokenizer a GGUF file describes (vocabulary, merges, special tokens, chat template)."""
+def gguf_tokenizer(file: Path, cache_root: str | None = None) -> Any:
+    """The tokenizer a GGUF file describes (vocabulary, merges, special tokens, chat template). With ``cache_root``,
+    kept there once converted (transformers reads a 262k-token vocabulary's metadata string by string: seconds of
+    every start; its saved form loads in a fraction of that)."""
     from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast.from_pretrained(str(file.parent), gguf_file=file.name)
+    kept = _gguf_cache_dir(file, cache_root).with_name(_gguf_cache_dir(file, cache_root).name + "-tokenizer") \
+        if cache_root else None
+    if kept is not None and (kept / "tokenizer.json").is_file():
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(kept))
+        except (OSError, ValueError) as exc:
+            log.warning("the tokenizer kept in %s does not load (%s): reading it from %s again", kept, exc, file.name)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(file.parent), gguf_file=file.name)
+    if kept is not None:
+        tmp = kept.with_name(kept.name + f".tmp{os.getpid()}")
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tokenizer.save_pretrained(str(tmp))
+            shutil.rmtree(kept, ignore_errors=True)
+            tmp.rename(kept)
+        except OSError as exc:
+            log.warning("could not keep %s's tokenizer in %s: %s", file.name, kept, exc)
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
 
 
 def eos_ids(tokenizer: Any, model: Any = None) -> frozenset:
@@ -271,7 +291,7 @@ def _load_direct(settings: Settings, device: torch.device, dtype: torch.dtype) -
              ", ".join(f"{k} {v}" for k, v in decoder.formats().items()),
              "CHAT_QUANT=off" if settings.quant == "off" else "CHAT_DTYPE=float32" if settings.dtype == "float32"
              else quant.POLICY[machine.isa])
-    return gguf_tokenizer(file), None, decoder, name, file
+    return gguf_tokenizer(file, settings.model_cache_dir), None, decoder, name, file
 
 
 def finish(loaded: LoadedModel, settings: Settings) -> Iterator[None]:

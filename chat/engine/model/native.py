@@ -105,9 +105,10 @@ class Step:
 
 
 def shift(kv: KVBuffer, moves: list[tuple[int, int, int, int]]) -> None:
-    """Move columns of rows right in every layer of ``kv``: (row, first, last, by) each (``KVBuffer.settle``)."""
+    """Move columns of rows right in every layer of ``kv``: (row, first, last, by) each (``KVBuffer.settle``); a
+    windowed layer's ring turns its slots."""
     rows, firsts, lasts, by = (list(x) for x in zip(*moves))
-    torch.ops.chat_native.shift(kv.keys, kv.values, rows, firsts, lasts, by)
+    torch.ops.chat_native.shift(kv.keys, kv.values, list(kv.ring), rows, firsts, lasts, by)
 
 
 def sample(logits: torch.Tensor, params: list, u: torch.Tensor) -> list[int]:
