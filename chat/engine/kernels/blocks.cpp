@@ -121,29 +121,76 @@ Acts quantize(const at::Tensor& x) {
 // Scales (and mins) per block: the group's 8 side by side (two sets for Q6_K: weights 0-15, 16-31).
 constexpr int64_t GROUP = 8;
 
-template <bool Wide>
-inline float scale_at(const void* p, int64_t i) {
-  if constexpr (Wide) return static_cast<const float*>(p)[i];
-  return half(static_cast<const uint16_t*>(p)[i]);
-}
-
 inline int64_t chunk_bytes(int64_t kind) { return kind == S8 || kind == U8 ? 8 * 32 : 4 * 32; }
 
-// Group g's blocks, fifth bits (U5), scales and mins (null where there are none).
-template <int64_t K, bool Wide>
-std::tuple<const uint8_t*, const uint8_t*, const void*, const void*> group_at(const Matrix& w, int64_t g) {
-  const int64_t nb = w.blocks, size = Wide ? 4 : 2;
-  return {w.qs.data_ptr<uint8_t>() + g * nb * chunk_bytes(K), K == U5 ? w.qh.data_ptr<uint8_t>() + g * nb * 32 : nullptr,
-          static_cast<const char*>(w.scales.data_ptr()) + g * nb * w.sub * GROUP * size,
-          w.mins.defined() ? static_cast<const char*>(w.mins.data_ptr()) + g * nb * GROUP * size : nullptr};
+// Group g's blocks, fifth bits (U5), scales and mins (null where there are none), and with SUPER scales its
+// super-blocks' d and dmin: what a kernel reads of one group.
+struct Group {
+  const uint8_t* qs;
+  const uint8_t* qh;
+  const void* sc;
+  const void* mn;
+  const uint16_t* d;
+  const uint16_t* dmin;
+  int64_t per_super;
+};
+
+template <int64_t K, int S>
+Group group_at(const Matrix& w, int64_t g) {
+  const int64_t nb = w.blocks, size = S == F32 ? 4 : S == F16 ? 2 : 1;
+  Group at{w.qs.data_ptr<uint8_t>() + g * nb * chunk_bytes(K), K == U5 ? w.qh.data_ptr<uint8_t>() + g * nb * 32 : nullptr,
+           static_cast<const char*>(w.scales.data_ptr()) + g * nb * w.sub * GROUP * size,
+           w.mins.defined() ? static_cast<const char*>(w.mins.data_ptr()) + g * nb * GROUP * size : nullptr,
+           nullptr, nullptr, w.per_super};
+  if constexpr (S == SUPER) {
+    const int64_t supers = nb / w.per_super;
+    at.d = reinterpret_cast<const uint16_t*>(w.dsuper.data_ptr()) + g * supers * GROUP;
+    at.dmin = w.msuper.defined() ? reinterpret_cast<const uint16_t*>(w.msuper.data_ptr()) + g * supers * GROUP : nullptr;
+  }
+  return at;
+}
+
+// Row j's scale number i (block b's: i = b * sub + half) and block b's min, as float32: s = d * sc and
+// z = -(dmin * mn) for SUPER scales (the products gguf-py computes, so the same floats).
+template <int64_t K, int S>
+inline float scale_at(const Group& at, int64_t i, int64_t b, int64_t j) {
+  if constexpr (S == F32) return static_cast<const float*>(at.sc)[i * GROUP + j];
+  if constexpr (S == F16) return half(static_cast<const uint16_t*>(at.sc)[i * GROUP + j]);
+  const float q = K == S8 || K == U8 ? static_cast<float>(static_cast<const int8_t*>(at.sc)[i * GROUP + j])
+                                     : static_cast<float>(static_cast<const uint8_t*>(at.sc)[i * GROUP + j]);
+  return half(at.d[(b / at.per_super) * GROUP + j]) * q;
+}
+
+template <int S>
+inline float min_at(const Group& at, int64_t b, int64_t j) {
+  if constexpr (S == F32) return static_cast<const float*>(at.mn)[b * GROUP + j];
+  if constexpr (S == F16) return half(static_cast<const uint16_t*>(at.mn)[b * GROUP + j]);
+  return -(half(at.dmin[(b / at.per_super) * GROUP + j]) * static_cast<float>(static_cast<const uint8_t*>(at.mn)[b * GROUP + j]));
 }
 
 #if defined(__AVX2__)
 
-template <bool Wide>
-inline __m256 scales8(const void* p, int64_t i) {  // 8 scales from index i
-  if constexpr (Wide) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+// The 8 rows' scale number i (block b's), and block b's mins: ``scale_at``, ``min_at`` 8 lanes at a time.
+template <int64_t K, int S>
+inline __m256 scales8(const Group& at, int64_t i, int64_t b) {
+  if constexpr (S == F32) return _mm256_loadu_ps(static_cast<const float*>(at.sc) + i * GROUP);
+  if constexpr (S == F16)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(at.sc) + i * GROUP)));
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(at.sc) + i * GROUP));
+  const __m256 q = _mm256_cvtepi32_ps(K == S8 || K == U8 ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at.d + (b / at.per_super) * GROUP)));
+  return _mm256_mul_ps(d, q);
+}
+
+template <int S>
+inline __m256 mins8(const Group& at, int64_t b) {
+  if constexpr (S == F32) return _mm256_loadu_ps(static_cast<const float*>(at.mn) + b * GROUP);
+  if constexpr (S == F16)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(at.mn) + b * GROUP)));
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(at.mn) + b * GROUP));
+  const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at.dmin + (b / at.per_super) * GROUP)));
+  const __m256 z = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+  return _mm256_xor_ps(z, _mm256_set1_ps(-0.f));  // -(dmin * mn)
 }
 
 inline void to_bf8(const float* in, uint16_t* out) {  // to_bf on 8 floats
@@ -213,10 +260,11 @@ struct Dot {
 
 // R activation rows (from r0) times the 8 weight rows of group g -> out[r * 8 + lane]. Each activation row
 // has its own accumulators and the same operations whatever R is: its result does not depend on the batch.
-template <int64_t K, bool Wide, int R>
+template <int64_t K, int S, int R>
 void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out) {
   const int64_t nb = w.blocks, sub = w.sub;
-  const auto [qs, qh, sc, mn] = group_at<K, Wide>(w, g);
+  const Group at = group_at<K, S>(w, g);
+  const uint8_t *qs = at.qs, *qh = at.qh;
   __m256 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -242,7 +290,7 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
           }
         }
         if (half == 1 || sub == 2) {
-          const __m256 s = scales8<Wide>(sc, (b * sub + (sub == 2 ? half : 0)) * GROUP);
+          const __m256 s = scales8<K, S>(at, b * sub + (sub == 2 ? half : 0), b);
           for (int r = 0; r < R; ++r)
             total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]),
                                        _mm256_mul_ps(s, _mm256_set1_ps(a.d[(r0 + r) * nb + b])), total[r]);
@@ -273,8 +321,8 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
       chunk(std::integral_constant<int, 2>{});
       chunk(std::integral_constant<int, 3>{});
     }
-    const __m256 s0 = scales8<Wide>(sc, b * sub * GROUP);
-    const __m256 z = mn ? scales8<Wide>(mn, b * GROUP) : _mm256_mul_ps(_mm256_set1_ps(-w.centre), s0);
+    const __m256 s0 = scales8<K, S>(at, b * sub, b);
+    const __m256 z = at.mn ? mins8<S>(at, b) : _mm256_mul_ps(_mm256_set1_ps(-w.centre), s0);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * nb + b;
       total[r] = _mm256_fmadd_ps(dot[r].take(), _mm256_mul_ps(s0, _mm256_set1_ps(a.d[i])), total[r]);
@@ -286,10 +334,11 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
 
 #else  // no AVX2: the same sums in plain loops
 
-template <int64_t K, bool Wide, int R>
+template <int64_t K, int S, int R>
 void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out) {
   const int64_t nb = w.blocks, sub = w.sub;
-  const auto [qs, qh, sc, mn] = group_at<K, Wide>(w, g);
+  const Group at = group_at<K, S>(w, g);
+  const uint8_t *qs = at.qs, *qh = at.qh;
   for (int r = 0; r < R; ++r) {
     for (int64_t j = 0; j < GROUP; ++j) {
       float total = 0.f;
@@ -312,10 +361,10 @@ void group_dot(const Matrix& w, int64_t g, const Acts& a, int64_t r0, float* out
           }
           sums[sub == 2 && k >= 16] += q * x[k];
         }
-        const float s0 = scale_at<Wide>(sc, b * sub * GROUP + j);
+        const float s0 = scale_at<K, S>(at, b * sub, b, j);
         total += static_cast<float>(sums[0]) * (s0 * a.d[i]);
-        if (sub == 2) total += static_cast<float>(sums[1]) * (scale_at<Wide>(sc, (b * 2 + 1) * GROUP + j) * a.d[i]);
-        if (K != S8) total += (mn ? scale_at<Wide>(mn, b * GROUP + j) : -w.centre * s0) * a.ds[i];
+        if (sub == 2) total += static_cast<float>(sums[1]) * (scale_at<K, S>(at, b * 2 + 1, b, j) * a.d[i]);
+        if (K != S8) total += (at.mn ? min_at<S>(at, b, j) : -w.centre * s0) * a.ds[i];
       }
       out[r * GROUP + j] = total;
     }
@@ -330,16 +379,16 @@ constexpr int ROWS = 8;  // activation rows per pass over a group's blocks: 32 v
 constexpr int ROWS = 4;  // 16 vector registers: 4 rows' sums, and the weights, without spilling
 #endif
 
-template <int64_t K, bool Wide>
+template <int64_t K, int S>
 void run(const Matrix& w, const Acts& a, uint16_t* y) {
   const int64_t m = a.rows, n = w.rows, groups = (n + GROUP - 1) / GROUP;
   // enough groups per task to cover a thread's start-up (~64 KiB of blocks)
   const int64_t grain =
       std::max<int64_t>(1, 65536 / std::max<int64_t>(1, w.blocks * chunk_bytes(K) * std::min<int64_t>(m, ROWS)));
   using Kernel = void (*)(const Matrix&, int64_t, const Acts&, int64_t, float*);
-  static constexpr Kernel kernels[8] = {group_dot<K, Wide, 1>, group_dot<K, Wide, 2>, group_dot<K, Wide, 3>,
-                                        group_dot<K, Wide, 4>, group_dot<K, Wide, 5>, group_dot<K, Wide, 6>,
-                                        group_dot<K, Wide, 7>, group_dot<K, Wide, 8>};
+  static constexpr Kernel kernels[8] = {group_dot<K, S, 1>, group_dot<K, S, 2>, group_dot<K, S, 3>,
+                                        group_dot<K, S, 4>, group_dot<K, S, 5>, group_dot<K, S, 6>,
+                                        group_dot<K, S, 7>, group_dot<K, S, 8>};
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     float out[ROWS * GROUP];
     for (int64_t g = begin; g < end; ++g) {
@@ -361,6 +410,13 @@ void run(const Matrix& w, const Acts& a, uint16_t* y) {
   });
 }
 
+template <int64_t K>
+void by_scaling(const Matrix& w, const Acts& a, uint16_t* y) {
+  if (w.scaling == SUPER) run<K, SUPER>(w, a, y);
+  else if (w.scaling == F32) run<K, F32>(w, a, y);
+  else run<K, F16>(w, a, y);
+}
+
 Kept<Matrix> kept;
 
 bool vnni() {
@@ -372,7 +428,8 @@ bool vnni() {
 }
 
 int64_t keep(int64_t kind, int64_t rows, int64_t sub, double centre, const at::Tensor& qs, const at::Tensor& qh,
-             const at::Tensor& scales, const at::Tensor& mins) {
+             const at::Tensor& scales, const at::Tensor& mins, int64_t per_super, const at::Tensor& dsuper,
+             const at::Tensor& msuper) {
   auto w = std::make_shared<Matrix>();
   TORCH_CHECK(kind == U4 || kind == U5 || kind == S8 || kind == U8, "unknown block kind ", kind);
   TORCH_CHECK(kind != U8 || vnni(), "unsigned 8-bit blocks need VNNI (AVX2's maddubs would saturate)");
@@ -385,23 +442,131 @@ int64_t keep(int64_t kind, int64_t rows, int64_t sub, double centre, const at::T
   TORCH_CHECK(qs.size(2) == chunk_bytes(kind), "block bytes");
   TORCH_CHECK(sub == 1 || (sub == 2 && kind == S8), "two scales a block for S8 only");
   TORCH_CHECK(kind != U8 || centre == 128.0, "unsigned 8-bit blocks hold q + 128");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf, "f16 or f32 scales");
-  w->wide = scales.scalar_type() == at::kFloat;
+  const bool eight = kind == S8 || kind == U8;
+  if (per_super > 0) {
+    w->scaling = SUPER, w->per_super = per_super;
+    TORCH_CHECK(w->blocks % per_super == 0, "whole super-blocks");
+    TORCH_CHECK(scales.scalar_type() == (eight ? at::kChar : at::kByte), "byte scales with super-blocks");
+    const int64_t supers = padded * (w->blocks / per_super);
+    TORCH_CHECK(dsuper.is_contiguous() && dsuper.scalar_type() == at::kHalf && dsuper.numel() == supers,
+                "an f16 d per super-block");
+    if (!eight) {
+      TORCH_CHECK(msuper.is_contiguous() && msuper.scalar_type() == at::kHalf && msuper.numel() == supers &&
+                      mins.scalar_type() == at::kByte && mins.numel() == padded * w->blocks,
+                  "a byte min per block and an f16 dmin per super-block");
+      w->msuper = msuper;
+    }
+    w->dsuper = dsuper;
+  } else {
+    TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf, "f16 or f32 scales");
+    w->scaling = scales.scalar_type() == at::kFloat ? F32 : F16;
+  }
   TORCH_CHECK(scales.is_contiguous() && scales.numel() == padded * w->blocks * sub, "a scale per block");
   if (kind == U5)
     TORCH_CHECK(qh.is_contiguous() && qh.scalar_type() == at::kByte && qh.numel() == padded * w->blocks * 4,
                 "fifth bits");
   if (mins.numel()) {
-    TORCH_CHECK(kind != S8 && mins.is_contiguous() && mins.scalar_type() == scales.scalar_type() &&
-                    mins.numel() == padded * w->blocks,
-                "a min per block, of the scales' type");
+    TORCH_CHECK(kind != S8 && mins.is_contiguous() && mins.numel() == padded * w->blocks, "a min per block");
+    TORCH_CHECK(per_super > 0 || mins.scalar_type() == scales.scalar_type(), "mins of the scales' type");
     w->mins = mins;
+  } else {
+    TORCH_CHECK(per_super == 0 || eight, "K-quant blocks need their mins");
   }
   w->qs = qs, w->qh = kind == U5 ? qh : at::Tensor(), w->scales = scales;
   return kept.add(std::move(w));
 }
 
 void forget(int64_t id) { kept.forget(id); }
+
+// A K-quant tensor's blocks as stored in the file, (rows, super-blocks, bytes) u8 (GGML type ``type``: 12 Q4_K,
+// 13 Q5_K, 14 Q6_K), in the products' layout with SUPER scales, moved byte by byte (nothing decoded to floats):
+// [qs (groups, blocks, 128 | 256), qh (groups, blocks, 32) or empty, sc (groups, blocks * sub, 8) u8 (i8 for
+// Q6_K), mn (groups, blocks, 8) u8 or empty, d, dmin (groups, super-blocks, 8) f16 (dmin empty for Q6_K)]. Rows
+// padded to whole groups are zeros. What ``quant.Blocks.from_k`` builds from ``gguf.k_parts``, a tenth of the
+// time and without its temporaries.
+std::vector<at::Tensor> repack_k(int64_t type, const at::Tensor& raw) {
+  constexpr int64_t Q4_K = 12, Q5_K = 13, Q6_K = 14;
+  TORCH_CHECK(type == Q4_K || type == Q5_K || type == Q6_K, "not a K-quant type: ", type);
+  const int64_t size = type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
+  TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.size(2) == size,
+              "(rows, super-blocks, ", size, ") u8 expected");
+  const int64_t rows = raw.size(0), supers = raw.size(1), nb = supers * 8, groups = (rows + GROUP - 1) / GROUP;
+  const bool six = type == Q6_K, fifth = type == Q5_K;
+  const int64_t sub = six ? 2 : 1;
+  const auto u8 = raw.options();
+  at::Tensor qs = at::zeros({groups, nb, six ? 256 : 128}, u8);
+  at::Tensor qh = fifth ? at::zeros({groups, nb, 32}, u8) : at::empty({0}, u8);
+  at::Tensor sc = at::zeros({groups, nb * sub, GROUP}, six ? u8.dtype(at::kChar) : u8);
+  at::Tensor mn = six ? at::empty({0}, u8) : at::zeros({groups, nb, GROUP}, u8);
+  at::Tensor d = at::zeros({groups, supers, GROUP}, u8.dtype(at::kHalf));
+  at::Tensor dmin = six ? at::empty({0}, u8.dtype(at::kHalf)) : at::zeros({groups, supers, GROUP}, u8.dtype(at::kHalf));
+  const uint8_t* in = raw.data_ptr<uint8_t>();
+  uint8_t *out = qs.data_ptr<uint8_t>(), *fifths = fifth ? qh.data_ptr<uint8_t>() : nullptr;
+  uint8_t* scales = static_cast<uint8_t*>(sc.data_ptr());
+  uint8_t* mins = six ? nullptr : mn.data_ptr<uint8_t>();
+  uint16_t* ds = reinterpret_cast<uint16_t*>(d.data_ptr());
+  uint16_t* dms = six ? nullptr : reinterpret_cast<uint16_t*>(dmin.data_ptr());
+  const int64_t block_bytes = six ? 256 : 128;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    uint8_t q[256];
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t g = row / GROUP, j = row % GROUP;
+      for (int64_t s = 0; s < supers; ++s) {
+        const uint8_t* x = in + (row * supers + s) * size;
+        uint16_t dd, dm = 0;
+        if (six) {
+          std::memcpy(&dd, x + 208, 2);
+          for (int w = 0; w < 256; ++w) {  // as gguf-py: low 4 bits from ql, high 2 from qh, minus 32
+            const int h = w / 128, low = (x[h * 64 + w % 64] >> (4 * ((w % 128) / 64))) & 0x0F;
+            const int high = (x[128 + h * 32 + w % 32] >> (2 * ((w % 128) / 32))) & 0x03;
+            q[w] = static_cast<uint8_t>(static_cast<int8_t>((low | (high << 4)) - 32));
+          }
+          for (int k = 0; k < 16; ++k) scales[((g * nb * 2) + s * 16 + k) * GROUP + j] = x[192 + k];
+        } else {
+          std::memcpy(&dd, x, 2);
+          std::memcpy(&dm, x + 2, 2);
+          const uint8_t* k6 = x + 4;  // 6-bit scales and mins of the 8 sub-blocks
+          for (int b = 0; b < 8; ++b) {
+            const uint8_t scale = b < 4 ? k6[b] & 63 : (k6[b + 4] & 0x0F) | ((k6[b - 4] >> 6) << 4);
+            const uint8_t min = b < 4 ? k6[b + 4] & 63 : (k6[b + 4] >> 4) | ((k6[b] >> 6) << 4);
+            scales[(g * nb + s * 8 + b) * GROUP + j] = scale;
+            mins[(g * nb + s * 8 + b) * GROUP + j] = min;
+          }
+          const uint8_t* nibbles = x + (fifth ? 48 : 16);
+          for (int w = 0; w < 256; ++w) {
+            const int b = w / 32, i = w % 32;
+            q[w] = (nibbles[(b / 2) * 32 + i] >> (4 * (b % 2))) & 0x0F;
+            if (fifth) q[w] |= ((x[16 + i] >> b) & 1) << 4;
+          }
+        }
+        ds[(g * supers + s) * GROUP + j] = dd;
+        if (!six) dms[(g * supers + s) * GROUP + j] = dm;
+        for (int b = 0; b < 8; ++b) {  // the 8 blocks of 32 in the group's layout (``chunk_bytes``, above)
+          const uint8_t* v = q + b * 32;
+          uint8_t* blk = out + (g * nb + s * 8 + b) * block_bytes;
+          if (six) {
+            for (int c = 0; c < 8; ++c)
+              for (int k = 0; k < 4; ++k) blk[c * 32 + j * 4 + k] = v[4 * c + k];
+            continue;
+          }
+          for (int c = 0; c < 4; ++c)
+            for (int k = 0; k < 4; ++k) blk[c * 32 + j * 4 + k] = (v[4 * c + k] & 15) | ((v[16 + 4 * c + k] & 15) << 4);
+          if (fifth) {
+            uint8_t* f = fifths + (g * nb + s * 8 + b) * 32 + j * 4;
+            for (int k = 0; k < 4; ++k) {
+              uint8_t bits = 0;
+              for (int c = 0; c < 4; ++c)
+                bits |= ((v[4 * c + k] >> 4) << (2 * c)) | ((v[16 + 4 * c + k] >> 4) << (2 * c + 1));
+              f[k] = bits;
+            }
+          }
+        }
+      }
+    }
+  });
+  return {qs, qh, sc, mn, d, dmin};
+}
+
 
 at::Tensor mm(int64_t id, const at::Tensor& x) {
   auto w = find(id);
@@ -420,20 +585,21 @@ at::Tensor multiply(const Matrix& w, const at::Tensor& x_in) {
   const Acts a = quantize(x);
   at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr());
-  if (w.kind == U4) w.wide ? run<U4, true>(w, a, out) : run<U4, false>(w, a, out);
-  else if (w.kind == U5) w.wide ? run<U5, true>(w, a, out) : run<U5, false>(w, a, out);
-  else if (w.kind == U8) w.wide ? run<U8, true>(w, a, out) : run<U8, false>(w, a, out);
-  else w.wide ? run<S8, true>(w, a, out) : run<S8, false>(w, a, out);
+  if (w.kind == U4) by_scaling<U4>(w, a, out);
+  else if (w.kind == U5) by_scaling<U5>(w, a, out);
+  else if (w.kind == U8) by_scaling<U8>(w, a, out);
+  else by_scaling<S8>(w, a, out);
   return y;
 }
 
 }  // namespace blocks
 
 TORCH_LIBRARY_FRAGMENT(chat_native, lib) {
-  lib.def("blocks_keep(int kind, int rows, int sub, float centre, Tensor qs, Tensor qh, Tensor scales, Tensor mins) "
-          "-> int",
+  lib.def("blocks_keep(int kind, int rows, int sub, float centre, Tensor qs, Tensor qh, Tensor scales, Tensor mins, "
+          "int per_super, Tensor dsuper, Tensor msuper) -> int",
           &blocks::keep);
   lib.def("blocks_forget(int id) -> ()", &blocks::forget);
+  lib.def("blocks_repack_k(int type, Tensor raw) -> Tensor[]", &blocks::repack_k);
   lib.def("blocks_vnni() -> bool", &blocks::vnni);
   lib.def("blocks_mm(int id, Tensor x) -> Tensor", &blocks::mm);
 }

@@ -18,12 +18,19 @@ enum Kind : int64_t {
   U8 = 3,  // 32 bytes q + 128, w = s * (q - 128): the signed bytes without their sign trick (VNNI builds only)
 };
 
+// How the block scales (and mins) are stored: a float per block (f16 where the file's are, else float32), or as
+// K-quants store them, a byte per block (signed for the 8-bit kinds) times an f16 per super-block of
+// ``per_super`` blocks: s = d * sc, z = -(dmin * mn) (the file's numbers unchanged: no wider than the file).
+enum Scaling : int64_t { F16 = 0, F32 = 1, SUPER = 2 };
+
 struct Matrix {
   int64_t kind = U4, rows = 0, cols = 0, blocks = 0;
   int64_t sub = 1;      // scales per 32 weights: 1, or 2 (S8 with 16-weight sub-blocks, Q6_K)
-  bool wide = false;    // scales and mins as float32 (else f16)
+  int64_t scaling = F16;
+  int64_t per_super = 0;  // SUPER: blocks a super-block
   float centre = 0.f;   // U4/U5 without stored mins: z = -centre * s
   at::Tensor qs, qh, scales, mins;  // (rows, blocks, 16 | 32) u8; (rows, blocks, 4) u8; (rows, blocks * sub); (rows, blocks)
+  at::Tensor dsuper, msuper;        // SUPER: (rows, blocks / per_super) f16 d and dmin (none for S8/U8)
 };
 
 // y = x W^T for bf16 x (rows, cols) -> bf16 (rows, W.rows). Each row of x is quantized to 8 bits per 32

@@ -5,8 +5,8 @@ decoded (a float type; ``affine``: w = s·q + z per 32 weights with q of ``bits`
 ``signed``: w = s·q with signed q, ``gguf.signed``; otherwise gguf-py dequantizes it to a dense part), which
 products take it (the int4 kernel takes the affine types: one product for 4 bits, two summed for 5 to 8; the
 C++ block products take affine and signed types in the form ``product`` names, whose id the C++ library knows
-as ``quant.Blocks.FORMS``) and whether its bytes move to the block products as stored (``gguf.regroup``)
-rather than from their decoded parts.
+as ``quant.Blocks.FORMS``) and whether its bytes move to the block products as stored (``gguf.regroup``; the
+K-quants by the C++ library's ``blocks_repack_k``) rather than from their decoded parts.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ TYPES = {t.id: t for t in (
     BlockType(6, "Q5_0", 32, 22, bits=5, stored=True, product="q5"),
     BlockType(7, "Q5_1", 32, 24, bits=5, stored=True, product="q5"),
     BlockType(8, "Q8_0", 32, 34, bits=8, signed=True, stored=True, product="q8"),
-    BlockType(12, "Q4_K", 256, 144, bits=4, product="q4"),
-    BlockType(13, "Q5_K", 256, 176, bits=5, product="q5"),
-    BlockType(14, "Q6_K", 256, 210, signed=True, product="q8"),
+    BlockType(12, "Q4_K", 256, 144, bits=4, stored=True, product="q4"),
+    BlockType(13, "Q5_K", 256, 176, bits=5, stored=True, product="q5"),
+    BlockType(14, "Q6_K", 256, 210, signed=True, stored=True, product="q8"),
     BlockType(10, "Q2_K", 256, 84),
     BlockType(11, "Q3_K", 256, 110),
 )}

@@ -284,6 +284,35 @@ def regroup(kind: int, raw: torch.Tensor, rows: int = 8) -> tuple:
     return qs, qh.contiguous(), halves(0), mins, centre
 
 
+K_QUANTS = (Q4_K, Q5_K, Q6_K)  # scales of 6 or 8 bits a sub-block times an f16 a super-block: ``k_parts``
+
+
+def k_parts(t: Tensor) -> tuple:
+    """A K-quant tensor (``K_QUANTS``) as its numbers unmultiplied: (q (rows, cols) uint8 in 0 .. 2^bits - 1 for
+    Q4_K and Q5_K, int8 in -32 .. 31 for Q6_K; sc (rows, sub-blocks) its sub-blocks' scales, uint8 (int8 for
+    Q6_K); mn (rows, sub-blocks) uint8 mins or None; d, dmin (rows, super-blocks) f16, dmin None for Q6_K), with
+    w = d * sc * q - dmin * mn per sub-block of 32 weights (16 for Q6_K): what ``affine`` and ``signed`` multiply
+    out, as gguf-py does (d * sc, then times q)."""
+    blocks = _blocks(t)
+    rows, n = blocks.shape[0], blocks.shape[1]
+    halves = blocks[..., -2:] if t.kind == Q6_K else blocks[..., 0:4]
+    f16 = halves.contiguous().view(torch.float16)  # (rows, n, 1 or 2)
+    if t.kind == Q6_K:
+        ql, qh = blocks[..., :128], blocks[..., 128:192]
+        sc = blocks[..., 192:208].contiguous().view(torch.int8)
+        low = (ql.reshape(rows, n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]) & 0x0F
+        high = (qh.reshape(rows, n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 0x03
+        q = (low.reshape(rows, n, 256) | (high.reshape(rows, n, 256) << 4)).to(torch.int8) - 32
+        return q.reshape(rows, -1), sc.reshape(rows, -1), None, f16[..., 0], None
+    sc, mn = _k_scales(blocks[:, :, 4:16])
+    qs = blocks[:, :, -128:].reshape(rows, -1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]
+    q = (qs & 0x0F).reshape(rows, -1, 8, 32)
+    if t.kind == Q5_K:
+        qh = blocks[:, :, 16:48].reshape(rows, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
+        q = q | ((qh & 1) << 4)
+    return q.reshape(rows, -1), sc.reshape(rows, -1), mn.reshape(rows, -1), f16[..., 0], f16[..., 1]
+
+
 def signed(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 or Q6_K tensor as (q (rows, cols) int8, s (rows, cols / 32 for Q8_0, cols / 16 for Q6_K)
     float32) with w = s * q: each weight exactly as gguf-py dequantizes it (same float32 operations)."""
@@ -291,20 +320,20 @@ def signed(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return int8_parts(t)
     if t.kind != Q6_K:
         raise ValueError(f"{t.name}: {type_name(t.kind)} is not Q8_0 or Q6_K")
-    blocks = _blocks(t)
-    rows, n = blocks.shape[0], blocks.shape[1]
-    ql, qh = blocks[..., :128], blocks[..., 128:192]
-    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
-    d = _halves(blocks, 208)[..., None]
-    low = (ql.reshape(rows, n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]) & 0x0F
-    high = (qh.reshape(rows, n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 0x03
-    q = (low.reshape(rows, n, 256) | (high.reshape(rows, n, 256) << 4)).to(torch.int8) - 32
-    return q.reshape(rows, -1), (d * scales).reshape(rows, -1)
+    q, sc, _, d, _ = k_parts(t)
+    rows = q.shape[0]
+    return q, (d.float()[..., None] * sc.reshape(rows, d.shape[1], -1).float()).reshape(rows, -1)
 
 
 def affine(t: Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A tensor of a type in ``AFFINE`` as (q (rows, cols) uint8 in 0 .. 2^bits - 1, s, z (rows, cols / 32)
     float32) with w = s * q + z: each weight exactly as gguf-py dequantizes it (same float32 operations)."""
+    if t.kind in (Q4_K, Q5_K):
+        q, sc, mn, d, dmin = k_parts(t)
+        per = (q.shape[0], d.shape[1], 8)
+        s = d.float()[..., None] * sc.reshape(per).float()  # (rows, super-blocks, 8), as gguf-py
+        z = dmin.float()[..., None] * mn.reshape(per).float()
+        return q, s.reshape(q.shape[0], -1), -z.reshape(q.shape[0], -1)
     blocks = _blocks(t)
     rows = blocks.shape[0]
     if t.kind in (Q4_0, Q4_1, Q5_0, Q5_1):
@@ -321,14 +350,4 @@ def affine(t: Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if t.kind == Q8_0:
         q, d = int8_parts(t)
         return (q.to(torch.int16) + 128).to(torch.uint8), d, -128 * d
-    if t.kind in (Q4_K, Q5_K):
-        d, dmin = _halves(blocks, 0)[..., None], _halves(blocks, 2)[..., None]
-        sc, mn = _k_scales(blocks[:, :, 4:16])
-        s, z = d * sc.float(), dmin * mn.float()  # (rows, super-blocks, 8), as gguf-py
-        qs = blocks[:, :, -128:].reshape(rows, -1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]
-        q = (qs & 0x0F).reshape(rows, -1, 8, 32)
-        if t.kind == Q5_K:
-            qh = blocks[:, :, 16:48].reshape(rows, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
-            q = q | ((qh & 1) << 4)
-        return q.reshape(rows, -1), s.reshape(rows, -1), -z.reshape(rows, -1)
     raise ValueError(f"{t.name}: {type_name(t.kind)} is not of the form s * q + z per 32 weights")

@@ -175,54 +175,88 @@ class Blocks:
     ROWS = 8  # rows a group
 
     def __init__(self, kind: int, rows: int, qs: torch.Tensor, qh: torch.Tensor, scales: torch.Tensor,
-                 mins: torch.Tensor, centre: float = 0.0, sub: int = 1) -> None:
+                 mins: torch.Tensor, centre: float = 0.0, sub: int = 1, supers: tuple | None = None) -> None:
         """The stored form: ``qs`` (groups, blocks, bytes) u8, ``qh`` the U5 fifth bits (groups, blocks, 32),
         ``scales`` (groups, blocks * sub, 8) and ``mins`` (groups, blocks, 8, or empty: z = -centre * s),
-        f16 or float32 (see ``from_parts``, ``gguf.regroup``)."""
+        f16 or float32 (see ``from_parts``, ``gguf.regroup``); or with ``supers`` (blocks a super-block, d,
+        dmin: (groups, super-blocks, 8) f16, dmin None for the 8-bit kinds), a K-quant's bytes: s = d * scales,
+        z = -(dmin * mins) (``from_k``)."""
         self.kind, self.qs, self.qh, self.scales, self.mins = kind, qs, qh, scales, mins
         self.centre, self.sub = centre, sub
+        self.per_super, self.dsuper, self.msuper = supers or (0, None, None)
         self.out_features, self.in_features = rows, qs.shape[1] * GROUP
-        self.id = torch.ops.chat_native.blocks_keep(kind, rows, sub, centre, qs, qh, scales, mins)
+        empty = torch.empty(0, dtype=torch.float16)
+        self.id = torch.ops.chat_native.blocks_keep(
+            kind, rows, sub, centre, qs, qh, scales, mins, self.per_super,
+            empty if self.dsuper is None else self.dsuper, empty if self.msuper is None else self.msuper)
         weakref.finalize(self, torch.ops.chat_native.blocks_forget, self.id)
+
+    @classmethod
+    def _packed(cls, q: torch.Tensor, bits: int, sub: int) -> tuple:
+        """(kind, qs, qh, centre) of ``q`` (out, in): uint8 in 0 .. 2^bits - 1 (w = s * q + z), or for ``bits``
+        8, int8 (w = s * q), ``sub`` scales a block."""
+        rows, cols = q.shape
+        nb = cols // GROUP
+        groups = -(-rows // cls.ROWS)
+        pad = groups * cls.ROWS - rows
+        qh = torch.empty(0, dtype=torch.uint8)
+        if bits == 8:
+            kind = cls.U8 if sub == 1 and unsigned_bytes() else cls.S8
+            stored = F.pad(q.view(torch.uint8), (0, 0, 0, pad))  # padding rows: q = 0
+            stored = stored ^ 0x80 if kind == cls.U8 else stored  # q + 128
+            # (groups, 8 rows, blocks, 8 chunks, 4) -> (groups, blocks, chunk, row, 4)
+            grouped = stored.reshape(groups, cls.ROWS, nb, 8, 4)
+            qs = grouped.permute(0, 2, 3, 1, 4).reshape(groups, nb, 256).contiguous()
+            return kind, qs, qh, 128.0 if kind == cls.U8 else 0.0
+        kind = cls.U4 if bits == 4 else cls.U5
+        grouped = F.pad(q, (0, 0, 0, pad)).reshape(groups, cls.ROWS, nb, 2, 4, 4)  # half, chunk, 4
+        low = grouped & 15
+        packed = low[:, :, :, 0] | (low[:, :, :, 1] << 4)  # (groups, row, blocks, chunk, 4)
+        qs = packed.permute(0, 2, 3, 1, 4).reshape(groups, nb, 128).contiguous()
+        if bits == 5:  # byte 4 j + k, bit 2 c + half: row j's weight 4 c + k (+ 16 for the high half)
+            fifth = (grouped >> 4).permute(0, 2, 4, 3, 1, 5).reshape(groups, nb, 8, 32)
+            qh = (fifth << torch.arange(8, dtype=torch.uint8)[:, None]).sum(2, dtype=torch.uint8)
+        return kind, qs, qh, float(1 << (bits - 1))
 
     @classmethod
     def from_parts(cls, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, bits: int) -> "Blocks":
         """``q``: (out, in) uint8 in 0 .. 2^bits - 1 with w = s * q + z per 32 weights (``gguf.affine``), or
         for ``bits`` 8 with ``z`` None, int8 with w = s * q per 32 or 16 weights (``gguf.signed``)."""
-        rows, cols = q.shape
-        nb = cols // GROUP
-        groups = -(-rows // cls.ROWS)
-        pad = groups * cls.ROWS - rows
+        nb = q.shape[1] // GROUP
         centre = float(1 << (bits - 1))
         symmetric = z is None or bool((z == -centre * s).all())
-        qh = torch.empty(0, dtype=torch.uint8)
         if bits == 8:
             if not symmetric:
                 raise ValueError("8-bit blocks must be symmetric")
-            signed = q.to(torch.int8) if z is None else (q.to(torch.int16) - 128).to(torch.int8)
-            kind = cls.U8 if s.shape[1] == nb and unsigned_bytes() else cls.S8
-            stored = F.pad(signed.view(torch.uint8), (0, 0, 0, pad))  # padding rows: q = 0
-            stored = stored ^ 0x80 if kind == cls.U8 else stored  # q + 128
-            # (groups, 8 rows, blocks, 8 chunks, 4) -> (groups, blocks, chunk, row, 4)
-            grouped = stored.reshape(groups, cls.ROWS, nb, 8, 4)
-            qs = grouped.permute(0, 2, 3, 1, 4).reshape(groups, nb, 256).contiguous()
-            centre = 128.0 if kind == cls.U8 else 0.0
-        else:
-            kind = cls.U4 if bits == 4 else cls.U5
-            grouped = F.pad(q, (0, 0, 0, pad)).reshape(groups, cls.ROWS, nb, 2, 4, 4)  # half, chunk, 4
-            low = grouped & 15
-            packed = low[:, :, :, 0] | (low[:, :, :, 1] << 4)  # (groups, row, blocks, chunk, 4)
-            qs = packed.permute(0, 2, 3, 1, 4).reshape(groups, nb, 128).contiguous()
-            if bits == 5:  # byte 4 j + k, bit 2 c + half: row j's weight 4 c + k (+ 16 for the high half)
-                fifth = (grouped >> 4).permute(0, 2, 4, 3, 1, 5).reshape(groups, nb, 8, 32)
-                qh = (fifth << torch.arange(8, dtype=torch.uint8)[:, None]).sum(2, dtype=torch.uint8)
+            q = q.to(torch.int8) if z is None else (q.to(torch.int16) - 128).to(torch.int8)
+        kind, qs, qh, centre = cls._packed(q, bits, s.shape[1] // nb)
         mins = z if z is not None and not symmetric else torch.empty(0)
         exact = all(bool((t.half().float() == t).all()) for t in (s, mins))
         dtype = torch.float16 if exact else torch.float32
         scales = by_group(s.to(dtype), cls.ROWS)
         mins = by_group(mins.to(dtype), cls.ROWS) if mins.numel() else mins.to(dtype)
-        return cls(kind, rows, qs, qh, scales, mins, centre if symmetric and kind != cls.S8 else 0.0,
+        return cls(kind, q.shape[0], qs, qh, scales, mins, centre if symmetric and kind != cls.S8 else 0.0,
                    s.shape[1] // nb)
+
+    @classmethod
+    def from_k(cls, q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor | None, d: torch.Tensor,
+               dmin: torch.Tensor | None, bits: int) -> "Blocks":
+        """A K-quant's parts (``gguf.k_parts``: Q4_K and Q5_K with ``bits`` 4 and 5, Q6_K as 8-bit q with two
+        scales a block) kept as the file has them: byte scales and mins, an f16 d and dmin a super-block."""
+        nb = q.shape[1] // GROUP
+        kind, qs, qh, _ = cls._packed(q, bits, sc.shape[1] // nb)
+        supers = (nb // d.shape[1], by_group(d, cls.ROWS), None if dmin is None else by_group(dmin, cls.ROWS))
+        mins = torch.empty(0, dtype=torch.uint8) if mn is None else by_group(mn, cls.ROWS)
+        return cls(kind, q.shape[0], qs, qh, by_group(sc, cls.ROWS), mins, 0.0, sc.shape[1] // nb, supers)
+
+    @classmethod
+    def from_k_bytes(cls, rows: int, qs: torch.Tensor, qh: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
+                     d: torch.Tensor, dmin: torch.Tensor) -> "Blocks":
+        """A K-quant's blocks as the C++ library moved them from the file's bytes (``blocks_repack_k``): the
+        layout ``from_k`` builds."""
+        six = sc.dtype == torch.int8
+        return cls(cls.S8 if six else cls.U5 if qh.numel() else cls.U4, rows, qs, qh, sc, mn, 0.0,
+                   2 if six else 1, (8, d, None if six else dmin))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.chat_native.blocks_mm(self.id, x)
@@ -234,7 +268,7 @@ class Blocks:
 
         def by_row(t: torch.Tensor) -> torch.Tensor:  # (groups, blocks * sub, 8) -> (rows, blocks * sub)
             return t.float().transpose(1, 2).reshape(padded, -1)[:rows]
-        s = by_row(self.scales)
+        s = by_row(self._scales())
         if self.kind in (self.S8, self.U8):
             q = self._signed().reshape(groups, nb, 8, self.ROWS, 4).permute(0, 3, 1, 2, 4)
             q = q.reshape(padded, nb * self.sub, -1)[:rows].float()
@@ -247,8 +281,26 @@ class Blocks:
             bits = bits.reshape(groups, nb, 4, 2, self.ROWS, 4).permute(0, 4, 1, 3, 2, 5)
             q = q | (bits.to(torch.uint8) << 4)
         q = q.reshape(padded, nb, GROUP)[:rows].float()
-        z = by_row(self.mins)[..., None] if self.mins.numel() else -self.centre * s[..., None]
+        z = by_row(self._mins())[..., None] if self.mins.numel() else -self.centre * s[..., None]
         return (q * s[..., None] + z).reshape(rows, -1)
+
+    def _scales(self, groups: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks' scales as float32: (groups, blocks * sub, 8), or with ``groups`` and ``rows`` (ids' group
+        and row in it) those rows' (ids, blocks * sub)."""
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if groups is None else t[groups, :, rows]
+        if not self.per_super:
+            return pick(self.scales).float()
+        assert self.dsuper is not None
+        d = pick(self.dsuper).repeat_interleave(self.per_super * self.sub, dim=1)
+        return d.float() * pick(self.scales).float()
+
+    def _mins(self) -> torch.Tensor:
+        """The blocks' mins as float32, (groups, blocks, 8)."""
+        if not self.per_super:
+            return self.mins.float()
+        assert self.msuper is not None
+        return -(self.msuper.repeat_interleave(self.per_super, dim=1).float() * self.mins.float())
 
     def _signed(self) -> torch.Tensor:
         return (self.qs ^ 0x80 if self.kind == self.U8 else self.qs).view(torch.int8)
@@ -266,7 +318,7 @@ class Blocks:
         g, j = ids // self.ROWS, ids % self.ROWS
         q = self.qs.reshape(groups, nb, 8, self.ROWS, 4)[g, :, :, j]  # (ids, blocks, chunk, 4)
         q = (q ^ 0x80 if self.kind == self.U8 else q).view(torch.int8)
-        s = self.scales[g, :, j].float()  # (ids, blocks * sub)
+        s = self._scales(g, j)  # (ids, blocks * sub)
         return (q.reshape(len(ids), nb * self.sub, GROUP // self.sub).float() * s[..., None]).reshape(len(ids), -1)
 
     @property
@@ -275,7 +327,8 @@ class Blocks:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.qh, self.scales, self.mins))
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.qh, self.scales, self.mins, self.dsuper,
+                                                          self.msuper) if t is not None)
 
 
 class Dense:

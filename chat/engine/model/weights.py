@@ -122,8 +122,8 @@ class _Reader:
         if kind in gguf.STORED:  # moved as stored
             raw = torch.cat([self._order(n, gguf.raw_blocks(self.tensor(n))) for n in names])
             return _stored(kind, raw)
-        parts = [tuple(self._order(n, a) for a in _block_parts(self.tensor(n))) for n in names]
-        return _block_product(kind, [torch.cat(p) for p in zip(*parts)])
+        parts = [tuple(None if a is None else self._order(n, a) for a in _block_parts(self.tensor(n))) for n in names]
+        return _block_product(kind, [None if p[0] is None else torch.cat(p) for p in zip(*parts)])
 
     def vector(self, name: str) -> torch.Tensor | None:
         if name not in self.f.tensors:
@@ -143,10 +143,14 @@ class _Reader:
 
 
 def _block_parts(t: gguf.Tensor) -> tuple:
+    if t.kind in gguf.K_QUANTS:
+        return gguf.k_parts(t)
     return gguf.signed(t) if t.kind in gguf.SIGNED else gguf.affine(t)
 
 
 def _block_product(kind: int, parts: list) -> quant.Blocks:
+    if kind in gguf.K_QUANTS:  # their byte scales and f16 super-block scales as the file has them
+        return quant.Blocks.from_k(*parts, gguf.BITS.get(kind, 8))
     if kind in gguf.SIGNED:
         return quant.Blocks.from_parts(parts[0], parts[1], None, 8)
     q, s, z = parts
@@ -154,6 +158,8 @@ def _block_product(kind: int, parts: list) -> quant.Blocks:
 
 
 def _stored(kind: int, raw: torch.Tensor) -> quant.Blocks:
+    if kind in gguf.K_QUANTS:
+        return quant.Blocks.from_k_bytes(raw.shape[0], *torch.ops.chat_native.blocks_repack_k(kind, raw))
     qs, qh, scales, mins, centre = gguf.regroup(kind, raw, quant.Blocks.ROWS)
     product = TYPES[kind].product
     assert product is not None, gguf.type_name(kind)
