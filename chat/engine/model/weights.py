@@ -150,7 +150,8 @@ def _block_parts(t: gguf.Tensor) -> tuple:
 
 def _block_product(kind: int, parts: list) -> quant.Blocks:
     if kind in gguf.K_QUANTS:  # their byte scales and f16 super-block scales as the file has them
-        return quant.Blocks.from_k(*parts, gguf.BITS.get(kind, 8))
+        q, sc, mn, d, dmin = parts
+        return quant.Blocks.from_k(q, sc, mn, d, dmin, gguf.BITS.get(kind, 8))
     if kind in gguf.SIGNED:
         return quant.Blocks.from_parts(parts[0], parts[1], None, 8)
     q, s, z = parts
