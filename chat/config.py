@@ -48,9 +48,9 @@ class Settings:
             "native bf16 (`avx512_bf16` or `amx_bf16`), and float32 elsewhere.")
     quant: str = _setting(
         "CHAT_QUANT", "auto", read.choice("auto", "int4", "off"),
-        doc="Weights of a GGUF model on the CPU. `auto`: the file's blocks (Q4_0..Q8_0 as stored; Q4_K, Q5_K, "
-            "Q6_K from their decoded parts; exact) on the C++ library's block kernels with 8-bit activations, "
-            "as llama.cpp multiplies them "
+        doc="Weights of a GGUF model on the CPU. `auto`: the file's blocks (Q4_0..Q8_0, Q4_K, Q5_K, Q6_K as "
+            "stored, their scales as the file has them; exact) on the C++ library's block kernels with 8-bit "
+            "activations, as llama.cpp multiplies them "
             "(`weights: blocks`); float types and Q2_K/Q3_K dense. Until that library is built (a first start; "
             "`CHAT_NATIVE`) and without a C++ compiler: torch's int4 kernel (`weights: int4`; s and z in bf16), "
             "with dense bf16 copies for long prefills on CPUs with native bf16. Either is checked against dense "
