@@ -20,7 +20,7 @@ from chat.engine.model import weights
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 pytestmark = pytest.mark.usefixtures("library")  # built (or found) and loaded once
-FORMS = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q5_0": "q5", "Q5_1": "q5", "Q5_K": "q5", "Q8_0": "q8", "Q6_K": "q8"}
+FORMS = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q5_0": "q5", "Q5_1": "q5", "Q5_K": "q5", "Q8_0": "q8", "Q6_K": "q6"}
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -38,16 +38,18 @@ def test_the_blocks_keep_the_files_weights_bit_for_bit(kind, rows):
     assert torch.equal(matrix.mins.float(), decoded.mins.float()) and matrix.centre == decoded.centre
     assert (matrix.kind, matrix.sub, matrix.per_super) == (decoded.kind, decoded.sub, decoded.per_super)
     # 32-weight blocks keep the file's f16 scales: at most its size and a min a block; K-quants their byte scales
-    # and f16 super-block scales (4 bytes of 6-bit scales and mins a super-block unpacked to 16): at most 3% more,
-    # but Q6_K's 6 bits a byte: 6.6 -> 8.6 bits a weight there
+    # and f16 super-block scales (Q4_K/Q5_K: 12 bytes of 6-bit scales and mins a super-block unpacked to 16): at
+    # most 3% more; Q6_K exactly its size
     padded = -(-rows // 8) * 8 / rows
-    assert matrix.nbytes <= tensor.raw.nbytes * padded * {"Q6_K": 1.31}.get(kind, 1.12 if "K" not in kind else 1.03)
+    assert matrix.nbytes <= tensor.raw.nbytes * padded * {"Q6_K": 1.0}.get(kind, 1.12 if "K" not in kind else 1.03)
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_byte_scales_multiply_as_their_float_scales(kind):
     """A K-quant's scales kept as the file's bytes times its f16 super-block scales (``Blocks.from_k``) give the
-    products bit for bit that the same blocks with each scale multiplied out to float32 give (``from_parts``)."""
+    products bit for bit that the same blocks with each scale multiplied out to float32 give (``from_parts``);
+    Q6_K's 6-bit form (q in 0..63, its centre 32 taken off by each half's activation sum) within float rounding
+    of the signed bytes' products."""
     tensor, _ = blocks_of(kind, rows=45, cols=512, seed=3)
     x = torch.randn(11, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
 
@@ -59,7 +61,11 @@ def test_k_quants_byte_scales_multiply_as_their_float_scales(kind):
     kept, ours, theirs, floats = on_thread(products)
     assert kept.per_super == 8 and kept.scales.dtype in (torch.uint8, torch.int8)
     assert floats.per_super == 0 and floats.scales.dtype == torch.float32  # d * sc is not exactly f16 here
-    assert torch.equal(ours, theirs)
+    if kind == "Q6_K":
+        assert kept.form == "q6" and floats.form == "q8"
+        assert float((ours.float() - theirs.float()).norm() / theirs.float().norm()) < 2e-3  # bf16 outputs' ulps
+    else:
+        assert torch.equal(ours, theirs)
     assert kept.nbytes < floats.nbytes
 
 

@@ -16,6 +16,7 @@ enum Kind : int64_t {
   U5 = 1,  // as U4, plus 4 bytes of fifth bits (bit i: weight i's), q in 0..31
   S8 = 2,  // 32 signed bytes, w = s * q (no min)
   U8 = 3,  // 32 bytes q + 128, w = s * (q - 128): the signed bytes without their sign trick (VNNI builds only)
+  U6 = 4,  // as U4, plus 8 bytes of the weights' high 2 bits, q in 0..63, w = s * (q - 32) per 16 (Q6_K)
 };
 
 // How the block scales (and mins) are stored: a float per block (f16 where the file's are, else float32), or as
@@ -29,7 +30,7 @@ struct Matrix {
   int64_t scaling = F16;
   int64_t per_super = 0;  // SUPER: blocks a super-block
   float centre = 0.f;   // U4/U5 without stored mins: z = -centre * s
-  at::Tensor qs, qh, scales, mins;  // (rows, blocks, 16 | 32) u8; (rows, blocks, 4) u8; (rows, blocks * sub); (rows, blocks)
+  at::Tensor qs, qh, scales, mins;  // (rows, blocks, 16 | 32) u8; (rows, blocks, 4 | 8) u8; (rows, blocks * sub); (rows, blocks)
   at::Tensor dsuper, msuper;        // SUPER: (rows, blocks / per_super) f16 d and dmin (none for S8/U8)
 };
 

@@ -23,7 +23,7 @@ class BlockType:
     bits: int | None = None  # affine: w = s * q + z per 32 weights with q of this many bits (``gguf.affine``)
     signed: bool = False  # w = s * q with signed q (``gguf.signed``)
     stored: bool = False  # moved to the block products as stored (``gguf.regroup``), not decoded
-    product: str | None = None  # the block products' form: "q4", "q5", "q8" (None: dense)
+    product: str | None = None  # the block products' form: "q4", "q5", "q6", "q8" (None: dense)
 
 
 TYPES = {t.id: t for t in (
@@ -37,7 +37,7 @@ TYPES = {t.id: t for t in (
     BlockType(8, "Q8_0", 32, 34, bits=8, signed=True, stored=True, product="q8"),
     BlockType(12, "Q4_K", 256, 144, bits=4, stored=True, product="q4"),
     BlockType(13, "Q5_K", 256, 176, bits=5, stored=True, product="q5"),
-    BlockType(14, "Q6_K", 256, 210, signed=True, stored=True, product="q8"),
+    BlockType(14, "Q6_K", 256, 210, signed=True, stored=True, product="q6"),
     BlockType(10, "Q2_K", 256, 84),
     BlockType(11, "Q3_K", 256, 110),
 )}

@@ -169,9 +169,10 @@ class Blocks:
     file's numbers unchanged (scales and mins in f16 where they are exactly f16, else float32). Rows go in
     groups of 8, each block's bytes interleaved 4 by 4 across the group (``blocks.cpp`` draws it)."""
 
-    U4, U5, S8, U8 = 0, 1, 2, 3  # the C++ library's ids of the forms
-    KINDS = {U4: "q4", U5: "q5", S8: "q8", U8: "q8"}
-    FORMS = {"q4": U4, "q5": U5, "q8": S8}  # a block type's ``product`` (blocktypes.py) -> its form
+    U4, U5, S8, U8, U6 = 0, 1, 2, 3, 4  # the C++ library's ids of the forms
+    KINDS = {U4: "q4", U5: "q5", S8: "q8", U8: "q8", U6: "q6"}
+    FORMS = {"q4": U4, "q5": U5, "q8": S8, "q6": U6}  # a block type's ``product`` (blocktypes.py) -> its form
+    SIX = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8)  # U6: a high-bits plane's shift of [chunk % 2][half]
     ROWS = 8  # rows a group
 
     def __init__(self, kind: int, rows: int, qs: torch.Tensor, qh: torch.Tensor, scales: torch.Tensor,
@@ -208,7 +209,7 @@ class Blocks:
             grouped = stored.reshape(groups, cls.ROWS, nb, 8, 4)
             qs = grouped.permute(0, 2, 3, 1, 4).reshape(groups, nb, 256).contiguous()
             return kind, qs, qh, 128.0 if kind == cls.U8 else 0.0
-        kind = cls.U4 if bits == 4 else cls.U5
+        kind = {4: cls.U4, 5: cls.U5, 6: cls.U6}[bits]
         grouped = F.pad(q, (0, 0, 0, pad)).reshape(groups, cls.ROWS, nb, 2, 4, 4)  # half, chunk, 4
         low = grouped & 15
         packed = low[:, :, :, 0] | (low[:, :, :, 1] << 4)  # (groups, row, blocks, chunk, 4)
@@ -216,6 +217,10 @@ class Blocks:
         if bits == 5:  # byte 4 j + k, bit 2 c + half: row j's weight 4 c + k (+ 16 for the high half)
             fifth = (grouped >> 4).permute(0, 2, 4, 3, 1, 5).reshape(groups, nb, 8, 32)
             qh = (fifth << torch.arange(8, dtype=torch.uint8)[:, None]).sum(2, dtype=torch.uint8)
+        if bits == 6:  # plane p, byte 4 j + k, bits 2 (2 c' + half): row j's weight 4 (2 p + c') + k's high 2 bits
+            high = (grouped >> 4).reshape(groups, cls.ROWS, nb, 2, 2, 2, 4)  # (g, j, blocks, half, p, c', k)
+            high = high.permute(0, 2, 4, 1, 6, 5, 3)  # (g, blocks, p, j, k, c', half)
+            qh = (high << cls.SIX).sum((-2, -1), dtype=torch.uint8).reshape(groups, nb, 64)
         return kind, qs, qh, float(1 << (bits - 1))
 
     @classmethod
@@ -241,13 +246,16 @@ class Blocks:
     @classmethod
     def from_k(cls, q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor | None, d: torch.Tensor,
                dmin: torch.Tensor | None, bits: int) -> "Blocks":
-        """A K-quant's parts (``gguf.k_parts``: Q4_K and Q5_K with ``bits`` 4 and 5, Q6_K as 8-bit q with two
-        scales a block) kept as the file has them: byte scales and mins, an f16 d and dmin a super-block."""
+        """A K-quant's parts (``gguf.k_parts``: Q4_K and Q5_K with ``bits`` 4 and 5, Q6_K with 6, two scales a
+        block) kept as the file has them: byte scales and mins, an f16 d and dmin a super-block."""
         nb = q.shape[1] // GROUP
+        if bits == 6:
+            q = (q + 32).view(torch.uint8)  # w = s * (q - 32)
         kind, qs, qh, _ = cls._packed(q, bits, sc.shape[1] // nb)
         supers = (nb // d.shape[1], by_group(d, cls.ROWS), None if dmin is None else by_group(dmin, cls.ROWS))
         mins = torch.empty(0, dtype=torch.uint8) if mn is None else by_group(mn, cls.ROWS)
-        return cls(kind, q.shape[0], qs, qh, by_group(sc, cls.ROWS), mins, 0.0, sc.shape[1] // nb, supers)
+        return cls(kind, q.shape[0], qs, qh, by_group(sc, cls.ROWS), mins, 32.0 if bits == 6 else 0.0,
+                   sc.shape[1] // nb, supers)
 
     @classmethod
     def from_k_bytes(cls, rows: int, qs: torch.Tensor, qh: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
@@ -255,7 +263,7 @@ class Blocks:
         """A K-quant's blocks as the C++ library moved them from the file's bytes (``blocks_repack_k``): the
         layout ``from_k`` builds."""
         six = sc.dtype == torch.int8
-        return cls(cls.S8 if six else cls.U5 if qh.numel() else cls.U4, rows, qs, qh, sc, mn, 0.0,
+        return cls(cls.U6 if six else cls.U5 if qh.numel() else cls.U4, rows, qs, qh, sc, mn, 32.0 if six else 0.0,
                    2 if six else 1, (8, d, None if six else dmin))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -274,6 +282,10 @@ class Blocks:
             q = q.reshape(padded, nb * self.sub, -1)[:rows].float()
             return (s[..., None] * q).reshape(rows, -1)
         packed = self.qs.reshape(groups, nb, 4, self.ROWS, 4).permute(0, 3, 1, 2, 4)  # (groups, row, blocks, c, 4)
+        if self.kind == self.U6:
+            planes = self.qh.reshape(groups, nb, 2, self.ROWS, 4).permute(0, 3, 1, 2, 4)
+            q6 = self._six(packed, planes).reshape(padded, nb * 2, GROUP // 2)[:rows].float()
+            return ((q6 - self.centre) * s[..., None]).reshape(rows, -1)
         q = torch.stack([packed & 15, packed >> 4], dim=3)  # (groups, row, blocks, half, chunk, 4)
         if self.kind == self.U5:
             # (groups, blocks, 2 c + half, 4 j + k)
@@ -302,20 +314,32 @@ class Blocks:
         assert self.msuper is not None
         return -(self.msuper.repeat_interleave(self.per_super, dim=1).float() * self.mins.float())
 
+    @classmethod
+    def _six(cls, packed: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
+        """U6's q in 0 .. 63, (..., half, chunk, 4), from its nibbles (..., chunk, 4) and planes (..., 2, 4)."""
+        q = torch.stack([packed & 15, packed >> 4], dim=-3)
+        high = (planes[..., :, None, None, :] >> cls.SIX[:, :, None]) & 3  # (..., p, c', half, k)
+        return q | (high.movedim(-2, -4).reshape(*planes.shape[:-2], 2, 4, 4) << 4)
+
     def _signed(self) -> torch.Tensor:
         return (self.qs ^ 0x80 if self.kind == self.U8 else self.qs).view(torch.int8)
 
     @property
-    def eight_bit(self) -> bool:
-        """An 8-bit matrix (Q8_0; Q6_K, a scale per 16 weights): a tied token table's lookups can read it
-        (``lookup``)."""
-        return self.kind in (self.S8, self.U8)
+    def looked_up(self) -> bool:
+        """A matrix whose rows ``lookup`` reads (Q8_0's bytes, Q6_K's 6 bits; a scale per 32 or 16 weights, no
+        min): a tied token table's lookups read it."""
+        return self.kind in (self.S8, self.U8, self.U6)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of an 8-bit matrix's weights, float32 (len(ids), in): a table's lookups read its blocks."""
-        assert self.eight_bit
+        """Rows ``ids`` of the weights (``looked_up``), float32 (len(ids), in): a table's lookups read its blocks."""
+        assert self.looked_up
         groups, nb = self.qs.shape[:2]
         g, j = ids // self.ROWS, ids % self.ROWS
+        if self.kind == self.U6:
+            packed = self.qs.reshape(groups, nb, 4, self.ROWS, 4)[g, :, :, j]  # (ids, blocks, chunk, 4)
+            planes = self.qh.reshape(groups, nb, 2, self.ROWS, 4)[g, :, :, j]
+            q6 = self._six(packed, planes).reshape(len(ids), nb * 2, GROUP // 2).float()
+            return ((q6 - self.centre) * self._scales(g, j)[..., None]).reshape(len(ids), -1)
         q = self.qs.reshape(groups, nb, 8, self.ROWS, 4)[g, :, :, j]  # (ids, blocks, chunk, 4)
         q = (q ^ 0x80 if self.kind == self.U8 else q).view(torch.int8)
         s = self._scales(g, j)  # (ids, blocks * sub)

@@ -151,7 +151,7 @@ def _block_parts(t: gguf.Tensor) -> tuple:
 def _block_product(kind: int, parts: list) -> quant.Blocks:
     if kind in gguf.K_QUANTS:  # their byte scales and f16 super-block scales as the file has them
         q, sc, mn, d, dmin = parts
-        return quant.Blocks.from_k(q, sc, mn, d, dmin, gguf.BITS.get(kind, 8))
+        return quant.Blocks.from_k(q, sc, mn, d, dmin, gguf.BITS.get(kind, 6))  # Q6_K: 6
     if kind in gguf.SIGNED:
         return quant.Blocks.from_parts(parts[0], parts[1], None, 8)
     q, s, z = parts
@@ -245,7 +245,7 @@ def from_gguf(f: gguf.GGUFFile, mode: str, dtype: torch.dtype = torch.bfloat16, 
     table = "token_embd.weight"
     head_name = "output.weight" if "output.weight" in f.tensors else table
     head_quant = _quantized(r, [head_name], blocks) if mode != "off" else None
-    if isinstance(head_quant, quant.Blocks) and head_name == table and head_quant.eight_bit:
+    if isinstance(head_quant, quant.Blocks) and head_name == table and head_quant.looked_up:
         # a tied Q8_0 or Q6_K table: lookups read the head's blocks (not a dense bf16 copy: 500 MB for Llama 3.2's)
         embed = Embedding(blocks=head_quant, dtype=dtype)
     elif mode != "off" and r.tensor(table).kind not in (gguf.F32, gguf.F16, gguf.BF16):
