@@ -2,6 +2,9 @@
 context overflows, so the next turns' prompts extend the previous one and reuse its KV."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from helpers import collect, make_engine
 from transformers import AutoTokenizer
@@ -12,6 +15,7 @@ from chat.errors import PromptTooLong
 
 BUDGET = 600
 SYSTEM = {"role": "system", "content": "SYSTEM-MARK"}
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +88,32 @@ def test_the_cut_depends_on_the_history_alone(tokenizer):
     prompt._COUNTS.clear()
     assert prompt.fit(tokenizer, messages, BUDGET) == (ids, dropped)
     assert prompt.fit(tokenizer, messages, BUDGET) == (ids, dropped)  # and from the remembered counts
+
+
+def test_tool_calls_count_so_the_cut_still_stays_put(tiny_model):
+    """A template that writes tool calls out (Qwen3's): their arguments count, else the kept part is
+    estimated low, passes the budget when rendered and the cut walks a turn a request as before."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    tokenizer.chat_template = (TEMPLATES / "qwen3.jinja").read_text()
+    messages, requests, budget = [SYSTEM], [], 2 * BUDGET  # a turn here is about 200 tokens
+    for i in range(40):
+        messages = messages + [question(i)]
+        requests.append((messages, *prompt.fit(tokenizer, messages, budget)))
+        arguments = json.dumps({"city": f"city {i}", "notes": f"note {i} " * (4 + i % 9)})
+        messages = messages + [
+            {"role": "assistant", "tool_calls": [{"id": f"call_{i}", "type": "function",
+                                                  "function": {"name": "weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": f"sunny in city {i}"}, answer(i)]
+    moves = stays = 0
+    for (_, old, cut), (_, ids, dropped) in zip(requests, requests[1:]):
+        assert len(ids) <= budget
+        if dropped == cut:
+            stays += cut > 0
+            assert ids[:len(old)] == old
+        else:
+            moves += 1
+            assert len(ids) <= budget * 0.6  # cut to about half at once, not by one turn
+    assert moves >= 3 and stays >= 2 * moves, (moves, stays)
 
 
 def test_a_long_newest_turn_is_kept_alone_and_one_too_long_refused(tokenizer):

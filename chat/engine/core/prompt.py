@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import re
 import weakref
 from typing import Any
@@ -164,6 +165,17 @@ def _count(tokenizer: Any, text: str) -> int:
     return found
 
 
+def _tokens(tokenizer: Any, message: dict) -> int:
+    """A message's own tokens: its text and its tool calls (a low count would make ``fit`` cut past
+    ``cut_start``'s start, which the next turn's replay does not know). Its thinking is left out: templates
+    show it only after the last question (Qwen3), so counting it would waste most of a thinking model's
+    context."""
+    found = _count(tokenizer, message["content"]) if isinstance(message.get("content"), str) else 0
+    if message.get("tool_calls"):
+        found += _count(tokenizer, json.dumps(message["tool_calls"], ensure_ascii=False))
+    return found
+
+
 def cut_start(costs: list[int], starts: list[int], steps: list[int], room: int) -> int:
     """Where the kept history starts (an index into the messages): ``costs`` each message's estimated
     tokens, ``starts`` where turns may start (user messages), ``steps`` the messages that each ended a
@@ -206,8 +218,7 @@ def fit(tokenizer: Any, messages: list, budget: int, tools: tuple = (), extra: d
     # Start each candidate at a user message so the template always sees user/assistant pairs.
     starts = [i for i, m in enumerate(turns) if m["role"] == "user"] or [0]
     fixed, around = _overheads(tokenizer, system, tools, extra)
-    costs = [around.get(m["role"], around["other"])
-             + (_count(tokenizer, m["content"]) if isinstance(m.get("content"), str) else 0) for m in turns]
+    costs = [around.get(m["role"], around["other"]) + _tokens(tokenizer, m) for m in turns]
     # Each earlier request ended at a user message; this one ends at its last message.
     steps = [i for i, m in enumerate(turns[:-1]) if m["role"] == "user"] + [len(turns) - 1]
     first = cut_start(costs, starts, steps, budget - fixed) if turns else 0
