@@ -145,9 +145,12 @@ _COUNTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer ->
 def _count(tokenizer: Any, text: str) -> int:
     """Tokens of a message's text (``text_ids``), remembered by the text's digest so that a long
     conversation is tokenized once, not on every turn (any thread: races only cost a recount)."""
-    counts = _COUNTS.get(tokenizer)
-    if counts is None:
-        counts = _COUNTS.setdefault(tokenizer, collections.OrderedDict())
+    try:
+        counts = _COUNTS.get(tokenizer)
+        if counts is None:
+            counts = _COUNTS.setdefault(tokenizer, collections.OrderedDict())
+    except TypeError:  # a tokenizer that cannot be weakly referenced or hashed: counted each time
+        return len(text_ids(tokenizer, text))
     key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
     found = counts.get(key)
     if found is not None:
