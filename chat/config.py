@@ -106,9 +106,11 @@ class Settings:
             "`max_new_tokens` is rejected, and on `/v1` `max_tokens` is capped.")
     context_tokens: int = _setting(
         "CHAT_CONTEXT_TOKENS", 2048, int, low=64, high=1_000_000,
-        doc="Token budget for prompt plus answer. The oldest turns are dropped (the system prompt is kept) so "
-            "that the prompt leaves room for the answer (at most half the context). An answer that reaches the "
-            "budget ends with reason `length`. Applies to the local model.")
+        doc="Token budget for prompt plus answer. A history that does not fit loses whole old turns (the system "
+            "prompt and the newest turn are kept) so that the prompt leaves room for the answer (at most half the "
+            "context): when it overflows, the kept part is cut to about half the budget at once, and that cut "
+            "stays put for the next turns, so they reuse the cached prompt. An answer that reaches the budget "
+            "ends with reason `length`. Applies to the local model.")
     generation_timeout_s: float = _setting(
         "CHAT_GENERATION_TIMEOUT_S", 300.0, float, low=0.1, high=86400,
         doc="An answer still running after this many seconds ends with reason `timeout`.")

@@ -110,22 +110,4 @@ def test_fit_drops_whole_turns_and_keeps_the_newest(tokenizer):
         assert all(mark in text for mark in (f"Q{i}-START", f"Q{i}-END", f"A{i}-START", f"A{i}-END"))
     assert f"A{kept[0] - 1}-END" not in text  # nothing of the turn before
     assert "SYSTEM-MARK" in text and "LAST-QUESTION" in text
-    # The next older turn would not have fitted: fitting keeps as much as the budget allows.
-    more = prompt.render(tokenizer, [conversation(30, 12)[0]] + conversation(30, 12)[1 + dropped - 2:])
-    assert len(more) > 400
-
-
-def test_fit_tokenizes_only_the_tail_it_can_use(tokenizer, monkeypatch):
-    """Linear and bounded: a 200-message history costs about what the budget holds, not 200 renders."""
-    seen = []
-    encode = tokenizer.encode
-
-    def counting(text, *args, **kwargs):
-        seen.append(len(text))
-        return encode(text, *args, **kwargs)
-
-    monkeypatch.setattr(tokenizer, "encode", counting)
-    messages = conversation(100, 400)  # about 0.8 MB of history
-    ids, dropped = prompt.fit(tokenizer, messages, 1500)
-    assert len(ids) <= 1500 and dropped > 190
-    assert sum(seen) < 40_000  # a few messages' worth of characters, not the whole history
+    # where the cut falls, and that it stays there turn after turn: test_history_cut.py

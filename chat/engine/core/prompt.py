@@ -8,7 +8,11 @@ ids are the same turn after turn (prefix-cache reuse).
 """
 from __future__ import annotations
 
+import collections
+import hashlib
+import json
 import re
+import weakref
 from typing import Any
 
 from ...errors import PromptTooLong
@@ -113,36 +117,115 @@ def render(tokenizer: Any, messages: list, tools: tuple = (), extra: dict | None
     return ids
 
 
-def _overheads(tokenizer: Any, system: list, tools: tuple = (), extra: dict | None = None) -> tuple[int, int]:
-    """(tokens of the system part plus the answer prompt, template tokens around one message)."""
-    empty = [{"role": "user", "content": ""}]
-    fixed = len(render(tokenizer, system + empty, tools, extra))
-    three = len(render(tokenizer, system + empty + [{"role": "assistant", "content": ""}] + empty, tools, extra))
-    return fixed, -(-(three - fixed) // 2)
+def _overheads(tokenizer: Any, system: list, tools: tuple = (), extra: dict | None = None) -> tuple[int, dict]:
+    """(tokens of the system part plus the answer prompt, template tokens around a message by role): a history
+    that starts with a user message (as every kept one does) costs the first plus each message's own."""
+    user, assistant = {"role": "user", "content": ""}, {"role": "assistant", "content": ""}
+    one = len(render(tokenizer, system + [user], tools, extra))
+    pair = len(render(tokenizer, system + [user, assistant, user], tools, extra)) - one
+    try:  # what an answer adds: a template may refuse to end on one, or write it apart as the last
+        answer = min(max(len(render(tokenizer, system + [user, assistant], tools, extra)) - one, 0), pair)
+    except Exception:
+        answer = -(-pair // 2)
+    return one - (pair - answer), {"user": pair - answer, "assistant": answer, "other": max(answer, pair - answer)}
+
+
+# Where a cut history starts again: the kept part is brought down to at most this share of the budget.
+# A cut is a full prefill of what it keeps (nothing before it is cached for the new start), and the turns
+# after it reuse the cache until the kept part fills the budget again: keeping a share ``f`` costs ``f/(1-f)``
+# tokens of re-prefill per token the conversation grows (1 at a half; 3 at three quarters; every turn's
+# whole prompt if the cut moved by one turn each time, as it did before) while the model sees between
+# ``f`` and all of the budget (three quarters on average at a half). Half is llama.cpp's context shift's
+# choice too (it discards half of what follows the kept start when its context fills).
+CUT_TO = 0.5
+_COUNTS_KEPT = 8192  # messages' token counts kept per tokenizer (a 300-turn conversation holds 600)
+_COUNTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> OrderedDict(digest -> count)
+
+
+def _count(tokenizer: Any, text: str) -> int:
+    """Tokens of a message's text (``text_ids``), remembered by the text's digest so that a long
+    conversation is tokenized once, not on every turn (any thread: races only cost a recount)."""
+    try:
+        counts = _COUNTS.get(tokenizer)
+        if counts is None:
+            counts = _COUNTS.setdefault(tokenizer, collections.OrderedDict())
+    except TypeError:  # a tokenizer that cannot be weakly referenced or hashed: counted each time
+        return len(text_ids(tokenizer, text))
+    key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    found = counts.get(key)
+    if found is not None:
+        try:
+            counts.move_to_end(key)
+        except KeyError:  # another thread let it go meanwhile
+            pass
+        return found
+    found = counts[key] = len(text_ids(tokenizer, text))
+    while len(counts) > _COUNTS_KEPT:
+        try:
+            counts.popitem(last=False)
+        except KeyError:
+            break
+    return found
+
+
+def _tokens(tokenizer: Any, message: dict) -> int:
+    """A message's own tokens: its text and its tool calls (a low count would make ``fit`` cut past
+    ``cut_start``'s start, which the next turn's replay does not know). Its thinking is left out: templates
+    show it only after the last question (Qwen3), so counting it would waste most of a thinking model's
+    context."""
+    found = _count(tokenizer, message["content"]) if isinstance(message.get("content"), str) else 0
+    if message.get("tool_calls"):
+        found += _count(tokenizer, json.dumps(message["tool_calls"], ensure_ascii=False))
+    return found
+
+
+def cut_start(costs: list[int], starts: list[int], steps: list[int], room: int) -> int:
+    """Where the kept history starts (an index into the messages): ``costs`` each message's estimated
+    tokens, ``starts`` where turns may start (user messages), ``steps`` the messages that each ended a
+    request (the prompt ran up to and with them), ``room`` the budget left for messages.
+
+    The history is replayed request by request: the start stays where it is while the messages from it
+    up to the step fit ``room``; when they do not, it moves to the first turn start that brings them to
+    at most ``CUT_TO`` of ``room`` (else to the step's own turn). So it moves only when the context
+    overflows, and the same history always gives the same start: the next turns' prompts extend this
+    one (prefix-cache hits). Linear: prefix sums, and a start that only moves forward.
+    """
+    total = [0]
+    for cost in costs:
+        total.append(total[-1] + cost)
+    target = int(room * CUT_TO)
+    k = 0  # starts[k] is the start
+    for step in steps:
+        if total[step + 1] - total[starts[k]] <= room:
+            continue
+        last = k
+        while last + 1 < len(starts) and starts[last + 1] <= step:
+            last += 1
+        while k < last and total[step + 1] - total[starts[k]] > target:
+            k += 1
+    return starts[k]
 
 
 def fit(tokenizer: Any, messages: list, budget: int, tools: tuple = (), extra: dict | None = None
         ) -> tuple[list[int], int]:
-    """(prompt ids, turns dropped): the system prompt and the newest turn are kept, whole turns go oldest first.
+    """(prompt ids, messages dropped): the system prompt and the newest turn are kept, and the history is cut
+    at a turn start that stays put from one request to the next until the context overflows (``cut_start``).
 
-    Linear in the history: each message is tokenized at most once, newest first,
-    stopping as soon as the budget is spent; then only what is kept is rendered.
-    Raises ``PromptTooLong`` when even the newest turn alone does not fit.
+    Linear in the history: each message's tokens are counted once (and remembered across requests:
+    ``_count``), then only what is kept is rendered. The rendered length decides (counts are estimates):
+    should it still pass the budget, later turn starts are tried. Raises ``PromptTooLong`` when even the
+    newest turn alone does not fit.
     """
     system = [m for m in messages[:1] if m["role"] == "system"]
     turns = messages[len(system):]
     # Start each candidate at a user message so the template always sees user/assistant pairs.
     starts = [i for i, m in enumerate(turns) if m["role"] == "user"] or [0]
-    fixed, per_message = _overheads(tokenizer, system, tools, extra)
-    used, counted = fixed, len(turns)
-    for i in range(len(turns) - 1, -1, -1):
-        used += per_message + len(text_ids(tokenizer, turns[i]["content"]))
-        if used > budget:
-            break
-        counted = i
-    # The oldest turn start whose messages were all counted; the newest turn is always tried.
-    candidates = [s for s in starts if s >= counted] or starts[-1:]
-    for start in candidates:  # counting is an estimate; the rendered length decides
+    fixed, around = _overheads(tokenizer, system, tools, extra)
+    costs = [around.get(m["role"], around["other"]) + _tokens(tokenizer, m) for m in turns]
+    # Each earlier request ended at a user message; this one ends at its last message.
+    steps = [i for i, m in enumerate(turns[:-1]) if m["role"] == "user"] + [len(turns) - 1]
+    first = cut_start(costs, starts, steps, budget - fixed) if turns else 0
+    for start in [s for s in starts if s >= first]:
         ids = render(tokenizer, system + turns[start:], tools, extra)
         if len(ids) <= budget:
             return ids, start
