@@ -1,9 +1,9 @@
 """GGUFs with the shapes of the small models people pick, and random weights, for speed comparisons beside
-llama.cpp on the same files (their answers are noise): Qwen2.5-0.5B (``qwen_shape``), Qwen3-0.6B, Gemma-3-1B and
-Llama-3.2-1B. Each has its architecture's block as llama.cpp's converter writes it (Qwen3's q/k norms, Gemma 3's
-norms after attention and MLP and its 512 window on five layers of six, Llama 3.2's ``rope_freqs`` scaling), a
-tied token table, and the bundled SmolLM2's tokenizer and chat template padded with [PADn] tokens to the model's
-vocabulary size.
+llama.cpp on the same files (their answers are noise): Qwen2.5-0.5B (``qwen_shape``), Qwen3-0.6B, Gemma-3-1B,
+Llama-3.2-1B, SmolLM3-3B and Phi-3.5-mini. Each has its architecture's block as llama.cpp's converter writes it
+(Qwen3's q/k norms, Gemma 3's norms after attention and MLP and its 512 window on five layers of six, Llama 3.2's
+``rope_freqs`` scaling, Phi-3's fused q/k/v and gate/up), a tied token table (Phi's own output layer), and the
+bundled SmolLM2's tokenizer and chat template padded with [PADn] tokens to the model's vocabulary size.
 
 ``python -m bench.model_shapes NAME [KIND]`` writes ``data/bench-models/NAME-KIND.gguf`` (F16 with the ``gguf``
 package; any other kind, Q4_K_M by default, made from it by llama.cpp's ``llama-quantize`` from
@@ -42,6 +42,10 @@ SHAPES = {
     "gemma3-1b": ModelShape("gemma3", 262144, 1152, 6912, 26, 4, 1, 256, 1e6, 1e-6, window=512),
     "llama3.2-1b": ModelShape("llama", 128256, 2048, 8192, 16, 32, 8, 64, 500000.0, 1e-5, context=131072,
                               llama3_rope=(32.0, 1.0, 4.0, 8192)),
+    # every fourth layer without rotary positions (llama.cpp fixes it for the architecture: nothing in the file)
+    "smollm3-3b": ModelShape("smollm3", 128256, 2048, 11008, 36, 16, 4, 128, 5e6, 1e-6, context=65536),
+    # fused q/k/v and gate/up, its own output layer; Phi-3-mini-4k's context (no LongRoPE factors to write)
+    "phi3.5-mini": ModelShape("phi3", 32064, 3072, 8192, 32, 32, 32, 96, 10000.0, 1e-5, context=4096),
 }
 
 
@@ -62,6 +66,10 @@ def write_f16(shape: ModelShape, target: Path, name: str) -> Path:
     tokens, merges = strings("tokenizer.ggml.tokens"), strings("tokenizer.ggml.merges")
     kinds = src.fields["tokenizer.ggml.token_type"]
     types = [int(kinds.parts[i][0]) for i in kinds.data]
+    if s.vocab < len(tokens):  # Phi's 32k: the first tokens, and the merges that make only those
+        tokens, types = tokens[:s.vocab], types[:s.vocab]
+        kept = set(tokens)
+        merges = [m for m in merges if all(part in kept for part in m.split(" ")) and m.replace(" ", "") in kept]
     tokens += [f"[PAD{i}]" for i in range(len(tokens), s.vocab)]
     # ordinary tokens, as a real model's vocabulary is (user-defined ones are added tokens to a tokenizer: 213k of
     # them made transformers' tokenizer take 9 s more to load than the model's own 262k tokens do)
@@ -104,6 +112,8 @@ def write_f16(shape: ModelShape, target: Path, name: str) -> Path:
         return np.ones(n, np.float32)
 
     w.add_tensor("token_embd.weight", rand(s.vocab, s.hidden))
+    if s.arch == "phi3":  # an output layer of its own (the others' are tied to the token table)
+        w.add_tensor("output.weight", rand(s.vocab, s.hidden))
     if s.llama3_rope:
         factor, low, high, original = s.llama3_rope
         w.add_tensor("rope_freqs.weight", np.array(llama3_factors(s.rope_theta, s.head_dim, factor, low, high,
@@ -113,8 +123,12 @@ def write_f16(shape: ModelShape, target: Path, name: str) -> Path:
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", ones(s.hidden))
         w.add_tensor(p + "ffn_norm.weight", ones(s.hidden))
-        for part, rows in (("attn_q", s.heads * s.head_dim), ("attn_k", s.kv_heads * s.head_dim),
-                           ("attn_v", s.kv_heads * s.head_dim)):
+        qkv = (("attn_q", s.heads * s.head_dim), ("attn_k", s.kv_heads * s.head_dim),
+               ("attn_v", s.kv_heads * s.head_dim))
+        if s.arch == "phi3":
+            w.add_tensor(p + "attn_qkv.weight", rand(sum(rows for _, rows in qkv), s.hidden))
+            qkv = ()
+        for part, rows in qkv:
             w.add_tensor(p + part + ".weight", rand(rows, s.hidden))
             if s.arch == "qwen2":
                 w.add_tensor(p + part + ".bias", np.zeros(rows, np.float32))
@@ -125,8 +139,11 @@ def write_f16(shape: ModelShape, target: Path, name: str) -> Path:
             w.add_tensor(p + "post_attention_norm.weight", ones(s.hidden))
             w.add_tensor(p + "post_ffw_norm.weight", ones(s.hidden))
         w.add_tensor(p + "attn_output.weight", rand(s.hidden, s.heads * s.head_dim))
-        w.add_tensor(p + "ffn_gate.weight", rand(s.ffn, s.hidden))
-        w.add_tensor(p + "ffn_up.weight", rand(s.ffn, s.hidden))
+        if s.arch == "phi3":  # gate rows, then up rows
+            w.add_tensor(p + "ffn_up.weight", rand(2 * s.ffn, s.hidden))
+        else:
+            w.add_tensor(p + "ffn_gate.weight", rand(s.ffn, s.hidden))
+            w.add_tensor(p + "ffn_up.weight", rand(s.ffn, s.hidden))
         w.add_tensor(p + "ffn_down.weight", rand(s.hidden, s.ffn))
     w.write_header_to_file()
     w.write_kv_data_to_file()
