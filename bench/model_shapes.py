@@ -49,6 +49,13 @@ SHAPES = {
 }
 
 
+def byte_level_alphabet() -> list[str]:
+    """The 256 characters a byte-level BPE vocabulary writes bytes as (GPT-2's table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(b) for b in printable] + [chr(256 + i) for i in range(len(others))]
+
+
 def write_f16(shape: ModelShape, target: Path, name: str) -> Path:
     import gguf
     import numpy as np
@@ -66,8 +73,13 @@ def write_f16(shape: ModelShape, target: Path, name: str) -> Path:
     tokens, merges = strings("tokenizer.ggml.tokens"), strings("tokenizer.ggml.merges")
     kinds = src.fields["tokenizer.ggml.token_type"]
     types = [int(kinds.parts[i][0]) for i in kinds.data]
-    if s.vocab < len(tokens):  # Phi's 32k: the first tokens, and the merges that make only those
+    if s.vocab < len(tokens):  # Phi's 32k: the first tokens (every byte's among them), the merges making only those
+        everything = tokens
         tokens, types = tokens[:s.vocab], types[:s.vocab]
+        alphabet = set(byte_level_alphabet())
+        missing = [t for t in everything[s.vocab:] if t in alphabet]  # llama.cpp looks every byte's token up
+        if missing:
+            tokens[-len(missing):] = missing
         kept = set(tokens)
         merges = [m for m in merges if all(part in kept for part in m.split(" ")) and m.replace(" ", "") in kept]
     tokens += [f"[PAD{i}]" for i in range(len(tokens), s.vocab)]
