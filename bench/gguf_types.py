@@ -72,7 +72,7 @@ def ours(path: Path, ctx: int) -> dict:
         for _ in loader.finish(loaded, settings):
             pass
         tokenizer, decoder = loaded.tokenizer, loaded.decoder
-        ids = tokenizer.encode(TEXT, add_special_tokens=False)
+        ids = tokenizer.encode(TEXT, add_special_tokens=False, split_special_tokens=True)
         bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", False) else None
         if bos is not None:
             ids = [bos, *ids]
