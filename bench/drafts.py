@@ -29,7 +29,7 @@ def _ours(workdir: Path, env: dict, args, mode: str) -> dict:
     with running(BenchServer(workdir / f"drafts-{mode}", {**env, "CHAT_DRAFT": mode}), args.timeout) as srv:
         phases.wait_finished(srv)
         before = json.loads(http_get(srv.port, "/readyz")[1])
-        out = _workloads(lambda: Client(srv.ws_url, timeout=args.timeout), args, mode)
+        out = _workloads(lambda user=None: Client(srv.ws_url, timeout=args.timeout), args, mode)
         after = json.loads(http_get(srv.port, "/readyz")[1])
     for name in ("draft_steps", "draft_accepted_tokens", "drafted_tokens"):
         out[name] = after.get(name, 0) - before.get(name, 0)
@@ -45,8 +45,8 @@ def _peer(workdir: Path, args, machine: dict) -> dict:
     if not binary or not machine.get("gguf"):
         return {"skipped": "LLAMA_SERVER is not set, or the model is not a GGUF file"}
     with running(LlamaServer(binary, machine["gguf"], workdir), args.timeout) as srv:
-        return _workloads(lambda: PeerClient(srv.port, machine.get("system_prompt") or "", args.timeout), args,
-                          "peer")
+        return _workloads(lambda user=None: PeerClient(srv.port, machine.get("system_prompt") or "", args.timeout),
+                          args, "peer")
 
 
 def run_drafts(workdir: Path, env: dict, args, machine: dict) -> dict:

@@ -169,7 +169,7 @@ def run_peer(workdir: Path, args, machine: dict, multiturn: bool = True) -> dict
         out["ready_s"] = srv.start(timeout=args.timeout)
         out["build"] = srv.build()
 
-        def connect():
+        def connect(user: int | None = None):  # llama.cpp's server does not tell clients apart
             return PeerClient(srv.port, machine.get("system_prompt") or "", args.timeout)
 
         PeerClient.conversations = {}

@@ -24,8 +24,14 @@ RAW = ("1", "8", "16")  # batch sizes of the raw forward loop
 
 
 def connect(srv: BenchServer, args):
-    """A factory of timing chat.v1 clients on ``srv``, for the workloads."""
-    return lambda: Client(srv.ws_url, timeout=args.timeout)
+    """A factory of timing chat.v1 clients on ``srv``, for the workloads: ``connect(user)`` connects from its own
+    loopback address (127.0.0.2, 3, ...), so users sent together are different clients to the server, as
+    people behind their own addresses are (the scheduler shares prefill between addresses, not requests);
+    ``connect()`` from the default one."""
+    def make(user: int | None = None) -> Client:
+        source = f"127.0.0.{2 + user}" if user is not None and "//127.0.0.1:" in srv.ws_url else None
+        return Client(srv.ws_url, timeout=args.timeout, source=source)
+    return make
 
 
 def basic_machine() -> dict:

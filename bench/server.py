@@ -71,8 +71,9 @@ class BenchServer(LiveServer):
 class Client:
     """One chat.v1 connection (``chat.client.Session``) that times a request's frames (perf_counter)."""
 
-    def __init__(self, url: str, timeout: float = 120, client_id: str | None = None):
-        self.session = Session(url, timeout=timeout, resume=False, client_id=client_id)  # client_id: its cookie
+    def __init__(self, url: str, timeout: float = 120, client_id: str | None = None, source: str | None = None):
+        # client_id: its cookie; source: the local address it connects from
+        self.session = Session(url, timeout=timeout, resume=False, client_id=client_id, source=source)
         self.ready = self.session.connect()
 
     def request(self, rid: str, content: str, params: dict, conversation_id: str | None = None,

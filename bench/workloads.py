@@ -118,8 +118,9 @@ def single(connect, args, tag: str = "single", extra: dict | None = None, after=
 
 
 def parallel(connect, n: int, request, meanwhile=None, timeout: float = 600):
-    """(results, what ``meanwhile()`` returned): ``request(client, i)`` on n connections at once, one thread each."""
-    clients = [connect() for _ in range(n)]
+    """(results, what ``meanwhile()`` returned): ``request(client, i)`` on n connections at once, one thread each,
+    client i made by ``connect(i)`` (user i: its own address where the factory gives users one)."""
+    clients = [connect(i) for i in range(n)]
     results: list = [None] * n
 
     def worker(i: int) -> None:

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from chat.client.session import ConnectFailed, Session, collect
 from helpers import WS, http_get
 
 SHORT = {"max_new_tokens": 2}
@@ -124,6 +125,13 @@ def test_a_websocket_counts_against_the_same_cap(live):
         sock = _connect(live)
         assert _answer(sock)[0].split(b" ", 2)[1] == b"429"
         sock.close()
+        with pytest.raises(ConnectFailed, match="429"):
+            Session(live.ws_url, timeout=30).connect()
+        # the client library from another address (its ``source``: how the benchmark's users are different
+        # clients to the server) is served and answers
+        with Session(live.ws_url, timeout=60, source="127.0.0.3") as other:
+            done = collect(other.chat("Say hi.", params=SHORT)).done
+        assert done["reason"] in ("stop", "length") and done["usage"]["completion_tokens"] >= 1
     finally:
         for c in clients:
             c.close()

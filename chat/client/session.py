@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import websocket
@@ -84,8 +84,12 @@ class Session:
 
     def __init__(self, url: str = DEFAULT_URL, *, api_key: str | None = None,
                  client_id: str | None = None, timeout: float = 60.0, cancel_wait: float = 5.0,
-                 resume: bool = True, on_frame: Callable[[str, str], None] | None = None) -> None:
+                 resume: bool = True, on_frame: Callable[[str, str], None] | None = None,
+                 source: str | None = None) -> None:
         self.url = ws_url(url)
+        if source and not self.url.startswith("ws://"):
+            raise ValueError("a source address is for plain ws:// connections only")
+        self.source = source  # the local address to connect from (e.g. 127.0.0.2: another client to the server)
         self.api_key = api_key
         self.client_id = client_id or secrets.token_urlsafe(24)
         self.timeout = timeout
@@ -103,6 +107,14 @@ class Session:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _socket(self) -> socket.socket:
+        """A TCP connection to the server from ``self.source``."""
+        parts = urlsplit(self.url)
+        sock = socket.create_connection((parts.hostname, parts.port or 80), self.timeout,
+                                        source_address=(self.source, 0))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
     def connect(self) -> dict:
         """Open the socket and wait for ``ready``; returns it."""
         self.close()
@@ -111,10 +123,11 @@ class Session:
         # Over wss the server reads only the __Host- cookie, which a sibling subdomain cannot plant.
         cookie = "__Host-chat_client" if self.url.startswith("wss://") else "chat_client"
         try:
+            options: dict[str, Any] = {"socket": self._socket()} if self.source else {}
             # No Origin: the server allows origin-less (non-browser) clients.
             self.ws = websocket.create_connection(
                 self.url, timeout=self.timeout, header=headers, suppress_origin=True,
-                cookie=f"{cookie}={self.client_id}", enable_multithread=True)
+                cookie=f"{cookie}={self.client_id}", enable_multithread=True, **options)
         except websocket.WebSocketBadStatusException as exc:
             raise ConnectFailed(f"{self.url}: handshake refused: {_status_text(exc)}") from None
         except (OSError, websocket.WebSocketException) as exc:
