@@ -3,7 +3,8 @@ llama.cpp on the same files (their answers are noise): Qwen2.5-0.5B (``qwen_shap
 Llama-3.2-1B, SmolLM3-3B and Phi-3.5-mini. Each has its architecture's block as llama.cpp's converter writes it
 (Qwen3's q/k norms, Gemma 3's norms after attention and MLP and its 512 window on five layers of six, Llama 3.2's
 ``rope_freqs`` scaling, Phi-3's fused q/k/v and gate/up), a tied token table (Phi's own output layer), and the
-bundled SmolLM2's tokenizer and chat template padded with [PADn] tokens to the model's vocabulary size.
+bundled SmolLM2's tokenizer and chat template padded with [PADn] tokens to the model's vocabulary size (Phi's
+cut to its 32k, with Phi-3's special tokens that llama.cpp looks up: ``vocabulary``).
 
 ``python -m bench.model_shapes NAME [KIND]`` writes ``data/bench-models/NAME-KIND.gguf`` (F16 with the ``gguf``
 package; any other kind, Q4_K_M by default, made from it by llama.cpp's ``llama-quantize`` from
@@ -56,6 +57,39 @@ def byte_level_alphabet() -> list[str]:
     return [chr(b) for b in printable] + [chr(256 + i) for i in range(len(others))]
 
 
+# Phi-3's own special tokens (its SentencePiece vocabulary's first three), which llama.cpp looks up by name in a
+# file whose general.name says Phi-3 ("phi3", "phi-3": it strips the spaces after special tokens as Phi's tokenizer
+# does) and refuses the file without ("error loading model vocabulary: unordered_map::at"); <|endoftext|> too,
+# which the bundled tokenizer has
+PHI3_SPECIALS = ("<unk>", "<s>", "</s>")
+NORMAL, CONTROL = 1, 3  # GGUF's token types: an ordinary token, a special one (gguf.TokenType)
+
+
+def vocabulary(shape: ModelShape, tokens: list[str], types: list[int], merges: list[str]) -> tuple[list, list, list]:
+    """The bundled tokenizer's tokens, their types and merges cut or padded to ``shape``'s vocabulary: padded with
+    [PADn] tokens; cut (Phi's 32k) to the first tokens with every byte's token kept among them (llama.cpp looks each
+    up) and Phi-3's special tokens (``PHI3_SPECIALS``) in place of the last ones, and only the merges that make
+    kept tokens from kept tokens."""
+    s = shape
+    if s.vocab < len(tokens):
+        everything = tokens
+        tokens, types = tokens[:s.vocab], types[:s.vocab]
+        alphabet = set(byte_level_alphabet())
+        missing = [t for t in everything[s.vocab:] if t in alphabet]  # llama.cpp looks every byte's token up
+        specials = [t for t in PHI3_SPECIALS if t not in tokens] if s.arch == "phi3" else []
+        tail = len(missing) + len(specials)
+        if tail:
+            tokens[-tail:] = specials + missing
+            types[-tail:] = [CONTROL] * len(specials) + [NORMAL] * len(missing)
+        kept = set(tokens)
+        merges = [m for m in merges if all(part in kept for part in m.split(" ")) and m.replace(" ", "") in kept]
+    tokens = tokens + [f"[PAD{i}]" for i in range(len(tokens), s.vocab)]
+    # ordinary tokens, as a real model's vocabulary is (user-defined ones are added tokens to a tokenizer: 213k of
+    # them made transformers' tokenizer take 9 s more to load than the model's own 262k tokens do)
+    types = types + [NORMAL] * (s.vocab - len(types))
+    return tokens, types, merges
+
+
 def write_f16(shape: ModelShape, target: Path, name: str) -> Path:
     import gguf
     import numpy as np
@@ -70,22 +104,9 @@ def write_f16(shape: ModelShape, target: Path, name: str) -> Path:
         return [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
 
     s = shape
-    tokens, merges = strings("tokenizer.ggml.tokens"), strings("tokenizer.ggml.merges")
     kinds = src.fields["tokenizer.ggml.token_type"]
-    types = [int(kinds.parts[i][0]) for i in kinds.data]
-    if s.vocab < len(tokens):  # Phi's 32k: the first tokens (every byte's among them), the merges making only those
-        everything = tokens
-        tokens, types = tokens[:s.vocab], types[:s.vocab]
-        alphabet = set(byte_level_alphabet())
-        missing = [t for t in everything[s.vocab:] if t in alphabet]  # llama.cpp looks every byte's token up
-        if missing:
-            tokens[-len(missing):] = missing
-        kept = set(tokens)
-        merges = [m for m in merges if all(part in kept for part in m.split(" ")) and m.replace(" ", "") in kept]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), s.vocab)]
-    # ordinary tokens, as a real model's vocabulary is (user-defined ones are added tokens to a tokenizer: 213k of
-    # them made transformers' tokenizer take 9 s more to load than the model's own 262k tokens do)
-    types += [gguf.TokenType.NORMAL] * (s.vocab - len(types))
+    tokens, types, merges = vocabulary(s, strings("tokenizer.ggml.tokens"),
+                                       [int(kinds.parts[i][0]) for i in kinds.data], strings("tokenizer.ggml.merges"))
     tmp = target.with_name(target.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), s.arch)
     w.add_name(name)

@@ -194,3 +194,33 @@ def test_the_structured_phase_has_its_targets():
             or "echo" in t["metric"]}
     assert len(rows) == 4 and all(t["ok"] for t in rows.values()), rows
     assert any("without: 20%" in m for m in rows)
+
+
+def test_the_phi_shape_files_vocabulary_has_what_llama_cpp_looks_up():
+    """The bundled tokenizer cut to Phi's 32064 tokens keeps what llama.cpp's vocabulary loader looks up by name
+    (else "error loading model vocabulary: unordered_map::at"): every byte's token it has, and, in a file it takes for
+    Phi-3 (its name says phi3), Phi-3's <unk>, <s>, </s> and <|endoftext|>; the ordinary tokens stay in place."""
+    import gguf
+
+    from bench import model_shapes
+    from chat.engine.model.loader import bundled_gguf
+
+    src = gguf.GGUFReader(str(bundled_gguf()))
+
+    def strings(key: str) -> list[str]:
+        return [bytes(src.fields[key].parts[i]).decode("utf-8", "replace") for i in src.fields[key].data]
+    kinds = src.fields["tokenizer.ggml.token_type"]
+    original = strings("tokenizer.ggml.tokens")
+    shape = model_shapes.SHAPES["phi3.5-mini"]
+    tokens, types, merges = model_shapes.vocabulary(shape, original, [int(kinds.parts[i][0]) for i in kinds.data],
+                                                    strings("tokenizer.ggml.merges"))
+    assert len(tokens) == len(types) == shape.vocab == 32064 < len(original) and len(set(tokens)) == len(tokens)
+    assert set(model_shapes.byte_level_alphabet()) & set(original) <= set(tokens)  # (it has no token for a few)
+    for special in ("<unk>", "<s>", "</s>", "<|endoftext|>"):
+        assert special in tokens and types[tokens.index(special)] == gguf.TokenType.CONTROL
+    assert tokens[:32000] == original[:32000]
+    kept = set(tokens)
+    assert merges and all(m.replace(" ", "") in kept and all(p in kept for p in m.split(" ")) for m in merges)
+    # the others are padded, not cut, and get no Phi tokens
+    qwen, _, _ = model_shapes.vocabulary(model_shapes.SHAPES["qwen3-0.6b"], original, [1] * len(original), [])
+    assert qwen[:len(original)] == original and "<unk>" not in qwen and len(qwen) == 151936

@@ -45,7 +45,9 @@ FILES = {"llama": {}, "qwen2-mix": {"hidden": 256, "qtype": "mix", "arch": "qwen
          "qwen3": {"arch": "qwen3", "head_dim": 32},  # per-head q/k norms, heads wider than hidden / heads
          "smollm3": {"arch": "smollm3", "layers": 4}, "phi3": {"arch": "phi3", "hidden": 128, "rotary": 24,
                                                                 "longrope": True},
-         "gemma3": {"arch": "gemma3", "head_dim": 32, "layers": 6, "window": 4}}
+         "gemma3": {"arch": "gemma3", "head_dim": 32, "layers": 6, "window": 4},
+         # Phi-3.5-mini's heads: 96 wide (not a multiple of 64), as many key/value heads as query heads
+         "phi3-96": {"arch": "phi3", "hidden": 384, "heads": 4, "kv_heads": 4, "longrope": True}}
 
 
 @pytest.fixture(scope="module", params=[("off", "llama"), pytest.param(("int4", "llama"), marks=int4_cpu),
@@ -53,7 +55,7 @@ FILES = {"llama": {}, "qwen2-mix": {"hidden": 256, "qtype": "mix", "arch": "qwen
                                         pytest.param(("blocks", "llama"), marks=int4_cpu),
                                         pytest.param(("blocks", "qwen2-mix"), marks=int4_cpu),
                                         ("off", "qwen3"), pytest.param(("blocks", "qwen3"), marks=int4_cpu),
-                                        *(m for arch in ("smollm3", "phi3", "gemma3") for m in (
+                                        *(m for arch in ("smollm3", "phi3", "gemma3", "phi3-96") for m in (
                                             ("off", arch), pytest.param(("blocks", arch), marks=int4_cpu)))],
                 ids="-".join)
 def decoder(request, library):
@@ -190,6 +192,59 @@ def test_a_step_that_disagrees_with_torch_is_not_used(library, monkeypatch, capl
     with caplog.at_level(logging.WARNING, logger="chat.engine.model.native"):
         on_thread(lambda: drain(native.attach(decoder, SHARED)))
     assert decoder.native is None and "disagrees" in caplog.text
+
+
+@int4_cpu
+@pytest.mark.parametrize("file", list(FILES))
+def test_the_float32_reference_is_a_float32_decoders_step(file):
+    """``agrees``' yardstick (``Decoder.widened``): a bf16 decoder's step with activations in float32 comes out as
+    a float32 decoder's of the same file (cosine above 0.999; its products' inputs still rounded to bf16, the int4
+    kernel's scales in bf16), whatever the bf16 step's own roundings do to a sensitive row (the mixed Qwen2's first:
+    0.974 from the float32 decoder's); the decoder left as it was."""
+    f = gguf.read(tiny_gguf(**FILES[file]))
+
+    def run():
+        decoder = weights.from_gguf(f, "int4")
+        ids = torch.arange(3, 3 + 2 * 9).remainder(decoder.shape.vocab).view(2, 9)
+        eager = native._next_logits(decoder, ids, False)
+        exact = native._next_logits(decoder.widened(), ids, False)
+        f32 = native._next_logits(weights.from_gguf(f, "off", dtype=torch.float32), ids, False)
+        return decoder, eager, exact, f32, native._next_logits(decoder, ids, False)
+    decoder, eager, exact, f32, again = on_thread(run)
+    assert decoder.dtype == torch.bfloat16 and torch.equal(eager, again)
+    assert not torch.equal(eager, exact)
+    assert float(torch.nn.functional.cosine_similarity(exact, f32, dim=-1).min()) > 0.999
+
+
+def test_a_step_apart_from_torchs_by_rounding_alone_is_used_and_a_wrong_one_is_not(library, caplog):
+    """A deep model of random weights carries one value rounded the other way through every later layer, past the
+    cosine that passes at once (the Phi-3.5-mini shape file: two attention outputs of its first layer one bf16
+    step apart, logits 0.9987 apart); measured against float32 activations, that step is no farther from them
+    than torch's own, and is used. Rotary positions turned the wrong way, or cos and sin swapped, are refused
+    on the same model all the same."""
+    decoder = on_thread(lambda: weights.from_gguf(gguf.read(tiny_gguf(layers=8)), "off"))
+
+    def rounded(step):  # two of a row's inputs one bf16 step up: what a rounding the other way does
+        def call(h, *rest):
+            h = h.clone()
+            h.view(torch.int16)[0, :2] += 1
+            return step(h, *rest)
+        return call
+
+    def run():
+        step = native.Step(decoder)
+        ids = torch.arange(3, 3 + 2 * 9).remainder(decoder.shape.vocab).view(2, 9)
+        cosine = torch.nn.functional.cosine_similarity(native._next_logits(decoder, ids, False),
+                                                       native._next_logits(decoder, ids, rounded(step)), dim=-1)
+        wrong = [lambda h, kv, cos, sin, *rest: step(h, kv, cos, -sin, *rest),
+                 lambda h, kv, cos, sin, *rest: step(h, kv, sin, cos, *rest)]
+        with caplog.at_level(logging.INFO, logger="chat.engine.model.native"):
+            return (float(cosine.min()), native.agrees(decoder, rounded(step)), caplog.text,
+                    [native.agrees(decoder, w) for w in wrong])
+    cosine, used, said, wrong = on_thread(run)
+    assert cosine < native.NEAR  # past the first test: judged against float32 activations
+    assert used and "by rounding" in said
+    assert wrong == [False, False]
 
 
 @pytest.fixture(scope="module")

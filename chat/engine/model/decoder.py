@@ -15,8 +15,9 @@ the same layers in one call.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -115,6 +116,17 @@ class Decoder:
         # the columns a row taken out of a KV buffer keeps per layer: a windowed layer's window and a few more
         self.keep = windows_kept([shape.window if self.architecture.sliding(i) else 0 for i in range(shape.layers)]) \
             if shape.window else ()
+
+    def widened(self) -> Decoder:
+        """This decoder on the same weights with its activations in float32 between the products (norms, rotary
+        positions, attention, the MLP's gate and the residual sums unrounded; each product's input still rounded to
+        bf16, as its kernels take it): a reference nearer exact arithmetic than either bf16 step, for checks."""
+        wide = copy.copy(self)
+        wide.dtype, wide._angles, wide.native = torch.float32, {}, None
+        wide.layers = [replace(x, qkv=_Wide(x.qkv), o=_Wide(x.o), gate_up=_Wide(x.gate_up), down=_Wide(x.down))
+                       for x in self.layers]
+        wide.head = _Wide(self.head)
+        return wide
 
     def cache(self, rows: int, capacity: int) -> KVBuffer:
         """An empty KV buffer of ``rows`` rows for this decoder (outside the engine: benchmarks, checks)."""
@@ -261,6 +273,19 @@ class Decoder:
         return self.head(self._norm(last, self.norm)).float()
 
     __call__ = forward
+
+
+class _Wide(Linear):
+    """A product's weights taking and giving float32 activations (``Decoder.widened``): the input rounded to the
+    type its kernels take, the output widened."""
+
+    def __init__(self, linear: Linear) -> None:
+        super().__init__(linear.dense, linear.quant, linear.bias)
+        self.crossover = linear.crossover
+
+    def __call__(self, x: torch.Tensor, decode: bool = True) -> torch.Tensor:
+        kind = self.dense.dtype if self.dense is not None else torch.bfloat16
+        return super().__call__(x.to(kind), decode).float()
 
 
 def _form(part: Any) -> str:
