@@ -75,7 +75,7 @@ def test_the_same_workloads_run_against_the_peer(llama_like):
     port, _ = llama_like
     peer.PeerClient.conversations = {}
 
-    def connect():
+    def connect(user=None):  # streams: user i
         return peer.PeerClient(port, "Be brief.")
 
     one = workloads.single(connect, args())
