@@ -23,6 +23,7 @@ the above but Q6_K) as q, s and z, computed as gguf-py computes the weights, so
 from __future__ import annotations
 
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,14 @@ STORED = tuple(k for k, t in TYPES.items() if t.stored)  # to the block products
 def raw_blocks(t: Tensor) -> torch.Tensor:
     """The tensor's blocks as stored, (rows, blocks per row, bytes per block) uint8 (a copy)."""
     return _blocks(t)
+
+
+def mapped_blocks(t: Tensor) -> torch.Tensor:
+    """``raw_blocks`` without the copy: a view of the file's read-only map, for a reader that only reads it
+    and keeps nothing of it (the C++ repack; writing to it would fault). Not kept: a view holds the map."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "not writable": it is only read
+        return torch.from_numpy(t.blocks())
 
 
 def _fifth_tables() -> list[torch.Tensor]:

@@ -119,6 +119,9 @@ class _Reader:
     def blocks(self, names: list[str]) -> quant.Blocks:
         """Tensors of one type stacked along the outputs, as a block product."""
         kind = self.tensor(names[0]).kind
+        if kind in gguf.K_QUANTS:  # moved as stored, by the C++ repack straight from the file's map (no copy first)
+            raw = [self._order(n, gguf.mapped_blocks(self.tensor(n))) for n in names]
+            return _stored(kind, raw[0] if len(raw) == 1 else torch.cat(raw))
         if kind in gguf.STORED:  # moved as stored
             raw = torch.cat([self._order(n, gguf.raw_blocks(self.tensor(n))) for n in names])
             return _stored(kind, raw)
