@@ -119,12 +119,10 @@ class _Reader:
     def blocks(self, names: list[str]) -> quant.Blocks:
         """Tensors of one type stacked along the outputs, as a block product."""
         kind = self.tensor(names[0]).kind
-        if kind in gguf.K_QUANTS:  # moved as stored, by the C++ repack straight from the file's map (no copy first)
-            raw = [self._order(n, gguf.mapped_blocks(self.tensor(n))) for n in names]
+        if kind in gguf.STORED:  # moved as stored; K-quants by the C++ repack straight from the file's map
+            read = gguf.mapped_blocks if kind in gguf.K_QUANTS else gguf.raw_blocks
+            raw = [self._order(n, read(self.tensor(n))) for n in names]
             return _stored(kind, raw[0] if len(raw) == 1 else torch.cat(raw))
-        if kind in gguf.STORED:  # moved as stored
-            raw = torch.cat([self._order(n, gguf.raw_blocks(self.tensor(n))) for n in names])
-            return _stored(kind, raw)
         parts = [tuple(None if a is None else self._order(n, a) for a in _block_parts(self.tensor(n))) for n in names]
         return _block_product(kind, [None if p[0] is None else torch.cat(p) for p in zip(*parts)])
 
