@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from helpers import ask, events_of, make_engine
+from helpers import ask, collect, events_of, make_engine
 
 from chat.engine import Delta, Done, GenParams
 from chat.engine.core.scheduler import PREFILL_FORWARD_TOKENS
@@ -111,3 +111,47 @@ def test_an_answer_prefills_before_background_work_already_under_way(engine, mon
     for gen in (title, answer):
         assert events_of(gen, 300)[-1].reason in ("length", "stop")
     assert order == ["answer", "title"]
+
+
+def test_an_answer_arriving_while_only_a_title_decodes_is_prefilled_whole(engine, forwards):
+    """Titles decoding stall nobody who waits: an answer's prompt that arrives meanwhile goes in one forward,
+    as with nothing decoding, not in chunks between the title's decode steps."""
+    title = engine.submit(ask("title this"), GenParams(temperature=0, max_new_tokens=100_000, background=True),
+                          owner="A")
+    next(e for e in title if isinstance(e, Delta))
+    forwards.clear()
+    answer = engine.submit(long_prompt(1, 300), GenParams(temperature=0, max_new_tokens=1), owner="A")
+    assert events_of(answer, 300)[-1].reason in ("length", "stop")
+    title.cancel()
+    events_of(title, 60)
+    prefills = [(rows, columns) for rows, columns, _, decode in forwards if not decode]
+    assert prefills and prefills[0][1] > 300 > 2 * CHUNK, prefills  # the whole prompt, not CHUNK at a time
+
+
+def test_background_prefill_goes_in_chunks_of_about_two_decode_steps(tiny_model, tmp_path, monkeypatch):
+    """With nothing else running, a title's prompt is cut by time (about STALL decode steps a forward, as the
+    chunks' measured cost says), not only by CHAT_PREFILL_CHUNK: an answer arriving meanwhile waits for one
+    such forward at most. The measured cost is pinned here (tokens worth 25 per STALL steps)."""
+    from chat.engine.core import scheduler
+    eng = make_engine(tiny_model, tmp_path, context_tokens=2048, prefill_chunk=1024, max_batch=16)
+    try:
+        ran = scheduler.Scheduler._ran
+
+        def pinned(self, plan, chunk):
+            ran(self, plan, chunk)
+            self.token_s = scheduler.STALL * plan.step_s / 25
+        monkeypatch.setattr(scheduler.Scheduler, "_ran", pinned)
+        collect(eng.submit(ask("warm up"), GenParams(temperature=0, max_new_tokens=2)))  # a cost measured
+        seen: list[int] = []
+        forward = eng.runner.forward
+
+        def spy(input_ids, kv, position_ids, spans=None):
+            if kv is not eng.batch.kv:
+                seen.append(input_ids.shape[1])
+            return forward(input_ids, kv, position_ids, spans)
+        monkeypatch.setattr(eng.runner, "forward", spy)
+        title = eng.submit(long_prompt(1, 300), GenParams(temperature=0, max_new_tokens=1, background=True))
+        assert events_of(title, 300)[-1].reason in ("length", "stop")
+        assert len(seen) > 10 and max(seen) == 25, seen  # 300+ tokens, 25 a forward (prefill_chunk allows 1024)
+    finally:
+        eng.shutdown()

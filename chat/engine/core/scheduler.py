@@ -322,7 +322,7 @@ class Scheduler:
         owner first, each sized from what the last one cost (the runner sets ``Chunk.spent`` before asking for
         the next); jobs whose every prompt was cancelled end here, finished ones wait to join the batch
         (``take_joining``)."""
-        decoding, step_s, target = plan.decoding, plan.step_s, plan.target
+        step_s, target = plan.step_s, plan.target
         while not plan.over and self.jobs and plan.budget > 0 and plan.seconds > 0:
             job = self._next_job()
             if all(s.gen.cancel_reason for s in job.slots):
@@ -330,6 +330,10 @@ class Scheduler:
                 self.count()
                 plan.ended += [(slot.gen, slot.gen.cancel_reason, slot) for slot in job.slots]
                 continue
+            background = all(s.params.background for s in job.slots)
+            # Only background rows (titles) decoding stall nobody who waits: an answer's prompt then goes whole,
+            # as if nothing decoded (the titles wait a step).
+            decoding = plan.decoding if plan.answering or background else 0
             if decoding and not job.columns and self.token_s:
                 # A job's first chunk: sized from what earlier chunks cost (at their depth, so
                 # no more than this one, which starts the prompt), not just the token budget.
@@ -342,10 +346,13 @@ class Scheduler:
                 # an owner's seven prompts in one job advance together no faster than one would.
                 allowed = max(MIN_CHUNK * plan.share, int((target - step_s) / self.token_s))
                 columns = min(columns, max(1, allowed // job.rows))
-            if all(s.params.background for s in job.slots):
-                # Background work (a title) in chunks as small as beside decoding rows, even when nothing
-                # decodes: an answer arriving meanwhile waits for one chunk at most.
-                columns = min(columns, max(1, self.settings.prefill_chunk // job.rows))
+            if background:
+                # Background work (a title) in chunks of about STALL decode steps' time (CHAT_PREFILL_CHUNK
+                # tokens at most), even when nothing decodes: an answer arriving meanwhile waits for one at most.
+                tokens = self.settings.prefill_chunk
+                if self.token_s and step_s:
+                    tokens = min(tokens, max(MIN_CHUNK, int(STALL * step_s / self.token_s)))
+                columns = min(columns, max(1, tokens // job.rows))
             if len(job.slots) == 1 and _seeded(job.slots[0]):
                 # A seeded, sampled prompt is cut the same way whoever else runs (CHAT_PREFILL_CHUNK columns at a
                 # time, alone too): chunks cut by measured time would round it apart from its prefill alone, which
