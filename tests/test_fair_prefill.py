@@ -79,6 +79,33 @@ def test_another_address_is_not_queued_behind_every_long_prompt(engine):
     assert order.index("C") < 7, order  # C's answer ended before the last of A's
 
 
+def test_prompts_under_way_are_finished_one_after_another_shortest_first(engine, monkeypatch):
+    """Equals (other addresses, nothing prefilled before) are not cut into turns, which would give each its first
+    token only once all were done: the one with the fewest tokens left goes on until it is done (a shorter one
+    arriving passes it once), then the next. Beside a decoding answer, so each prompt takes several chunks."""
+    from chat.engine.core import scheduler
+    order: list[str] = []  # the owner of every prefill chunk, in order
+    ran = scheduler.Scheduler._ran
+
+    def spy(self, plan, chunk):
+        order.append(chunk.job.slots[0].gen.owner)
+        ran(self, plan, chunk)
+    monkeypatch.setattr(scheduler.Scheduler, "_ran", spy)
+    bystander = engine.submit(ask("tell me a story"), GenParams(temperature=0, max_new_tokens=100_000), owner="B")
+    first_delta(bystander)
+    order.clear()
+    sizes = {"X": 200, "Y": 300, "Z": 100}  # seeded, sampled: each prompt a job of its own
+    gens = {who: engine.submit(long_prompt(i, words), GenParams(temperature=0.7, seed=i, max_new_tokens=1),
+                               owner=who) for i, (who, words) in enumerate(sizes.items())}
+    for gen in gens.values():
+        assert events_of(gen, 300)[-1].reason in ("length", "stop")
+    bystander.cancel()
+    events_of(bystander, 60)
+    runs = [who for i, who in enumerate(order) if i == 0 or order[i - 1] != who]
+    assert len(order) > 12 and len(runs) <= 4, runs  # (round robin: a run a chunk)
+    assert sorted(sizes, key=lambda who: len(order) - order[::-1].index(who)) == ["Z", "X", "Y"], order
+
+
 def test_prefill_memory_is_bounded(engine, forwards):
     gens = [engine.submit(long_prompt(i), GenParams(temperature=0, max_new_tokens=1), owner="A") for i in range(7)]
     for gen in gens:

@@ -11,7 +11,8 @@ before it starts, so they share one prefill.
 
 Prefill is shared between owners (a generation's ``owner``: its client's address), not between
 requests: seven long prompts from one address count as one owner waiting, get one owner's share
-of the time between decode steps, and the owner that has had the least prefill goes next. What
+of the time between decode steps, and the owner that has had the least prefill (a prompt under way
+not counted against its own) goes next, the shortest prompt first among equals. What
 prefills at once is bounded in memory: at most PREFILL_TOKENS prompt tokens in prefill together
 (more wait in the queue) and PREFILL_FORWARD_TOKENS in one forward.
 """
@@ -318,10 +319,9 @@ class Scheduler:
         self.count()
 
     def chunks(self, plan: Plan) -> Iterator[Chunk]:
-        """The plan's prefill forwards, one at a time within its budget, the oldest job of the least-served
-        owner first, each sized from what the last one cost (the runner sets ``Chunk.spent`` before asking for
-        the next); jobs whose every prompt was cancelled end here, finished ones wait to join the batch
-        (``take_joining``)."""
+        """The plan's prefill forwards, one at a time within its budget, the job ``_next_job`` says first, each
+        sized from what the last one cost (the runner sets ``Chunk.spent`` before asking for the next); jobs
+        whose every prompt was cancelled end here, finished ones wait to join the batch (``take_joining``)."""
         step_s, target = plan.step_s, plan.target
         while not plan.over and self.jobs and plan.budget > 0 and plan.seconds > 0:
             job = self._next_job()
@@ -384,11 +384,14 @@ class Scheduler:
             plan.over = True
 
     def _next_job(self):
-        """The job of the owner that has had the least prefill (the oldest job among equals); background work
-        (a title) only when no answer's prompt waits for a chunk."""
-        def served(job: PrefillJob) -> tuple[bool, int]:
+        """The job of the owner that has had the least prefill, not counting this job's own progress, then the
+        one with the fewest tokens left, then the oldest; background work (a title) only when no answer's prompt
+        waits for a chunk. A prompt under way is not cut into turns with its equals' (which would give each of
+        them its first token only once all were done), and a short prompt passes a long one, whose owner's
+        prompts before it count against it."""
+        def served(job: PrefillJob) -> tuple[bool, int, int]:
             return (all(s.params.background for s in job.slots),
-                    min(self.spent.get(owner(s.gen), 0) for s in job.slots))
+                    min(self.spent.get(owner(s.gen), 0) for s in job.slots) - job.done, job.remaining * job.rows)
         return min(self.jobs, key=served)  # min keeps the first (oldest) of equals
 
     def take_joining(self) -> Iterator[PrefillJob]:
