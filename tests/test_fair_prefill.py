@@ -106,6 +106,33 @@ def test_prompts_under_way_are_finished_one_after_another_shortest_first(engine,
     assert sorted(sizes, key=lambda who: len(order) - order[::-1].index(who)) == ["Z", "X", "Y"], order
 
 
+def test_more_addresses_waiting_than_decoding_get_their_shares_rounded_up(engine, monkeypatch):
+    """Three addresses waiting for a first token beside two decoding get two shares of the time between decode
+    steps (3 / 2 rounded up), not one."""
+    from chat.engine.core import scheduler
+    shares: list[tuple[int, int]] = []  # (owners prefilling, share) of every plan with prompts in prefill
+    plan = scheduler.Scheduler.plan
+
+    def spy(self, rows, step_s, stopping):
+        made = plan(self, rows, step_s, stopping)
+        if self.jobs:
+            shares.append((len({scheduler.owner(s.gen) for job in self.jobs for s in job.slots}), made.share))
+        return made
+    monkeypatch.setattr(scheduler.Scheduler, "plan", spy)
+    bystanders = [engine.submit(ask(f"tell me story {i}"), GenParams(temperature=0, max_new_tokens=100_000),
+                                owner=f"B{i}") for i in range(2)]
+    for gen in bystanders:
+        first_delta(gen)
+    gens = [engine.submit(long_prompt(i, 300), GenParams(temperature=0.7, seed=i, max_new_tokens=1), owner=who)
+            for i, who in enumerate("XYZ")]
+    for gen in gens:
+        assert events_of(gen, 300)[-1].reason in ("length", "stop")
+    for gen in bystanders:
+        gen.cancel()
+        events_of(gen, 60)
+    assert (3, 2) in shares and (3, 1) not in shares, shares
+
+
 def test_prefill_memory_is_bounded(engine, forwards):
     gens = [engine.submit(long_prompt(i), GenParams(temperature=0, max_new_tokens=1), owner="A") for i in range(7)]
     for gen in gens:

@@ -174,8 +174,9 @@ class Scheduler:
         # A chunk per decode step bounds the running rows' stall; when more owners (addresses) wait
         # for a first token than decode, they get proportionally more (the stall then hurts fewer).
         # Owners, not requests: one address's seven prompts are one owner's share.
+        # (rounded up: 5 owners waiting beside 3 decoding get 2 shares, not 1)
         waiting = {owner(s.gen) for job in self.jobs for s in job.slots}
-        plan.share = max(1, len(waiting) // max(1, len({owner(s.gen) for s in rows})))
+        plan.share = max(1, -(-len(waiting) // max(1, len({owner(s.gen) for s in rows}))))
         plan.budget = self.settings.prefill_chunk * plan.share
         # The budget is also one of time: a chunk costs more the deeper its prompt (attention), so
         # its size follows the measured cost, to stall running rows at most ~STALL decode steps.
