@@ -229,7 +229,8 @@ class LocalEngine(Engine):
         if not queue.busy(batch.rows):
             if self.prefix.disk is not None:
                 self.prefix.disk.idle.set()  # its writes wait for a moment like this
-            if self.prefix.wanted and not queue.queued():
+            if self.prefix.wanted and not queue.queued() and not queue.arriving.value:
+                # (not while a submit fits its prompt: its first token would wait for this forward)
                 self._warm(*self.prefix.wanted.popitem()[0])
                 return
             if self.chores is not None and not queue.waiting:
