@@ -87,8 +87,11 @@ def test_prompts_under_way_are_finished_one_after_another_shortest_first(engine,
     order: list[str] = []  # the owner of every prefill chunk, in order
     ran = scheduler.Scheduler._ran
 
+    columns: dict[str, list[int]] = {}  # per owner: its chunks' columns, and its prompt's
+
     def spy(self, plan, chunk):
         order.append(chunk.job.slots[0].gen.owner)
+        columns.setdefault(order[-1], [0, chunk.job.tokens.shape[1]])[0] += chunk.columns
         ran(self, plan, chunk)
     monkeypatch.setattr(scheduler.Scheduler, "_ran", spy)
     bystander = engine.submit(ask("tell me a story"), GenParams(temperature=0, max_new_tokens=100_000), owner="B")
@@ -104,6 +107,7 @@ def test_prompts_under_way_are_finished_one_after_another_shortest_first(engine,
     runs = [who for i, who in enumerate(order) if i == 0 or order[i - 1] != who]
     assert len(order) > 12 and len(runs) <= 4, runs  # (round robin: a run a chunk)
     assert sorted(sizes, key=lambda who: len(order) - order[::-1].index(who)) == ["Z", "X", "Y"], order
+    assert all(chunked == prompt for chunked, prompt in columns.values()), columns  # no chunk past a prompt's end
 
 
 def test_more_addresses_waiting_than_decoding_get_their_shares_rounded_up(engine, monkeypatch):

@@ -359,7 +359,8 @@ class Scheduler:
                 # time, alone too): chunks cut by measured time would round it apart from its prefill alone, which
                 # sampling can amplify into another answer.
                 columns = min(job.remaining, self.settings.prefill_chunk)
-            chunk = Chunk(job, columns)
+            # (never past the prompt: the budget, the owner's share and the measured token cost count real columns)
+            chunk = Chunk(job, min(columns, job.remaining))
             yield chunk
             self._ran(plan, chunk)
 
